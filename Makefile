@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# Both create .venv on first use and install the pinned development environment; a stamp file makes a
+# second call in a warm tree skip the install.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Backends the test suite must exercise here: a backend that fails to build/import fails CI, not skips.
+REQUIRE ?= reference,cpu,triton
+
+.PHONY: run test test-slow bench verify clean
+
+$(STAMP): requirements-dev.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m qkvfuse verify
+	$(PY) -m qkvfuse bench --quick
+
+verify: $(STAMP)
+	$(PY) -m qkvfuse verify
+
+bench: $(STAMP)
+	$(PY) -m qkvfuse bench
+
+test: $(STAMP)
+	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) build .qkvfuse_build src/*.egg-info

@@ -1,0 +1,27 @@
+"""qkvfuse: verified fused operators for the attention-prepare and MoE stages of LLM inference.
+
+Public ops (see each docstring for shapes, dtypes and layouts):
+
+* :func:`split_qkv_rmsnorm_rope` / :func:`split_qkv_rmsnorm_rope_` -- split packed QKV, QK-RMSNorm, RoPE/mRoPE;
+* :func:`add_rmsnorm` -- fused residual add + RMSNorm (+ post-norm bias);
+* :func:`build_cos_sin_cache` -- the rotary table the fused op reads (its width is the rotary dim).
+
+The plain-PyTorch specification is :mod:`qkvfuse.reference`; published model shapes are in
+:mod:`qkvfuse.presets`.
+"""
+
+from .ops import add_rmsnorm, split_qkv_rmsnorm_rope, split_qkv_rmsnorm_rope_
+from .presets import PRESETS, ModelPreset, get_preset
+from .rope import build_cos_sin_cache
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "split_qkv_rmsnorm_rope",
+    "split_qkv_rmsnorm_rope_",
+    "add_rmsnorm",
+    "build_cos_sin_cache",
+    "PRESETS",
+    "ModelPreset",
+    "get_preset",
+]

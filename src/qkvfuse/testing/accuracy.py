@@ -1,0 +1,116 @@
+"""The accuracy rule: the single definition of every tolerance qkvfuse's checks use.
+
+A fused result is judged against the float64 oracle (which reads inputs and cos/sin *as stored*):
+
+1. **No worse than unfused**: ``max|out - oracle| <= max|unfused - oracle| + ulp(max|out|)``, where *unfused*
+   is the transformers-style path in the same dtype (a rounding after each op).
+2. **Elementwise**: every element within half an ulp of the oracle (in the output dtype, at the larger of
+   ``|out|`` and ``|oracle|``) plus an fp32 allowance of ``FP32_ALLOWANCE * max|oracle|`` over the head. Rule 1
+   alone would accept one extra intermediate rounding (unfused has several); this rule does not.
+3. **Finite where the oracle is finite**; NaN never passes. Pass-through data (V, ``residual_out``) must be
+   bit-exact.
+
+``INTERPRETER_BF16_ULPS`` is the one extra allowance that exists: Triton's CPU interpreter truncates
+fp32 -> bf16 stores instead of rounding to nearest even; kernels that round explicitly do not need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["FP32_ALLOWANCE", "AccuracyReport", "ulp", "check_split_outputs", "check_norm_outputs"]
+
+# fp32 arithmetic error allowed on top of the final rounding, relative to the head's largest magnitude:
+# covers reduction order and rsqrt differences between backends (a few fp32 ulps), far below one bf16/fp16 ulp.
+FP32_ALLOWANCE = 4e-6
+# Extra ulps of the output dtype tolerated for kernels run under TRITON_INTERPRET=1 (truncating bf16 stores).
+INTERPRETER_BF16_ULPS = 1.0
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Spacing of ``dtype`` numbers at ``|values|`` (float64 result), subnormals included."""
+    info = torch.finfo(dtype)
+    mag = values.abs().to(torch.float64).clamp_min(info.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * info.eps
+
+
+@dataclasses.dataclass
+class AccuracyReport:
+    """Outcome of one accuracy check (``ok`` plus the numbers a table prints)."""
+
+    ok: bool
+    max_err: float
+    unfused_err: float
+    detail: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _check_tensor(name: str, out: torch.Tensor, oracle: torch.Tensor, unfused: torch.Tensor, group: int,
+                  extra_ulps: float) -> AccuracyReport:
+    out64 = out.detach().to("cpu", torch.float64)
+    unf64 = unfused.detach().to("cpu", torch.float64)
+    if out64.shape != oracle.shape:
+        return AccuracyReport(False, float("nan"), float("nan"), f"{name}: shape {tuple(out64.shape)} != {tuple(oracle.shape)}")
+    if out64.numel() == 0:
+        return AccuracyReport(True, 0.0, 0.0)
+    finite = torch.isfinite(oracle)
+    bad = finite & ~torch.isfinite(out64)
+    if bad.any():
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        return AccuracyReport(False, float("inf"), float("nan"), f"{name}: non-finite output at {idx} ({out64[idx]})")
+    err = torch.where(finite, (out64 - oracle).abs(), torch.zeros_like(oracle))
+    unf_err = torch.where(finite, (unf64 - oracle).abs(), torch.zeros_like(oracle))
+    max_err, max_unf = float(err.max()), float(unf_err.nan_to_num(float("inf")).max())
+    dtype = out.dtype
+    rows = oracle.shape[0]
+    head_max = oracle.nan_to_num(0.0).abs().reshape(rows, -1, group).amax(-1, keepdim=True)
+    head_max = head_max.expand(rows, oracle.shape[1] // group, group).reshape(oracle.shape)
+    half_ulp = 0.5 * torch.maximum(ulp(out64.nan_to_num(0.0), dtype), ulp(oracle.nan_to_num(0.0), dtype))
+    bound = half_ulp * (1.0 + 2.0 * extra_ulps) + FP32_ALLOWANCE * head_max
+    over = err > bound
+    if over.any():
+        idx = tuple(int(i) for i in over.nonzero()[0])
+        return AccuracyReport(False, max_err, max_unf,
+                              f"{name}: element {idx} = {float(out64[idx]):.9g}, oracle {float(oracle[idx]):.9g}, "
+                              f"error {float(err[idx]):.3g} > bound {float(bound[idx]):.3g} (half ulp + fp32 allowance)")
+    rule1 = max_unf + float(ulp(out64.abs().max().reshape(1), dtype)[0])
+    if max_err > rule1:
+        return AccuracyReport(False, max_err, max_unf,
+                              f"{name}: max error {max_err:.3g} exceeds unfused error {max_unf:.3g} + 1 ulp")
+    return AccuracyReport(True, max_err, max_unf)
+
+
+def _merge(reports: Dict[str, AccuracyReport]) -> AccuracyReport:
+    failed = [r.detail for r in reports.values() if not r.ok]
+    return AccuracyReport(not failed, max(r.max_err for r in reports.values()),
+                          max(r.unfused_err for r in reports.values()), "; ".join(failed))
+
+
+def check_split_outputs(outs, oracle, unfused, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                        head_dim: int, extra_ulps: float = 0.0) -> AccuracyReport:
+    """Apply the accuracy rule to ``(q, k, v)`` of ``split_qkv_rmsnorm_rope``; V must be bit-exact."""
+    q, k, v = outs
+    reports = {
+        "q": _check_tensor("q", q, oracle[0], unfused[0], head_dim, extra_ulps),
+        "k": _check_tensor("k", k, oracle[1], unfused[1], head_dim, extra_ulps),
+    }
+    v_in = qkv[:, (num_q_heads + num_kv_heads) * head_dim :]
+    v_ok = v.shape == v_in.shape and torch.equal(v.cpu(), v_in.cpu())
+    reports["v"] = AccuracyReport(v_ok, 0.0 if v_ok else float("inf"), 0.0, "" if v_ok else "v: not a bit-exact copy")
+    return _merge(reports)
+
+
+def check_norm_outputs(outs, oracle_y, unfused, x: torch.Tensor, residual: Optional[torch.Tensor],
+                       extra_ulps: float = 0.0) -> AccuracyReport:
+    """Apply the accuracy rule to ``(y, residual_out)`` of ``add_rmsnorm``; residual_out must be bit-exact."""
+    y, residual_out = outs
+    reports = {"y": _check_tensor("y", y, oracle_y, unfused[0], x.shape[1] if x.numel() else 1, extra_ulps)}
+    expected = (x + residual) if residual is not None else x
+    r_ok = residual_out.shape == expected.shape and torch.equal(residual_out.cpu(), expected.cpu())
+    reports["residual_out"] = AccuracyReport(r_ok, 0.0, 0.0, "" if r_ok else "residual_out: not bit-exact with x + residual")
+    return _merge(reports)

@@ -1,0 +1,115 @@
+"""Random inputs for one configuration, and NaN-poisoned output buffers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from ..presets import ModelPreset
+from ..rope import build_cos_sin_cache
+
+__all__ = ["SplitCase", "make_split_inputs", "make_norm_inputs", "poisoned_like"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitCase:
+    """One configuration of ``split_qkv_rmsnorm_rope`` (what a parametrised test or a verify row runs)."""
+
+    T: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    norm: bool = True
+    bias: bool = False
+    is_neox: bool = True
+    mrope_section: Optional[Tuple[int, int, int]] = None
+    mrope_interleaved: bool = False
+    image: bool = True  # with mRoPE: rows differ (image tokens); False: equal rows (text / decode)
+    pos_dtype: torch.dtype = torch.int64
+    cache_dtype: torch.dtype = torch.float32
+    weight_dtype: Optional[torch.dtype] = None  # None: fp32
+    row_pad: int = 0  # extra elements per qkv row (strided rows)
+    max_position: int = 4096
+    eps: float = 1e-6
+
+    @classmethod
+    def from_preset(cls, preset: ModelPreset, T: int, **changes) -> "SplitCase":
+        fields = dict(num_q_heads=preset.num_q_heads, num_kv_heads=preset.num_kv_heads, head_dim=preset.head_dim,
+                      rotary_dim=preset.rotary_dim, norm=preset.qk_norm, is_neox=preset.is_neox,
+                      mrope_section=preset.mrope_section, mrope_interleaved=preset.mrope_interleaved,
+                      eps=preset.rms_norm_eps)
+        fields.update(changes)
+        return cls(T=T, **fields)
+
+    @property
+    def width(self) -> int:
+        return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+def make_split_inputs(case: SplitCase, seed: int = 0, device="cpu") -> Dict[str, object]:
+    """Keyword arguments for ``split_qkv_rmsnorm_rope(**kwargs)`` (and the oracle) for ``case``.
+
+    Inputs have a spread of magnitudes per head (so a norm bug shows), weights near 1 with noise, positions
+    spread over the table; with mRoPE and ``image=True`` the three rows differ as for image tokens.
+    """
+    g = torch.Generator().manual_seed(seed)
+    T, W = case.T, case.width
+    scale = torch.exp(torch.randn(T, W // case.head_dim, 1, generator=g))  # per-head magnitude spread
+    base = (torch.randn(T, W // case.head_dim, case.head_dim, generator=g) * scale).reshape(T, W)
+    buf = torch.full((T, W + case.row_pad), float("nan"))
+    buf[:, :W] = base
+    qkv = buf.to(case.dtype)[:, :W]
+    maxp = case.max_position
+    if case.mrope_section is None:
+        positions = torch.randint(0, maxp, (T,), generator=g)
+    elif case.image:
+        start = torch.randint(0, maxp // 2, (1,), generator=g)
+        positions = torch.stack([
+            start.expand(T),  # temporal
+            start + torch.randint(0, maxp // 2, (T,), generator=g),  # height
+            start + torch.randint(0, maxp // 2, (T,), generator=g),  # width
+        ])
+    else:
+        positions = torch.randint(0, maxp, (T,), generator=g).expand(3, T)
+    cache = build_cos_sin_cache(case.rotary_dim, maxp, 1e4, dtype=case.cache_dtype)
+    wdtype = case.weight_dtype or torch.float32
+    kwargs: Dict[str, object] = dict(
+        qkv=qkv.to(device), positions=positions.to(case.pos_dtype).to(device), cos_sin_cache=cache.to(device),
+        num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+        eps=case.eps, is_neox=case.is_neox, mrope_section=case.mrope_section,
+        mrope_interleaved=case.mrope_interleaved,
+    )
+    if case.norm:
+        for name in ("q_weight", "k_weight"):
+            kwargs[name] = (1.0 + 0.2 * torch.randn(case.head_dim, generator=g)).to(wdtype).to(device)
+        if case.bias:
+            for name in ("q_bias", "k_bias"):
+                kwargs[name] = (0.1 * torch.randn(case.head_dim, generator=g)).to(wdtype).to(device)
+    return kwargs
+
+
+def make_norm_inputs(T: int, H: int, dtype: torch.dtype, residual: bool = True, bias: bool = False,
+                     seed: int = 0, row_pad: int = 0, device="cpu") -> Dict[str, object]:
+    """Keyword arguments for ``add_rmsnorm(**kwargs)`` (and its oracle)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(scale):
+        buf = torch.full((T, H + row_pad), float("nan"))
+        buf[:, :H] = torch.randn(T, H, generator=g) * scale
+        return buf.to(dtype)[:, :H].to(device)
+
+    kwargs: Dict[str, object] = dict(x=rows(1.0), residual=rows(3.0) if residual else None,
+                                     weight=(1.0 + 0.2 * torch.randn(H, generator=g)).to(device), eps=1e-6)
+    if bias:
+        kwargs["bias"] = (0.1 * torch.randn(H, generator=g)).to(device)
+    return kwargs
+
+
+def poisoned_like(t: torch.Tensor, row_pad: int = 0) -> torch.Tensor:
+    """A NaN-filled tensor of ``t``'s shape and dtype (optionally with a wider row stride), never zeros."""
+    T, W = t.shape
+    return torch.full((T, W + row_pad), float("nan"), dtype=t.dtype, device=t.device)[:, :W]

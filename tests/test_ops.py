@@ -1,0 +1,155 @@
+"""The shared conformance suite: every backend against the float64 oracle under the accuracy rule.
+
+Outputs are NaN-poisoned before each call and every element is checked (``qkvfuse.testing.accuracy``).
+Shapes stay small so the Triton interpreter runs the same matrix in CI.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+import qkvfuse
+from qkvfuse.testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
+                             make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
+                             unfused_add_rmsnorm, unfused_split)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def mrope_sections(rotary_dim: int):
+    half = rotary_dim // 2
+    s_hw = half * 5 // 16
+    return (half - 2 * s_hw, s_hw, s_hw)
+
+
+def _matrix():
+    """A covering matrix: every value of every axis appears, crossed over the axes that interact."""
+    cases = []
+    geometry = [(64, 4, 4), (80, 2, 1), (96, 6, 2), (128, 4, 1), (256, 2, 2)]  # head_dim, Hq, Hkv
+    cycle = itertools.count()
+    for (D, hq, hkv), r_kind, mode, is_neox in itertools.product(geometry, ("full", "half", "32"),
+                                                                 ("rope", "mrope", "mrope_interleaved"),
+                                                                 (True, False)):
+        i = next(cycle)
+        R = {"full": D, "half": D // 2, "32": 32}[r_kind]
+        section = None if mode == "rope" else mrope_sections(R)
+        cases.append(SplitCase(
+            T=(0, 1, 7, 64)[i % 4] if i % 9 else 5, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=R,
+            dtype=DTYPES[i % 3], norm=(i % 5) != 0, bias=(i % 5) in (2, 4), is_neox=is_neox,
+            mrope_section=section, mrope_interleaved=mode == "mrope_interleaved", image=(i % 7) != 0,
+            pos_dtype=(torch.int64, torch.int32)[i % 2], cache_dtype=(torch.float32, torch.bfloat16)[(i // 3) % 2],
+            weight_dtype=(None, "io")[(i // 2) % 2], row_pad=(0, 16)[(i // 4) % 2],
+        ))
+    return cases
+
+
+def _resolve(case: SplitCase) -> SplitCase:
+    import dataclasses
+    return dataclasses.replace(case, weight_dtype=case.dtype) if case.weight_dtype == "io" else case
+
+
+CASES = [_resolve(c) for c in _matrix()]
+
+
+def _id(c: SplitCase) -> str:
+    mode = "rope" if c.mrope_section is None else ("mropeI" if c.mrope_interleaved else "mropeC")
+    return (f"T{c.T}-h{c.num_q_heads}x{c.num_kv_heads}-D{c.head_dim}-R{c.rotary_dim}-{mode}"
+            f"{'-img' if c.mrope_section and c.image else ''}-{'neox' if c.is_neox else 'gptj'}"
+            f"-{str(c.dtype)[6:]}{'-norm' if c.norm else ''}{'-bias' if c.bias else ''}"
+            f"-{str(c.pos_dtype)[6:]}-cache{str(c.cache_dtype)[6:]}{'-strided' if c.row_pad else ''}")
+
+
+def extra_ulps(backend: str, dtype: torch.dtype) -> float:
+    """Triton's CPU interpreter truncates bf16 stores (see qkvfuse.testing.accuracy)."""
+    from qkvfuse.testing.accuracy import INTERPRETER_BF16_ULPS
+    return INTERPRETER_BF16_ULPS if backend == "triton" and dtype == torch.bfloat16 else 0.0
+
+
+def run_split_case(backend: str, case: SplitCase, seed: int = 0):
+    kwargs = make_split_inputs(case, seed=seed)
+    qkv = kwargs["qkv"]
+    snapshot = qkv.clone()
+    oracle = oracle_split(**kwargs)
+    unfused = unfused_split(**kwargs)
+    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
+    T = case.T
+    out = (poisoned_like(torch.empty(T, hq * D, dtype=case.dtype), case.row_pad),
+           poisoned_like(torch.empty(T, hkv * D, dtype=case.dtype), case.row_pad),
+           poisoned_like(torch.empty(T, hkv * D, dtype=case.dtype)))
+    result = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
+    assert all(r is o for r, o in zip(result, out))
+    assert torch.equal(qkv, snapshot) or case.dtype != qkv.dtype, "input modified"
+    report = check_split_outputs(result, oracle, unfused, qkv, hq, hkv, D, extra_ulps(backend, case.dtype))
+    assert report.ok, report.detail
+    return kwargs, result
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_split_matches_oracle(backend, case):
+    kwargs, result = run_split_case(backend, case)
+    # The functional form allocates its own outputs and must give the same bits.
+    fresh = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+    for a, b in zip(result, fresh):
+        assert torch.equal(a, b)
+    assert all(t.is_contiguous() for t in fresh)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.T in (7, 64)][:12], ids=_id)
+def test_split_inplace_matches_out_of_place(backend, case):
+    kwargs = make_split_inputs(case)
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+    qkv = kwargs.pop("qkv").clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend=backend)
+    for view, exp in zip(views, expected):
+        assert view.data_ptr() >= qkv.data_ptr()
+        assert torch.equal(view, exp)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.T == 64][:6], ids=_id)
+def test_split_batch_invariant(backend, case):
+    """A token's output bits do not depend on T or on the other tokens in the batch."""
+    kwargs = make_split_inputs(case)
+    full = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+    for lo, hi in ((0, 1), (13, 14), (5, 38)):
+        part = dict(kwargs, qkv=kwargs["qkv"][lo:hi], positions=kwargs["positions"][..., lo:hi])
+        sub = qkvfuse.split_qkv_rmsnorm_rope(**part, backend=backend)
+        for a, b in zip(full, sub):
+            assert torch.equal(a[lo:hi], b)
+
+
+NORM_CASES = [
+    (T, H, dtype, residual, bias, pad)
+    for (T, H), dtype, (residual, bias, pad) in itertools.product(
+        [(0, 64), (1, 64), (7, 80), (33, 4096), (5, 5120), (3, 1)], DTYPES,
+        [(True, False, 0), (True, True, 8), (False, False, 0), (False, True, 4)])
+]
+
+
+@pytest.mark.parametrize("T,H,dtype,residual,bias,pad", NORM_CASES)
+def test_add_rmsnorm_matches_oracle(backend, T, H, dtype, residual, bias, pad):
+    kwargs = make_norm_inputs(T, H, dtype, residual=residual, bias=bias, row_pad=pad)
+    x = kwargs["x"]
+    out = (poisoned_like(x, pad), poisoned_like(x, pad))
+    y, res_out = qkvfuse.add_rmsnorm(**kwargs, out=out, backend=backend)
+    assert y is out[0]
+    if not residual:
+        assert res_out is x
+    oracle = oracle_add_rmsnorm(**kwargs)
+    unfused = unfused_add_rmsnorm(**kwargs)
+    report = check_norm_outputs((y, res_out), oracle, unfused, x, kwargs["residual"], extra_ulps(backend, dtype))
+    assert report.ok, report.detail
+    fresh = qkvfuse.add_rmsnorm(**kwargs, backend=backend)
+    assert torch.equal(fresh[0], y) and torch.equal(fresh[1], res_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_in_place(backend, dtype):
+    """``y`` may alias ``x`` and ``residual_out`` may alias ``residual`` (the engine in-place form)."""
+    kwargs = make_norm_inputs(9, 256, dtype, residual=True, bias=True)
+    expected = qkvfuse.add_rmsnorm(**kwargs, backend=backend)
+    x, residual = kwargs["x"].clone(), kwargs["residual"].clone()
+    y, res_out = qkvfuse.add_rmsnorm(x, residual, kwargs["weight"], kwargs["eps"], bias=kwargs["bias"],
+                                     out=(x, residual), backend=backend)
+    assert y is x and res_out is residual
+    assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
