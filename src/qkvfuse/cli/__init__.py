@@ -1,0 +1,37 @@
+"""``python -m qkvfuse {verify,bench}``: check and measure qkvfuse on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="qkvfuse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    verify = sub.add_parser("verify", help="verify every backend against the float64 oracle (non-zero exit on failure)")
+    verify.add_argument("--quick", action="store_true", help="fewer rows (CI-sized)")
+    verify.add_argument("--backend", action="append", help="only these backends (repeatable)")
+    verify.add_argument("--section", action="append", help="only these sections (repeatable): ops, models, failure-modes")
+    verify.add_argument("--json", help="also write the rows as JSON to this path")
+    bench = sub.add_parser("bench", help="benchmark the fused ops against eager, torch.compile and a copy roofline")
+    bench.add_argument("--quick", action="store_true", help="a short run (used by `make run`)")
+    bench.add_argument("--json", help="write the table as JSON to this path")
+    bench.add_argument("--plot", help="write a PNG chart to this path")
+    bench.add_argument("--preset", action="append", help="only these presets (repeatable)")
+    bench.add_argument("--dtype", action="append", choices=["bf16", "fp32", "fp16"], help="only these dtypes")
+    bench.add_argument("--tokens", action="append", type=int, help="only these token counts")
+    bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    args = parser.parse_args(argv)
+    if args.command == "verify":
+        from .verify import run_verify
+
+        return run_verify(args)
+    from ..benchmarks import run_bench
+
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
