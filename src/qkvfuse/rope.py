@@ -59,6 +59,9 @@ def compute_inv_freq(
         return inv_freq, 1.0
 
     factor = params.get("factor")
+    if factor is None and rope_type == "yarn" and params.get("original_max_position_embeddings") and max_position:
+        # transformers' DeepSeek-V3 convention: the factor is the context extension ratio.
+        factor = max_position / params["original_max_position_embeddings"]
     if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
         raise ValueError(f"rope_scaling: rope_type {rope_type!r} needs a positive 'factor', got {factor!r}")
     factor = float(factor)
