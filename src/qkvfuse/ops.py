@@ -151,7 +151,8 @@ def _check_vector(arg: str, t, length: int, device: torch.device, dtypes: Tuple[
 
 
 def _check_eps(eps) -> float:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    # A chained comparison rather than math.isfinite: it also traces under torch.compile(dynamic=True).
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
         _fail("eps", repr(eps), "a finite number >= 0", TypeError if not isinstance(eps, (int, float)) else ValueError)
     return float(eps)
 
