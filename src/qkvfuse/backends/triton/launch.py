@@ -1,0 +1,163 @@
+"""Launchers: the reference signatures of :mod:`qkvfuse.reference`, running the kernels of :mod:`.kernels`.
+
+A launcher does host arithmetic on shapes and strides and one kernel launch: no host synchronisation, no
+allocation, no loop over heads, so it is safe under CUDA-graph capture and inside ``torch.compile`` (where
+it runs behind the opaque ``torch.ops.qkvfuse`` op).
+
+Block sizes on a device depend on the head geometry only, never on T: a new batch size reuses the compiled
+kernel (T is also excluded from Triton's integer specialisation). Under the CPU interpreter nothing is
+compiled, so there the token block follows T to keep the number of (slow, Python-level) programs small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Optional, Sequence
+
+import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
+
+from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
+
+__all__ = ["INTERPRET", "split_config", "norm_config", "split_qkv_rmsnorm_rope_out", "add_rmsnorm_out"]
+
+# Kernels were decorated under TRITON_INTERPRET=1 (decided by triton when this module was imported).
+INTERPRET = isinstance(split_qkv_rmsnorm_rope_kernel, InterpretedFunction)
+
+# Elements of fp32 work per program on a device (several heads of one token): large enough that each program
+# moves a few KiB, small enough that a decode batch of a few tokens still spreads over several programs.
+# bench/gpu_check.py --full sweeps it.
+GPU_TILE = 2048
+# Under the interpreter each program costs Python overhead per operation: few, large programs.
+INTERPRETER_TILE = 1 << 15
+# Widest add_rmsnorm row held in one tile on a device; wider rows take two passes over chunks.
+GPU_MAX_ROW = 8192
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def _num_warps(tile_elements: int) -> int:
+    return max(1, min(8, tile_elements // 256))
+
+
+def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, interpret: Optional[bool] = None,
+                 tile: Optional[int] = None) -> Dict[str, int]:
+    """Block sizes (constexprs) and ``num_warps`` of the split kernel; ``T`` is used only when ``interpret``."""
+    interpret = INTERPRET if interpret is None else interpret
+    tile = tile or (INTERPRETER_TILE if interpret else GPU_TILE)
+    block_d = _pow2(head_dim)
+    heads_cap = max(1, tile // block_d)
+    q_heads = min(_pow2(num_q_heads), heads_cap)
+    kv_heads = min(_pow2(num_kv_heads), heads_cap)
+    block_t = max(1, tile // (q_heads * block_d))
+    if interpret:
+        block_t = min(block_t, _pow2(T))
+    return dict(BLOCK_D=block_d, BLOCK_T=block_t, Q_HEADS=q_heads, KV_HEADS=kv_heads, V_BLOCK=kv_heads * block_d,
+                num_warps=_num_warps(block_t * q_heads * block_d))
+
+
+def norm_config(T: int, H: int, interpret: Optional[bool] = None, tile: Optional[int] = None) -> Dict[str, int]:
+    """Block sizes (constexprs) and ``num_warps`` of the add_rmsnorm kernel; ``T`` used only when ``interpret``."""
+    interpret = INTERPRET if interpret is None else interpret
+    tile = tile or (INTERPRETER_TILE if interpret else GPU_TILE)
+    max_row = INTERPRETER_TILE if interpret else GPU_MAX_ROW
+    block_h = _pow2(H)
+    single = block_h <= max_row
+    if not single:
+        block_h = max_row // 2
+    block_t = max(1, tile // block_h) if single else 1
+    if interpret:
+        block_t = min(block_t, _pow2(T))
+    return dict(BLOCK_T=block_t, BLOCK_H=block_h, SINGLE_TILE=single, num_warps=_num_warps(block_t * block_h))
+
+
+def _on_device(t: torch.Tensor):
+    """Make ``t``'s device current for the launch (Triton launches on the current device)."""
+    if t.device.type == "cpu" or t.device.index is None:
+        return contextlib.nullcontext()
+    module = torch.get_device_module(t.device)
+    if module.current_device() == t.device.index:
+        return contextlib.nullcontext()
+    return module.device(t.device)
+
+
+def split_qkv_rmsnorm_rope_out(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    q_weight: Optional[torch.Tensor],
+    k_weight: Optional[torch.Tensor],
+    q_bias: Optional[torch.Tensor],
+    k_bias: Optional[torch.Tensor],
+    eps: float,
+    is_neox: bool,
+    mrope_section: Sequence[int],
+    mrope_interleaved: bool,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+) -> None:
+    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (reference signature, validated input).
+
+    Positions outside ``[0, cos_sin_cache.shape[0])`` are clamped inside the kernel (the public range check is
+    skipped under graph capture and ``torch.compile``). Outputs may exactly alias their own slice of ``qkv``.
+    """
+    T = qkv.shape[0]
+    if T == 0:
+        return
+    cfg = split_config(T, num_q_heads, num_kv_heads, head_dim)
+    width_qk = (num_q_heads + num_kv_heads) * head_dim
+    # v_out being qkv's own V slice (the in-place form) makes the copy a no-op: launch no V blocks.
+    v_in_place = v_out.data_ptr() == qkv.data_ptr() + width_qk * qkv.element_size() and (
+        v_out.shape[0] < 2 or v_out.stride(0) == qkv.stride(0))
+    v_blocks = 0 if v_in_place else triton.cdiv(num_kv_heads * head_dim, cfg["V_BLOCK"])
+    grid = (triton.cdiv(T, cfg["BLOCK_T"]),
+            triton.cdiv(num_q_heads, cfg["Q_HEADS"]) + triton.cdiv(num_kv_heads, cfg["KV_HEADS"]) + v_blocks)
+    mrope = bool(mrope_section)
+    s_t, s_h, s_w = mrope_section if mrope else (0, 0, 0)
+    pos_stride_axis, pos_stride_tok = (positions.stride(0), positions.stride(1)) if mrope else (0, positions.stride(0))
+    norm = q_weight is not None
+    # Absent weights/biases are never read (constexpr flags); any pointer of the right device fills the slot.
+    q_w, k_w = (q_weight, k_weight) if norm else (qkv, qkv)
+    q_b = q_bias if q_bias is not None else q_w
+    k_b = k_bias if k_bias is not None else k_w
+    with _on_device(qkv):
+        split_qkv_rmsnorm_rope_kernel[grid](
+            qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out,
+            T, num_q_heads, num_kv_heads, float(eps), cos_sin_cache.shape[0], s_t, s_h, s_w,
+            qkv.stride(0), pos_stride_axis, pos_stride_tok, cos_sin_cache.stride(0),
+            q_out.stride(0), k_out.stride(0), v_out.stride(0),
+            HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
+            K_BIAS=k_bias is not None,
+            IS_NEOX=bool(is_neox), MROPE=mrope, MROPE_INTERLEAVED=bool(mrope_interleaved), **cfg,
+        )
+
+
+def add_rmsnorm_out(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    y_out: torch.Tensor,
+    residual_out: Optional[torch.Tensor],
+) -> None:
+    """Triton ``add_rmsnorm`` into ``y_out`` (and ``residual_out`` with a residual); reference signature."""
+    T, H = x.shape
+    if T == 0:
+        return
+    cfg = norm_config(T, H)
+    has_res = residual is not None
+    res, res_out = (residual, residual_out) if has_res else (x, y_out)
+    with _on_device(x):
+        add_rmsnorm_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+            x, res, weight, bias if bias is not None else weight, y_out, res_out, T, H, float(eps),
+            x.stride(0), res.stride(0), y_out.stride(0), res_out.stride(0),
+            HAS_RESIDUAL=has_res, HAS_BIAS=bias is not None, **cfg,
+        )
