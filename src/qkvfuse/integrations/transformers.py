@@ -1,0 +1,493 @@
+"""Patch a Hugging Face transformers model to run qkvfuse's fused attention-prepare and add+RMSNorm.
+
+:func:`apply_qkvfuse` rewrites, in place, every attention layer of the text decoder to do one QKV GEMM and one
+:func:`qkvfuse.split_qkv_rmsnorm_rope_` call, and every decoder layer to fuse the residual add after attention
+with the post-attention RMSNorm (:func:`qkvfuse.add_rmsnorm`). :func:`remove_qkvfuse` undoes it exactly.
+
+Where the positions come from. transformers computes the positions once per forward and hands them to the text
+model's rotary-embedding module; the attention layers only receive the resulting cos/sin. For Qwen3-VL and
+GLM-4.5V the decoder layers are passed *text* positions (row 0 of a ``[4, B, T]`` tensor) or None, while the
+``[3, B, T]`` temporal/height/width positions reach only the rotary module. So the patch wraps that module's
+``forward`` to capture the ids it is given, and the patched attention reads them from there: the height/width
+rows of image tokens cannot be dropped, and decode steps get whatever transformers computed
+(``cache_len + rope_delta`` for Qwen3-VL). A forward hook on the text model clears the captured ids after each
+forward, so a stale capture can never be used. The same code path serves prefill, decode with a KV cache and
+padded batches: nothing branches on the forward mode.
+
+The rotary table is built once per model and device by :func:`qkvfuse.build_cos_sin_cache` from the config's
+``rope_parameters`` (theta, scaling, partial rotary factor) with ``max_position_embeddings`` rows, in fp32,
+and checked at patch time against the inverse frequencies and attention scaling of the model's own rotary
+module; the mRoPE sections are the rotary module's own (transformers' default when the config omits them).
+Qwen3-VL is always interleaved: transformers never reads ``mrope_interleaved``.
+
+Weights. q/k/v projection weights (and biases) are concatenated once, at patch time, and each projection's
+parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
+views are broken later (``model.to(...)``, a parameter replaced), the next forward re-concatenates.
+
+The patched model is for inference: the fused ops have no autograd formula.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+import types
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..backends import resolve_backend
+from ..rope import build_cos_sin_cache, compute_inv_freq
+
+__all__ = ["apply_qkvfuse", "remove_qkvfuse", "SUPPORTED_MODELS", "is_patched"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """How one model family is laid out: the classes the patch expects, and its rotary layout."""
+
+    text_model: str  # the decoder stack: has ``rotary_emb`` and ``layers``
+    decoder_layer: str
+    attention: str
+    mrope_interleaved: Optional[bool] = None  # None: plain RoPE; True: Qwen3-VL; False: contiguous sections
+
+
+_QWEN3 = _Family("Qwen3Model", "Qwen3DecoderLayer", "Qwen3Attention")
+_QWEN3_MOE = _Family("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention")
+_QWEN3_VL = _Family("Qwen3VLTextModel", "Qwen3VLTextDecoderLayer", "Qwen3VLTextAttention", mrope_interleaved=True)
+_GLM4_MOE = _Family("Glm4MoeModel", "Glm4MoeDecoderLayer", "Glm4MoeAttention")
+_GLM4V_MOE = _Family("Glm4vMoeTextModel", "Glm4vMoeTextDecoderLayer", "Glm4vMoeTextAttention",
+                     mrope_interleaved=False)
+
+# The one list of supported model classes (transformers class name -> family).
+SUPPORTED_MODELS: Dict[str, _Family] = {
+    "Qwen3ForCausalLM": _QWEN3, "Qwen3Model": _QWEN3,
+    "Qwen3MoeForCausalLM": _QWEN3_MOE, "Qwen3MoeModel": _QWEN3_MOE,
+    "Qwen3VLForConditionalGeneration": _QWEN3_VL, "Qwen3VLModel": _QWEN3_VL, "Qwen3VLTextModel": _QWEN3_VL,
+    "Glm4MoeForCausalLM": _GLM4_MOE, "Glm4MoeModel": _GLM4_MOE,
+    "Glm4vMoeForConditionalGeneration": _GLM4V_MOE, "Glm4vMoeModel": _GLM4V_MOE,
+    "Glm4vMoeTextModel": _GLM4V_MOE,
+}
+# MoE blocks with a shared expert that qkvfuse.moe.glm4 can overlap (issue 6).
+_SHARED_EXPERT_MOE = ("Glm4MoeMoE",)
+_OVERLAP_ENV = "QKVFUSE_SHARED_EXPERT_OVERLAP"
+_FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Positions and the rotary table (one per text model).
+# --------------------------------------------------------------------------------------------------------
+class _Rope:
+    """Positions captured from the text model's rotary module, and the cos/sin table the fused op reads."""
+
+    def __init__(self, rotary: nn.Module, mrope_interleaved: Optional[bool]):
+        config = rotary.config
+        params = dict(config.rope_parameters)
+        self.theta = float(params["rope_theta"])
+        self.rope_parameters = params
+        self.max_position = int(config.max_position_embeddings)
+        # The width the model itself rotates (Qwen3 ignores partial_rotary_factor, GLM applies it).
+        self.rotary_dim = 2 * rotary.original_inv_freq.numel()
+        self.mrope_section: Optional[Tuple[int, int, int]] = None
+        self.mrope_interleaved = bool(mrope_interleaved)
+        if mrope_interleaved is not None:
+            self.mrope_section = tuple(int(s) for s in rotary.mrope_section)
+        self._check_against(rotary)
+        self.captured: Optional[torch.Tensor] = None
+        self._tables: Dict[torch.device, torch.Tensor] = {}
+
+    def _check_against(self, rotary: nn.Module) -> None:
+        try:
+            inv_freq, scale = compute_inv_freq(self.rotary_dim, self.theta, self.rope_parameters, self.max_position)
+        except ValueError as exc:
+            raise NotImplementedError(f"apply_qkvfuse: the model's rope_parameters are not supported: {exc}") from None
+        model_inv_freq = rotary.original_inv_freq.detach().to("cpu", torch.float32)
+        model_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        if not torch.allclose(inv_freq, model_inv_freq, rtol=1e-6, atol=0) or abs(scale - model_scale) > 1e-6 * abs(model_scale):
+            raise NotImplementedError(
+                f"apply_qkvfuse: the rotary table built from rope_parameters={self.rope_parameters} does not match "
+                f"the model's rotary embedding ({type(rotary).__name__}); refusing to patch")
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        """``[max_position, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use)."""
+        table = self._tables.get(device)
+        if table is None:
+            table = build_cos_sin_cache(self.rotary_dim, self.max_position, self.theta, self.rope_parameters,
+                                        dtype=torch.float32, device=device)
+            self._tables[device] = table
+        return table
+
+
+def _flat_positions(captured: Optional[torch.Tensor], batch: int, seq: int, mrope: bool) -> torch.Tensor:
+    """The captured rotary ids as the fused op's ``positions``: ``[B*T]`` (RoPE) or ``[3, B*T]`` (mRoPE).
+
+    transformers may hand the rotary module ``[1, T]`` for a batch of B (Qwen3 without explicit ids) or
+    ``[B, T]`` text ids to a multimodal model; both are broadcast as the rotary module itself does.
+    """
+    if captured is None:
+        raise RuntimeError(
+            "qkvfuse: no positions were captured from the rotary embedding in this forward; a patched attention "
+            "layer must be run through its text model's forward (which computes the positions)")
+    if captured.shape[-1] != seq:
+        raise RuntimeError(f"qkvfuse: captured positions of shape {tuple(captured.shape)} do not match the "
+                           f"hidden states (batch {batch}, {seq} tokens)")
+    if mrope:
+        return captured.expand(3, batch, seq).reshape(3, batch * seq)
+    return captured.expand(batch, seq).reshape(batch * seq)
+
+
+def _capturing_rotary_forward(rope: _Rope):
+    def forward(self, x, position_ids, *args, **kwargs):
+        rope.captured = position_ids
+        return type(self).forward(self, x, position_ids, *args, **kwargs)
+
+    return forward
+
+
+# --------------------------------------------------------------------------------------------------------
+# The patched attention.
+# --------------------------------------------------------------------------------------------------------
+def _is_plain_linear(module) -> bool:
+    # Quantised layers often subclass nn.Linear and keep packed weights: only the exact class is safe to fuse.
+    return type(module) is nn.Linear
+
+
+class _FusedAttention:
+    """Per-attention-layer state: geometry, the concatenated QKV parameters, and the norm weights' owners."""
+
+    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str]):
+        config = attn.config
+        self.rope = rope
+        self.backend = backend
+        self.num_q_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)
+        self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        widths = (self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                  self.num_kv_heads * self.head_dim)
+        for name, proj, width in zip(("q_proj", "k_proj", "v_proj"), self.projections, widths):
+            if proj.out_features != width:
+                raise ValueError(f"apply_qkvfuse: {name}.out_features = {proj.out_features}, expected {width} "
+                                 f"from the config's heads x head_dim")
+        self.widths = widths
+        # QK-norm: Qwen3 always, GLM-4.x when use_qk_norm (off for 4.5-Air), GLM-4.5V never.
+        self.qk_norm = hasattr(attn, "q_norm") and getattr(attn, "use_qk_norm", True)
+        self.eps = float(attn.q_norm.variance_epsilon) if self.qk_norm else 1e-6
+        self.sliding_window = "sliding_window" in vars(attn)  # Qwen3 passes it to the attention interface
+        self.eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward")
+        self.weight: Optional[torch.Tensor] = None
+        self.bias: Optional[torch.Tensor] = None
+        self.fuse()
+
+    def fuse(self) -> None:
+        """Concatenate q/k/v weights (and biases) and make each projection's parameters views into them."""
+        with torch.no_grad():
+            self.weight = torch.cat([p.weight.detach() for p in self.projections], dim=0)
+            for proj, view in zip(self.projections, self.weight.split(self.widths, dim=0)):
+                proj.weight.data = view
+            if all(p.bias is None for p in self.projections):
+                self.bias = None
+                return
+            self.bias = torch.cat([p.bias.detach() if p.bias is not None else self.weight.new_zeros(w)
+                                   for p, w in zip(self.projections, self.widths)])
+            for proj, view in zip(self.projections, self.bias.split(self.widths)):
+                if proj.bias is not None:
+                    proj.bias.data = view
+
+    def unfuse(self) -> None:
+        """Give each projection its own contiguous weight (and bias) again, with the same values."""
+        with torch.no_grad():
+            for proj in self.projections:
+                proj.weight.data = proj.weight.data.clone()
+                if proj.bias is not None:
+                    proj.bias.data = proj.bias.data.clone()
+        self.weight = self.bias = None
+
+    def _views_intact(self) -> bool:
+        w_offset = b_offset = 0
+        for proj, width in zip(self.projections, self.widths):
+            for param, fused, offset in ((proj.weight, self.weight, w_offset), (proj.bias, self.bias, b_offset)):
+                if param is None:
+                    continue
+                if (fused is None or param.dtype != fused.dtype or param.device != fused.device
+                        or param.data_ptr() != fused.data_ptr() + offset * param.element_size()):
+                    return False
+            w_offset += width * proj.in_features
+            b_offset += width
+        return True
+
+    def qkv_params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        # model.to(device/dtype) or a replaced parameter turns the views into separate tensors: re-fuse.
+        if not self._views_intact():
+            self.fuse()
+        return self.weight, self.bias
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                             past_key_values=None, **kwargs):
+    """Attention with one QKV GEMM and one fused split + QK-RMSNorm + RoPE/mRoPE (replaces ``forward``)."""
+    fused: _FusedAttention = self._qkvfuse
+    rope = fused.rope
+    input_shape = hidden_states.shape[:-1]
+    batch, seq = (1, input_shape[0]) if len(input_shape) == 1 else input_shape
+    hq, hkv, d = fused.num_q_heads, fused.num_kv_heads, fused.head_dim
+    weight, bias = fused.qkv_params()
+    qkv = F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, bias)  # [B*T, (Hq + 2Hkv) * D]
+    positions = _flat_positions(rope.captured, batch, seq, rope.mrope_section is not None)
+    q, k, v = ops.split_qkv_rmsnorm_rope_(
+        qkv, positions, rope.table(qkv.device), hq, hkv, d,
+        q_weight=self.q_norm.weight if fused.qk_norm else None,
+        k_weight=self.k_norm.weight if fused.qk_norm else None,
+        eps=fused.eps, is_neox=True, mrope_section=rope.mrope_section, mrope_interleaved=rope.mrope_interleaved,
+        backend=fused.backend)
+    # Views into qkv (row stride = its width) reshaped to transformers' [B, H, T, D].
+    query_states = q.view(*input_shape, hq, d).transpose(-3, -2)
+    key_states = k.view(*input_shape, hkv, d).transpose(-3, -2)
+    value_states = v.view(*input_shape, hkv, d).transpose(-3, -2)
+
+    if past_key_values is not None:
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, fused.eager)
+    extra = {"sliding_window": self.sliding_window} if fused.sliding_window else {}
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+# --------------------------------------------------------------------------------------------------------
+# The patched decoder layer: residual add after attention + post-attention RMSNorm in one call.
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _FusedLayer:
+    arg_names: Tuple[str, ...]  # the original forward's parameters after hidden_states, for positional calls
+    backend: Optional[str]
+
+
+def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
+    """Decoder layer whose post-attention residual add and RMSNorm are one ``add_rmsnorm`` (replaces ``forward``).
+
+    Fusion stays inside the layer: Qwen3-VL adds DeepStack features to the hidden states between layers.
+    """
+    fused: _FusedLayer = self._qkvfuse
+    if args:
+        kwargs.update(zip(fused.arg_names, args))
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    shape = hidden_states.shape
+    norm = self.post_attention_layernorm
+    normed, residual = ops.add_rmsnorm(hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]),
+                                       norm.weight, norm.variance_epsilon, backend=fused.backend)
+    hidden_states = self.mlp(normed.view(shape))
+    return residual.view(shape) + hidden_states
+
+
+# --------------------------------------------------------------------------------------------------------
+# apply / remove.
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _PatchState:
+    options: Tuple
+    attentions: List[nn.Module] = dataclasses.field(default_factory=list)
+    layers: List[nn.Module] = dataclasses.field(default_factory=list)
+    rotaries: List[nn.Module] = dataclasses.field(default_factory=list)
+    hooks: List = dataclasses.field(default_factory=list)
+    moe_blocks: List[nn.Module] = dataclasses.field(default_factory=list)
+
+
+def _family_of(model: nn.Module) -> _Family:
+    family = SUPPORTED_MODELS.get(type(model).__name__)
+    if family is None:
+        raise TypeError(f"apply_qkvfuse: {type(model).__name__} is not supported; supported model classes: "
+                        f"{', '.join(SUPPORTED_MODELS)}")
+    return family
+
+
+def _text_models(model: nn.Module, family: _Family) -> List[nn.Module]:
+    found = [m for m in model.modules() if type(m).__name__ == family.text_model]
+    if not found:
+        raise TypeError(f"apply_qkvfuse: no {family.text_model} found inside {type(model).__name__}")
+    return found
+
+
+def _check_layer(layer: nn.Module, family: _Family) -> None:
+    if type(layer).__name__ != family.decoder_layer:
+        raise TypeError(f"apply_qkvfuse: expected decoder layers of class {family.decoder_layer}, found "
+                        f"{type(layer).__name__}")
+    if type(layer.self_attn).__name__ != family.attention:
+        raise TypeError(f"apply_qkvfuse: expected attention of class {family.attention}, found "
+                        f"{type(layer.self_attn).__name__}")
+
+
+def _overlap_requested(shared_expert_overlap: Optional[bool]) -> Optional[bool]:
+    if shared_expert_overlap is not None:
+        return bool(shared_expert_overlap)
+    return True if os.environ.get(_OVERLAP_ENV) == "1" else None
+
+
+def _patch_moe(model: nn.Module, overlap: bool, explicit: bool) -> List[nn.Module]:
+    blocks = [m for m in model.modules() if type(m).__name__ in _SHARED_EXPERT_MOE]
+    if not blocks:
+        if explicit:
+            raise ValueError(f"apply_qkvfuse: shared_expert_overlap applies to MoE blocks with a shared expert "
+                             f"({', '.join(_SHARED_EXPERT_MOE)}); {type(model).__name__} has none")
+        return []  # the environment variable is global: models without shared experts ignore it
+    try:
+        from ..moe.glm4 import patch_glm4_moe
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"apply_qkvfuse: shared_expert_overlap needs qkvfuse.moe.glm4.patch_glm4_moe, which is not available "
+            f"in this qkvfuse ({exc}); pass shared_expert_overlap=None and unset {_OVERLAP_ENV}") from None
+    for block in blocks:
+        patch_glm4_moe(block, overlap=overlap)
+    return blocks
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether :func:`apply_qkvfuse` has patched ``model`` (and :func:`remove_qkvfuse` has not undone it)."""
+    return getattr(model, "_qkvfuse_patch", None) is not None
+
+
+def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_rmsnorm: bool = True,
+                  shared_expert_overlap: Optional[bool] = None) -> nn.Module:
+    """Patch a transformers model in place to use qkvfuse's fused ops; returns the same model.
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        One of :data:`SUPPORTED_MODELS` (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
+        ``Qwen3VLForConditionalGeneration``, ``Glm4MoeForCausalLM``, ``Glm4vMoeForConditionalGeneration``, or
+        their bare ``*Model`` classes), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
+        models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also downcasts GLM's
+        fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
+    backend : str, optional
+        qkvfuse backend for both ops (``"reference"``, ``"cpu"``, ``"triton"``, ``"auto"``); default: what the
+        public ops pick for the tensors' device (``QKVFUSE_BACKEND`` honoured).
+    fuse_add_rmsnorm : bool
+        Also replace each decoder layer's post-attention ``residual + x`` and RMSNorm by one ``add_rmsnorm``.
+    shared_expert_overlap : bool, optional
+        For GLM-4.x MoE blocks, run the shared expert overlapped (True) or serially (False) through
+        ``qkvfuse.moe.glm4.patch_glm4_moe``. None: leave the MoE blocks alone unless the environment sets
+        ``QKVFUSE_SHARED_EXPERT_OVERLAP=1``.
+
+    Returns
+    -------
+    model
+        The same object, patched. What changes: each attention layer does one GEMM into a packed
+        ``[B*T, (Hq + 2*Hkv) * head_dim]`` buffer and one fused split + QK-RMSNorm + RoPE/mRoPE over it, at the
+        positions the model's rotary module receives, with an fp32 cos/sin table of ``max_position_embeddings``
+        rows (positions must stay below it). q/k/v weights become views into one concatenated tensor.
+        Calling it again with the same options does nothing; with other options it re-patches.
+
+    Raises
+    ------
+    TypeError
+        Unsupported model class (the message lists the supported ones), a q/k/v projection that is not a plain
+        ``torch.nn.Linear`` (quantised layers), or an unsupported dtype.
+    NotImplementedError
+        rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK), or shared-expert overlap requested while
+        ``qkvfuse.moe.glm4`` is unavailable.
+    """
+    family = _family_of(model)
+    overlap = _overlap_requested(shared_expert_overlap)
+    options = (backend, bool(fuse_add_rmsnorm), overlap)
+    current: Optional[_PatchState] = getattr(model, "_qkvfuse_patch", None)
+    if current is not None:
+        if current.options == options:
+            return model
+        remove_qkvfuse(model)
+    device = next(model.parameters()).device
+    resolve_backend(backend, device.type)  # an invalid or unavailable explicit backend fails here, not mid-forward
+
+    # Validate everything before changing anything, so a failure leaves the model untouched.
+    plan = []
+    for text_model in _text_models(model, family):
+        rope = _Rope(text_model.rotary_emb, family.mrope_interleaved)
+        for layer in text_model.layers:
+            _check_layer(layer, family)
+            _validate_attention(layer.self_attn)
+        plan.append((text_model, rope))
+
+    state = _PatchState(options)
+    for text_model, rope in plan:
+        rotary = text_model.rotary_emb
+        rotary.forward = types.MethodType(_capturing_rotary_forward(rope), rotary)
+        state.rotaries.append(rotary)
+        state.hooks.append(text_model.register_forward_hook(_clear_positions(rope), always_call=True))
+        for layer in text_model.layers:
+            attn = layer.self_attn
+            attn._qkvfuse = _FusedAttention(attn, rope, backend)
+            attn.forward = types.MethodType(_fused_attention_forward, attn)
+            state.attentions.append(attn)
+            if fuse_add_rmsnorm:
+                names = tuple(inspect.signature(type(layer).forward).parameters)[2:]
+                layer._qkvfuse = _FusedLayer(tuple(n for n in names if n not in ("args", "kwargs")), backend)
+                layer.forward = types.MethodType(_fused_decoder_forward, layer)
+                state.layers.append(layer)
+    model._qkvfuse_patch = state
+    if overlap is not None:
+        try:
+            state.moe_blocks = _patch_moe(model, overlap, explicit=shared_expert_overlap is not None)
+        except Exception:
+            remove_qkvfuse(model)
+            raise
+    return model
+
+
+def _validate_attention(attn: nn.Module) -> None:
+    for name in ("q_proj", "k_proj", "v_proj"):
+        proj = getattr(attn, name, None)
+        if not _is_plain_linear(proj):
+            raise TypeError(
+                f"apply_qkvfuse: {type(attn).__name__}.{name} is a {type(proj).__module__}.{type(proj).__name__}, "
+                f"not torch.nn.Linear; qkvfuse fuses plain (unquantised) projections of the supported models "
+                f"only: {', '.join(SUPPORTED_MODELS)}")
+        if proj.weight.dtype not in _FUSABLE_DTYPES:
+            raise TypeError(f"apply_qkvfuse: {name}.weight has dtype {proj.weight.dtype}; expected one of "
+                            f"{list(_FUSABLE_DTYPES)}")
+
+
+def _clear_positions(rope: _Rope):
+    def hook(module, args, output):
+        rope.captured = None
+
+    return hook
+
+
+def remove_qkvfuse(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_qkvfuse`: original forwards, separate q/k/v weights with unchanged values.
+
+    The model then computes bit-identical outputs to before the patch. A model that is not patched is returned
+    unchanged.
+    """
+    state: Optional[_PatchState] = getattr(model, "_qkvfuse_patch", None)
+    if state is None:
+        return model
+    if state.moe_blocks:
+        from ..moe.glm4 import unpatch_glm4_moe
+
+        for block in state.moe_blocks:
+            unpatch_glm4_moe(block)
+    for hook in state.hooks:
+        hook.remove()
+    for rotary in state.rotaries:
+        del rotary.forward
+    for attn in state.attentions:
+        attn._qkvfuse.unfuse()
+        del attn.forward
+        del attn._qkvfuse
+    for layer in state.layers:
+        del layer.forward
+        del layer._qkvfuse
+    del model._qkvfuse_patch
+    return model
