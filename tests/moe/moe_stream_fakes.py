@@ -88,16 +88,22 @@ class _OpRecorder(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def recording(fake: FakeDeviceModule):
-    """Log torch calls and ``record_stream`` calls into ``fake.log`` while the block runs."""
+def intercepting_record_stream(fake: FakeDeviceModule):
+    """Replace ``Tensor.record_stream`` (process-wide, so in every thread) by a logger into ``fake.log``."""
 
     def record_stream(tensor, stream):
         fake.log.append(("record_stream", tensor.untyped_storage().data_ptr(), stream.name))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.Tensor, "record_stream", record_stream)
-        with _OpRecorder(fake):
-            yield
+        yield
+
+
+@contextlib.contextmanager
+def recording(fake: FakeDeviceModule):
+    """Log torch calls (of this thread) and ``record_stream`` calls into ``fake.log`` while the block runs."""
+    with intercepting_record_stream(fake), _OpRecorder(fake):
+        yield
 
 
 @dataclass
