@@ -1,0 +1,818 @@
+"""Hardening checks: the public failure modes of fused QK-norm/RoPE kernels, bad input, fuzzing, determinism.
+
+Each check takes a backend name, runs it on CPU tensors (Triton under ``TRITON_INTERPRET=1``) and raises
+``AssertionError`` with a readable detail when the backend is wrong. ``tests/test_failure_modes.py``,
+``tests/test_validation.py``, ``tests/test_fuzz.py`` and ``tests/test_concurrency.py`` run them per backend;
+:func:`section` runs them for ``python -m qkvfuse verify`` and counts passes per category.
+
+* :data:`FAILURE_MODES` -- one check per failure mode listed in the project notes (vLLM, SGLang,
+  vllm-ascend, sgl-kernel-npu bug reports), each with the reason it exists in its docstring.
+* :data:`BAD_CALLS` -- calls that must raise ``ValueError``/``TypeError`` whose message starts with the name of
+  the offending argument; run them with :func:`run_bad_call`. ``python -m qkvfuse.testing.failure_modes
+  bad-input BACKEND`` runs them in a separate process (a crash of native code is then reported, not fatal).
+* :func:`draw_split_case` / :func:`draw_norm_case` -- the space of valid configurations, drawn through a
+  ``choose(options)`` callable (hypothesis in the tests, :class:`random.Random` in the verify section).
+* :data:`DETERMINISM` -- repeated calls, 4 concurrent threads and 1 vs 2 intra-op threads give identical bits.
+
+NaN/Inf inputs are not errors: they propagate and stay inside the head (split) or row (add_rmsnorm) they
+are in; checking for them would cost a pass over the data. :func:`check_nonfinite_propagates` pins this down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import random
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import qkvfuse
+
+from ..backends import available_backends
+from ..presets import get_preset
+from ..rope import build_cos_sin_cache
+from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
+from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
+from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
+
+__all__ = [
+    "FAILURE_MODES", "BAD_CALLS", "DETERMINISM", "BadCall", "NormCase", "run_split", "run_norm", "run_bad_call",
+    "draw_split_case", "draw_norm_case", "check_split_case", "check_norm_case", "check_nonfinite_propagates",
+    "section",
+]
+
+# The partial-rotary corruption of vLLM #51049 only appeared above this many token x head pairs.
+PARTIAL_ROTARY_THRESHOLD = 10240
+
+
+def _extra_ulps(backend: str, dtype: torch.dtype) -> float:
+    """Triton's CPU interpreter truncates fp32 -> bf16 stores (see :mod:`qkvfuse.testing.accuracy`)."""
+    interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+    return INTERPRETER_BF16_ULPS if interpreted and dtype == torch.bfloat16 else 0.0
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` (NaN payloads compare equal, unlike ``torch.equal``)."""
+    return t.contiguous().view(torch.uint8) if t.numel() else t.new_empty((0,), dtype=torch.uint8)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _split_out(case_or_kwargs, row_pad: int = 0):
+    """NaN-poisoned ``(q, k, v)`` outputs (optionally with a wider row stride) for split kwargs."""
+    qkv = case_or_kwargs["qkv"]
+    T, D = qkv.shape[0], case_or_kwargs["head_dim"]
+    hq, hkv = case_or_kwargs["num_q_heads"], case_or_kwargs["num_kv_heads"]
+    return tuple(poisoned_like(torch.empty(T, n * D, dtype=qkv.dtype, device=qkv.device), row_pad)
+                 for n in (hq, hkv, hkv))
+
+
+def run_split(backend: str, kwargs: Dict[str, object], out_row_pad: int = 0, mode: str = "out"):
+    """Run ``split_qkv_rmsnorm_rope`` on ``kwargs``, check it under the accuracy rule, return ``(q, k, v)``.
+
+    ``mode``: ``"out"`` (NaN-poisoned preallocated outputs, row stride ``+out_row_pad``), ``"functional"``
+    or ``"inplace"`` (on a copy of qkv). Raises ``AssertionError`` naming the first bad element.
+    """
+    qkv = kwargs["qkv"]
+    snapshot = qkv.clone()
+    hq, hkv, D = kwargs["num_q_heads"], kwargs["num_kv_heads"], kwargs["head_dim"]
+    if mode == "out":
+        out = _split_out(kwargs, out_row_pad)
+        got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
+        assert all(g is o for g, o in zip(got, out)), "out= tensors were not returned"
+    elif mode == "functional":
+        got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+    elif mode == "inplace":
+        buf = torch.full((qkv.shape[0], qkv.shape[1] + out_row_pad), float("nan"), dtype=qkv.dtype)
+        target = buf[:, : qkv.shape[1]]
+        target.copy_(qkv)
+        got = qkvfuse.split_qkv_rmsnorm_rope_(target, **{k: v for k, v in kwargs.items() if k != "qkv"},
+                                             backend=backend)
+    else:
+        raise ValueError(f"mode: expected 'out', 'functional' or 'inplace', got {mode!r}")
+    assert bits_equal(qkv, snapshot), "the op modified its input qkv"
+    report = check_split_outputs(got, oracle_split(**kwargs), unfused_split(**kwargs), qkv, hq, hkv, D,
+                                 _extra_ulps(backend, qkv.dtype))
+    assert report.ok, f"{backend}: {report.detail}"
+    return got
+
+
+@dataclasses.dataclass(frozen=True)
+class NormCase:
+    """One configuration of ``add_rmsnorm``."""
+
+    T: int
+    H: int
+    dtype: torch.dtype = torch.bfloat16
+    residual: bool = True
+    bias: bool = False
+    row_pad: int = 0
+    mode: str = "out"  # "out", "functional" or "inplace" (y aliases x, residual_out aliases residual)
+
+
+def run_norm(backend: str, case: NormCase, seed: int = 0):
+    """Run ``add_rmsnorm`` for ``case``, check it under the accuracy rule, return ``(y, residual_out)``."""
+    kw = make_norm_inputs(case.T, case.H, case.dtype, residual=case.residual, bias=case.bias, seed=seed,
+                          row_pad=case.row_pad)
+    x, residual = kw["x"], kw["residual"]
+    snapshot = (x.clone(), None if residual is None else residual.clone())
+    oracle, unfused = oracle_add_rmsnorm(**kw), unfused_add_rmsnorm(**kw)
+    if case.mode == "out":
+        out = (poisoned_like(x, case.row_pad), poisoned_like(x, case.row_pad))
+        got = qkvfuse.add_rmsnorm(**kw, out=out, backend=backend)
+        assert got[0] is out[0], "out= tensor y was not returned"
+    elif case.mode == "functional":
+        got = qkvfuse.add_rmsnorm(**kw, backend=backend)
+    else:
+        x2 = poisoned_like(x, case.row_pad).copy_(x)
+        r2 = None if residual is None else poisoned_like(x, case.row_pad).copy_(residual)
+        got = qkvfuse.add_rmsnorm(x2, r2, kw["weight"], kw["eps"], bias=kw.get("bias"), out=(x2, r2),
+                                  backend=backend)
+        assert got[0] is x2
+    assert bits_equal(x, snapshot[0]) and (residual is None or bits_equal(residual, snapshot[1])), \
+        "the op modified an input"
+    if case.mode == "inplace" and residual is None:
+        got = (got[0], snapshot[0])  # residual_out "is x", and x now holds y
+    report = check_norm_outputs(got, oracle, unfused, snapshot[0], snapshot[1], _extra_ulps(backend, case.dtype))
+    assert report.ok, f"{backend}: {report.detail}"
+    return got
+
+
+# --------------------------------------------------------------------------------------------------------
+# Failure modes. One function per public failure mode; each is written so a kernel with that bug fails it.
+# --------------------------------------------------------------------------------------------------------
+def check_partial_rotary_large(backend: str) -> None:
+    """GLM-4.x partial rotary (R = D/2) above 10 240 token x heads, where vLLM #51049 produced garbage/NaN.
+
+    Every element is checked; the last token alone must also give the same bits as inside the big batch.
+    """
+    glm = get_preset("GLM-4.7")
+    T = PARTIAL_ROTARY_THRESHOLD // glm.num_q_heads + 8  # 112 tokens: 10 752 Q token x heads, 11 648 with K
+    assert T * glm.num_q_heads > PARTIAL_ROTARY_THRESHOLD
+    case = SplitCase.from_preset(glm, T, dtype=torch.bfloat16, bias=True, max_position=8192)
+    kwargs = make_split_inputs(case, seed=51049)
+    q, k, v = run_split(backend, kwargs)
+    tail = dict(kwargs, qkv=kwargs["qkv"][-1:], positions=kwargs["positions"][-1:])
+    q1, k1, _ = qkvfuse.split_qkv_rmsnorm_rope(**tail, backend=backend)
+    assert torch.equal(q1, q[-1:]) and torch.equal(k1, k[-1:]), "last token differs alone vs in a large batch"
+
+
+def check_rotary_dim_from_cache(backend: str, head_dim: int = 128, rotary_dim: int = 64) -> None:
+    """The rotary dim is the cache's width, never a default (vLLM #43676: GLM-4.7-FP8 at 0 % GSM8K).
+
+    The op has no ``rotary_dim`` argument a call site could forget; dims past the cache width must come out
+    normalised but unrotated, rotated dims with the cache's own frequencies.
+    """
+    params = inspect.signature(qkvfuse.split_qkv_rmsnorm_rope).parameters
+    assert "rotary_dim" not in params, "split_qkv_rmsnorm_rope must not take rotary_dim (it is the cache width)"
+    case = SplitCase(T=9, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, rotary_dim=rotary_dim,
+                     dtype=torch.float32, bias=True, max_position=2048)
+    run_split(backend, make_split_inputs(case, seed=43676))
+
+
+def check_mrope_image_rows(backend: str, interleaved: bool = True) -> None:
+    """3-D mRoPE positions with differing T/H/W rows (image tokens, extend): every row must be read.
+
+    SGLang #35345/#34446 dropped the height/width rows in a fused path (grounding 26 % -> 81.7 % after the
+    fix); text-only inputs have equal rows and cannot catch it. Also checks that these inputs do depend on
+    the H/W rows, so the check cannot pass by accident.
+    """
+    preset = get_preset("Qwen3-VL-8B" if interleaved else "GLM-4.5V")
+    case = SplitCase.from_preset(preset, 24, dtype=torch.float32, norm=True, image=True, max_position=4096)
+    kwargs = make_split_inputs(case, seed=35345)
+    q, k, _ = run_split(backend, kwargs)
+    pos = kwargs["positions"]
+    assert not torch.equal(pos[0], pos[1]) and not torch.equal(pos[0], pos[2]), "test inputs lost image rows"
+    text_like = dict(kwargs, positions=pos[:1].expand(3, -1))
+    q_t, _, _ = qkvfuse.split_qkv_rmsnorm_rope(**text_like, backend=backend)
+    assert not torch.equal(q_t, q), "H/W rows had no effect: the check would not see them dropped"
+
+
+def check_mrope_decode_rows(backend: str, interleaved: bool = True) -> None:
+    """mRoPE in decode (equal T/H/W rows, an expanded stride-0 view) reduces to RoPE, bit for bit.
+
+    Decode positions come as ``p.expand(3, T)`` (row stride 0): a kernel that assumes a packed ``[3, T]``
+    or ``[T, 3]`` layout reads the wrong tokens' positions.
+    """
+    preset = get_preset("Qwen3-VL-8B" if interleaved else "GLM-4.5V")
+    case = SplitCase.from_preset(preset, 16, dtype=torch.bfloat16, norm=True, image=False, max_position=4096)
+    kwargs = make_split_inputs(case, seed=34446)
+    assert kwargs["positions"].stride(0) == 0
+    q, k, v = run_split(backend, kwargs)
+    rope = dict(kwargs, positions=kwargs["positions"][0].contiguous(), mrope_section=None, mrope_interleaved=False)
+    q_r, k_r, _ = qkvfuse.split_qkv_rmsnorm_rope(**rope, backend=backend)
+    assert torch.equal(q, q_r) and torch.equal(k, k_r), "decode mRoPE (equal rows) differs from RoPE"
+
+
+# (num_q_heads, num_kv_heads) ratios whose K-norm must be right: MQA, MHA, GLM-4.x 96/8, Qwen3-235B 64/4.
+KNORM_RATIOS = ((4, 1), (4, 4), (96, 8), (64, 4))
+
+
+def check_k_norm_ratio(backend: str, num_q_heads: int = 96, num_kv_heads: int = 8) -> None:
+    """K RMSNorm variance right for every head-count ratio (vllm-ascend #12642 computed it as 0 for some)."""
+    case = SplitCase(T=5, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=128, rotary_dim=128,
+                     dtype=torch.bfloat16, bias=False, max_position=1024)
+    run_split(backend, make_split_inputs(case, seed=12642 + num_q_heads * 10 + num_kv_heads))
+
+
+NON_POW2_HEAD_DIMS = (80, 96, 192, 512)
+
+
+def check_head_dim_not_skipped(backend: str, head_dim: int = 80) -> None:
+    """A head_dim outside a kernel's list is computed, never silently passed through (vLLM #53115).
+
+    Odd head counts (3 Q, 1 KV) too: NPU Triton kernels asserted power-of-two sizes.
+    """
+    case = SplitCase(T=3, num_q_heads=3, num_kv_heads=1, head_dim=head_dim, rotary_dim=head_dim,
+                     dtype=torch.bfloat16, max_position=512)
+    kwargs = make_split_inputs(case, seed=53115 + head_dim)
+    q, k, _ = run_split(backend, kwargs)
+    q_in = kwargs["qkv"][:, : 3 * head_dim]
+    assert not torch.equal(q, q_in), f"head_dim {head_dim}: Q came out unchanged (fusion skipped)"
+
+
+def check_positions_deterministic_large_t(backend: str, T: int = 4096) -> None:
+    """Position reads are deterministic at large T (vllm-ascend #16674: racy reads above a token threshold).
+
+    Three runs give identical bits, the result is right under the accuracy rule, and the last tokens alone
+    give the same bits as inside the large batch.
+    """
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1":
+        T = min(T, 1024)  # the interpreter runs each program in Python; 1 024 tokens still cover many blocks
+    case = SplitCase(T=T, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64, dtype=torch.bfloat16,
+                     pos_dtype=torch.int32, max_position=T * 4)
+    kwargs = make_split_inputs(case, seed=16674)
+    first = run_split(backend, kwargs)
+    for _ in range(2):
+        again = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+        assert all(torch.equal(a, b) for a, b in zip(first, again)), "repeated large-T runs differ"
+    tail = dict(kwargs, qkv=kwargs["qkv"][-7:], positions=kwargs["positions"][-7:])
+    part = qkvfuse.split_qkv_rmsnorm_rope(**tail, backend=backend)
+    assert all(torch.equal(a[-7:], b) for a, b in zip(first, part)), "last tokens differ alone vs at large T"
+
+
+def check_no_bf16_rounding_between_norm_and_rope(backend: str) -> None:
+    """bf16 in/out with an fp32 cache: one rounding at the end, none between norm and rotation, cos/sin as stored.
+
+    sgl-kernel-npu #535: peers rounded the normalised value (or cos/sin) to bf16 before rotating. An extra
+    rounding passes "no worse than unfused" (which rounds after every op) but not the half-ulp elementwise rule.
+    """
+    case = SplitCase(T=64, num_q_heads=4, num_kv_heads=2, head_dim=128, rotary_dim=128, dtype=torch.bfloat16,
+                     bias=True, cache_dtype=torch.float32, max_position=32768)
+    run_split(backend, make_split_inputs(case, seed=535))
+
+
+def _expect_rejected(call: Callable[[], object], arg: str) -> None:
+    try:
+        call()
+    except (ValueError, TypeError) as exc:
+        assert str(exc).startswith(arg), f"error does not name {arg!r}: {exc}"
+        return
+    raise AssertionError(f"a bad layout of {arg!r} was accepted (silently misread?)")
+
+
+def check_strided_and_3d_views(backend: str) -> None:
+    """Strided views are handled (same bits as packed copies); 3-D and non-unit last-dim strides are rejected.
+
+    vLLM's CPU ``rms_norm`` silently ignored strides and its ``rotary_embedding`` was silently wrong on 3-D
+    input. Covers strided qkv rows, strided outputs, strided/transposed positions, and add_rmsnorm's rows.
+    """
+    case = SplitCase(T=6, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                     mrope_section=(6, 5, 5), mrope_interleaved=True, image=True, row_pad=24, max_position=512)
+    kwargs = make_split_inputs(case, seed=3)
+    assert kwargs["qkv"].stride(0) > kwargs["qkv"].shape[1]
+    pos = kwargs["positions"]
+    kwargs["positions"] = pos.t().contiguous().t()  # [3, T] view of a [T, 3] buffer: strides (1, 3)
+    strided = run_split(backend, kwargs, out_row_pad=40)
+    packed = dict(kwargs, qkv=kwargs["qkv"].contiguous(), positions=pos.contiguous())
+    reference_bits = qkvfuse.split_qkv_rmsnorm_rope(**packed, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(strided, reference_bits)), "strided views gave different bits"
+
+    qkv = kwargs["qkv"].contiguous()
+    T, W, D = qkv.shape[0], qkv.shape[1], kwargs["head_dim"]
+    rest = {k: v for k, v in kwargs.items() if k != "qkv"}
+    split = qkvfuse.split_qkv_rmsnorm_rope
+    _expect_rejected(lambda: split(qkv.view(T, W // D, D), **rest, backend=backend), "qkv")  # [T, heads, D]
+    _expect_rejected(lambda: split(qkv.view(1, T, W), **rest, backend=backend), "qkv")  # [B, T, W]
+    heads_major = qkv.view(T, W // D, D).transpose(0, 1)  # [heads, T, D], same numel, permuted
+    _expect_rejected(lambda: split(heads_major, **rest, backend=backend), "qkv")
+    every_other = torch.empty(T, 2 * W, dtype=qkv.dtype)[:, ::2]  # last-dim stride 2
+    _expect_rejected(lambda: split(every_other.copy_(qkv), **rest, backend=backend), "qkv")
+    _expect_rejected(lambda: split(qkv, **dict(rest, positions=pos.view(3, 1, T)), backend=backend), "positions")
+    _expect_rejected(lambda: split(qkv, **dict(rest, positions=torch.cat([pos[:1], pos])), backend=backend),
+                     "positions")  # generate()'s [4, T] (text row first)
+
+    for residual in (True, False):
+        norm = NormCase(T=5, H=96, dtype=torch.bfloat16, residual=residual, bias=True, row_pad=32)
+        strided_y, strided_r = run_norm(backend, norm, seed=7)
+        kw = make_norm_inputs(5, 96, torch.bfloat16, residual=residual, bias=True, seed=7)
+        y, r = qkvfuse.add_rmsnorm(**kw, backend=backend)
+        assert torch.equal(y, strided_y) and torch.equal(r, strided_r), "add_rmsnorm: strided rows changed bits"
+    x = make_norm_inputs(4, 64, torch.float32)["x"]
+    weight = torch.ones(64)
+    _expect_rejected(lambda: qkvfuse.add_rmsnorm(x.view(2, 2, 64), None, weight, backend=backend), "x")
+    _expect_rejected(lambda: qkvfuse.add_rmsnorm(x.t().contiguous().t(), None, weight, backend=backend), "x")
+
+
+FAILURE_MODES: Dict[str, Callable[[str], None]] = {
+    "partial rotary above 10240 token x heads": check_partial_rotary_large,
+    **{f"rotary_dim from the cache (D={d}, R={r})": (lambda b, d=d, r=r: check_rotary_dim_from_cache(b, d, r))
+       for d, r in ((128, 64), (128, 32), (80, 40))},
+    **{f"mRoPE {name} image rows (extend)": (lambda b, i=i: check_mrope_image_rows(b, i))
+       for name, i in (("interleaved", True), ("contiguous", False))},
+    **{f"mRoPE {name} equal rows (decode)": (lambda b, i=i: check_mrope_decode_rows(b, i))
+       for name, i in (("interleaved", True), ("contiguous", False))},
+    **{f"K-norm Hq/Hkv = {hq}/{hkv}": (lambda b, hq=hq, hkv=hkv: check_k_norm_ratio(b, hq, hkv))
+       for hq, hkv in KNORM_RATIOS},
+    **{f"head_dim {d} not skipped": (lambda b, d=d: check_head_dim_not_skipped(b, d)) for d in NON_POW2_HEAD_DIMS},
+    "position reads deterministic at large T": check_positions_deterministic_large_t,
+    "no bf16 rounding between norm and rotation": check_no_bf16_rounding_between_norm_and_rope,
+    "strided views handled, 3-D views rejected": check_strided_and_3d_views,
+}
+
+
+def check_nonfinite_propagates(backend: str, value: float = float("nan")) -> None:
+    """NaN/Inf inputs propagate and stay in their head / row (documented behaviour; not an error).
+
+    A non-finite value in one Q head, one K head, one V element and one add_rmsnorm row: the affected head
+    (row) becomes non-finite exactly where the float64 oracle does, everything else keeps its clean bits.
+    """
+    case = SplitCase(T=4, num_q_heads=3, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                     max_position=256)
+    kwargs = make_split_inputs(case, seed=1)
+    clean = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+    D = case.head_dim
+    dirty = kwargs["qkv"].clone()
+    dirty[1, 1 * D + 5] = value  # Q head 1 of token 1
+    dirty[2, 3 * D + 40] = value  # K head 0 of token 2, a pass-through dim
+    dirty[3, 5 * D + 7] = value  # V head 0 of token 3
+    dkw = dict(kwargs, qkv=dirty)
+    got = qkvfuse.split_qkv_rmsnorm_rope(**dkw, backend=backend)
+    oracle = oracle_split(**dkw)
+    T, hq, hkv = case.T, case.num_q_heads, case.num_kv_heads
+    inputs = (dirty[:, : hq * D], dirty[:, hq * D : (hq + hkv) * D])
+    for name, g, o, c, x in zip("qk", got, oracle, clean, inputs):
+        nonfinite = ~torch.isfinite(o)
+        assert nonfinite.any(), f"{name}: test inputs produced no non-finite oracle value"
+        assert torch.equal(~torch.isfinite(g.double()), nonfinite), f"{name}: non-finite pattern differs from the oracle"
+        heads = x.shape[1] // D
+        poisoned = ~torch.isfinite(x.reshape(T, heads, D)).all(-1, keepdim=True).expand(T, heads, D).reshape(T, -1)
+        assert bits_equal(g[~poisoned], c[~poisoned]), f"{name}: heads without a non-finite input changed"
+    assert bits_equal(got[2], dirty[:, (hq + hkv) * D :]), "v: not a bit-exact copy of the non-finite input"
+    kw = make_norm_inputs(4, 64, torch.bfloat16, residual=True, seed=2)
+    clean_y, clean_r = qkvfuse.add_rmsnorm(**kw, backend=backend)
+    x = kw["x"].clone()
+    x[2, 9] = value
+    y, r = qkvfuse.add_rmsnorm(**dict(kw, x=x), backend=backend)
+    rows = torch.tensor([True, True, False, True])
+    assert torch.equal(y[rows], clean_y[rows]) and torch.equal(r[rows], clean_r[rows]), "non-finite leaked rows"
+    assert not torch.isfinite(y[2]).all() and not torch.isfinite(r[2, 9]), "a non-finite input was swallowed"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bad input: each call must raise ValueError/TypeError whose message starts with the argument's name.
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class BadCall:
+    name: str
+    arg: str  # the message must start with this
+    call: Callable[[str], object]  # backend -> makes the bad call
+
+
+def _split_kwargs(**changes) -> Dict[str, object]:
+    case = SplitCase(T=3, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                     bias=True, max_position=64)
+    return dict(make_split_inputs(case, seed=0), **changes)
+
+
+def _mrope_kwargs(**changes) -> Dict[str, object]:
+    case = SplitCase(T=3, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                     mrope_section=(6, 5, 5), mrope_interleaved=True, max_position=64)
+    return dict(make_split_inputs(case, seed=0), **changes)
+
+
+def _split(backend: str, **changes):
+    return qkvfuse.split_qkv_rmsnorm_rope(**_split_kwargs(**changes), backend=backend)
+
+
+def _norm(backend: str, **changes):
+    kw = dict(make_norm_inputs(3, 64, torch.bfloat16, residual=True, bias=True), **changes)
+    return qkvfuse.add_rmsnorm(**kw, backend=backend)
+
+
+def _untouched_after(call: Callable[[], object], *tensors: torch.Tensor) -> None:
+    """Make ``call``; whatever it raises, ``tensors`` (outputs or the in-place qkv) must be unchanged."""
+    before = [t.clone() for t in tensors]
+    try:
+        call()
+    finally:
+        for t, b in zip(tensors, before):
+            assert bits_equal(t, b), "a rejected call wrote to its output / in-place buffer"
+
+
+def _bad_positions_out_untouched(backend: str, value: int):
+    kw = _split_kwargs()
+    kw["positions"] = kw["positions"].clone()
+    kw["positions"][-1] = value
+    out = _split_out(kw)
+    _untouched_after(lambda: qkvfuse.split_qkv_rmsnorm_rope(**kw, out=out, backend=backend), *out)
+
+
+def _bad_positions_inplace_untouched(backend: str):
+    kw = _mrope_kwargs()
+    kw["positions"] = kw["positions"].clone()
+    kw["positions"][2, 1] = 64
+    qkv = kw.pop("qkv").clone()
+    _untouched_after(lambda: qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kw, backend=backend), qkv)
+
+
+def _shared_storage_inplace(backend: str):
+    kw = _split_kwargs()
+    qkv = kw.pop("qkv")
+    buf = torch.zeros(qkv.numel() + kw["cos_sin_cache"].numel(), dtype=torch.float32)
+    cache = buf[: kw["cos_sin_cache"].numel()].view_as(kw["cos_sin_cache"]).copy_(kw["cos_sin_cache"])
+    big = buf.view(torch.bfloat16)  # qkv placed over the cache's bytes
+    target = big[: qkv.numel()].view_as(qkv).copy_(qkv)
+    return qkvfuse.split_qkv_rmsnorm_rope_(target, **dict(kw, cos_sin_cache=cache), backend=backend)
+
+
+def _out(kind: str):
+    """Bad ``out`` tuples for the split op built around the standard bad-call inputs."""
+    kw = _split_kwargs()
+    q, k, v = _split_out(kw)
+    if kind == "shape":
+        q = poisoned_like(torch.empty(3, 128, dtype=torch.bfloat16))
+    elif kind == "dtype":
+        k = poisoned_like(torch.empty(k.shape, dtype=torch.float32))
+    elif kind == "overlap_outputs":
+        k = q[:, : k.shape[1]]
+    elif kind == "overlap_qkv":
+        q = kw["qkv"][:, 64 : 64 + q.shape[1]]  # shifted by one head: not q's own slice
+    elif kind == "last_dim_stride":
+        v = torch.full((v.shape[0], 2 * v.shape[1]), float("nan"), dtype=v.dtype)[:, ::2]
+    elif kind == "pair":
+        return kw, (q, k)
+    return kw, (q, k, v)
+
+
+def _split_with_out(backend: str, kind: str):
+    kw, out = _out(kind)
+    return qkvfuse.split_qkv_rmsnorm_rope(**kw, out=out, backend=backend)
+
+
+def _norm_overlap(backend: str, which: str):
+    kw = make_norm_inputs(3, 64, torch.bfloat16, residual=True)
+    x, residual = kw["x"], kw["residual"]
+    out = (residual, torch.empty_like(x)) if which == "y_out" else (torch.empty_like(x), x)
+    return qkvfuse.add_rmsnorm(**kw, out=out, backend=backend)
+
+
+_META = torch.device("meta")
+_B = BadCall
+BAD_CALLS: List[BadCall] = [
+    # split_qkv_rmsnorm_rope: qkv
+    _B("qkv not a tensor", "qkv", lambda b: _split(b, qkv=[[0.0] * 512] * 3)),
+    _B("qkv int dtype", "qkv", lambda b: _split(b, qkv=torch.zeros(3, 512, dtype=torch.int32))),
+    _B("qkv float64", "qkv", lambda b: _split(b, qkv=torch.zeros(3, 512, dtype=torch.float64))),
+    _B("qkv 1-D", "qkv", lambda b: _split(b, qkv=torch.zeros(512, dtype=torch.bfloat16))),
+    _B("qkv width not (Hq+2Hkv)*D", "qkv", lambda b: _split(b, qkv=torch.zeros(3, 500, dtype=torch.bfloat16))),
+    _B("qkv last dim not contiguous", "qkv",
+       lambda b: _split(b, qkv=torch.zeros(3, 1024, dtype=torch.bfloat16)[:, ::2])),
+    _B("qkv overlapping rows (row stride < width)", "qkv",
+       lambda b: _split(b, qkv=torch.zeros(1024, dtype=torch.bfloat16).as_strided((3, 512), (64, 1)))),
+    # head geometry
+    _B("num_q_heads = 0", "num_q_heads", lambda b: _split(b, num_q_heads=0)),
+    _B("num_kv_heads a float", "num_kv_heads", lambda b: _split(b, num_kv_heads=2.0)),
+    _B("num_q_heads a bool", "num_q_heads", lambda b: _split(b, num_q_heads=True)),
+    _B("head_dim odd", "head_dim", lambda b: _split(b, qkv=torch.zeros(3, 8 * 63, dtype=torch.bfloat16), head_dim=63,
+                                                  cos_sin_cache=torch.zeros(8, 32))),
+    _B("head_dim > 512", "head_dim", lambda b: _split(b, qkv=torch.zeros(3, 8 * 1024, dtype=torch.bfloat16),
+                                                    head_dim=1024, cos_sin_cache=torch.zeros(8, 32))),
+    # cos_sin_cache (the rotary dim)
+    _B("cache int dtype", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 32, dtype=torch.int64))),
+    _B("cache 1-D", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64 * 32))),
+    _B("cache 0 rows", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(0, 32))),
+    _B("rotary_dim odd", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 31))),
+    _B("rotary_dim > head_dim", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 66))),
+    _B("cache last dim not contiguous", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 64)[:, ::2])),
+    _B("cache on another device", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 32, device=_META))),
+    # positions
+    _B("positions float", "positions", lambda b: _split(b, positions=torch.zeros(3))),
+    _B("positions wrong length", "positions", lambda b: _split(b, positions=torch.zeros(4, dtype=torch.int64))),
+    _B("positions [3, T] without mrope_section", "positions",
+       lambda b: _split(b, positions=torch.zeros(3, 3, dtype=torch.int64))),
+    _B("positions 1-D with mrope_section", "positions",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(positions=torch.zeros(3, dtype=torch.int64)),
+                                                backend=b)),
+    _B("positions [4, T] (generate's text row) with mrope_section", "positions",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(positions=torch.zeros(4, 3, dtype=torch.int64)),
+                                                backend=b)),
+    _B("positions negative (outputs untouched)", "positions", lambda b: _bad_positions_out_untouched(b, -1)),
+    _B("positions == max_position (outputs untouched)", "positions", lambda b: _bad_positions_out_untouched(b, 64)),
+    _B("positions far out of range (outputs untouched)", "positions",
+       lambda b: _bad_positions_out_untouched(b, 2**31 - 1)),
+    _B("mRoPE width row out of range (in-place qkv untouched)", "positions", _bad_positions_inplace_untouched),
+    # mrope_section
+    _B("mrope_section wrong sum", "mrope_section",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(mrope_section=(6, 5, 6)), backend=b)),
+    _B("mrope_section two entries", "mrope_section",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(mrope_section=(8, 8)), backend=b)),
+    _B("mrope_section negative entry", "mrope_section",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(mrope_section=(18, -1, -1)), backend=b)),
+    _B("mrope_interleaved not a bool", "mrope_interleaved",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(mrope_interleaved="yes"), backend=b)),
+    _B("is_neox an int", "is_neox", lambda b: _split(b, is_neox=1)),
+    # norm weights and biases
+    _B("only q_weight", "q_weight", lambda b: _split(b, k_weight=None, q_bias=None, k_bias=None)),
+    _B("q_weight wrong length", "q_weight", lambda b: _split(b, q_weight=torch.ones(32))),
+    _B("k_weight float64", "k_weight", lambda b: _split(b, k_weight=torch.ones(64, dtype=torch.float64))),
+    _B("k_weight on another device", "k_weight", lambda b: _split(b, k_weight=torch.ones(64, device=_META))),
+    _B("q_bias without weights", "q_bias", lambda b: _split(b, q_weight=None, k_weight=None, k_bias=None)),
+    _B("k_bias wrong length", "k_bias", lambda b: _split(b, k_bias=torch.zeros(65))),
+    _B("eps negative", "eps", lambda b: _split(b, eps=-1e-6)),
+    _B("eps NaN", "eps", lambda b: _split(b, eps=float("nan"))),
+    _B("eps a string", "eps", lambda b: _split(b, eps="1e-6")),
+    _B("backend unknown", "backend", lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_split_kwargs(), backend="cuda")),
+    # out= buffers
+    _B("out wrong shape", "q_out", lambda b: _split_with_out(b, "shape")),
+    _B("out wrong dtype", "k_out", lambda b: _split_with_out(b, "dtype")),
+    _B("out tensors overlap each other", "q_out", lambda b: _split_with_out(b, "overlap_outputs")),
+    _B("out overlaps qkv (not its own slice)", "q_out", lambda b: _split_with_out(b, "overlap_qkv")),
+    _B("out last dim not contiguous", "v_out", lambda b: _split_with_out(b, "last_dim_stride")),
+    _B("out two tensors", "out", lambda b: _split_with_out(b, "pair")),
+    _B("in-place qkv overlapping the cache", "qkv", _shared_storage_inplace),
+    # add_rmsnorm
+    _B("x int dtype", "x", lambda b: _norm(b, x=torch.zeros(3, 64, dtype=torch.int32))),
+    _B("x 3-D", "x", lambda b: _norm(b, x=torch.zeros(1, 3, 64, dtype=torch.bfloat16))),
+    _B("x last dim not contiguous", "x", lambda b: _norm(b, x=torch.zeros(3, 128, dtype=torch.bfloat16)[:, ::2])),
+    _B("residual dtype differs", "residual", lambda b: _norm(b, residual=torch.zeros(3, 64))),
+    _B("residual shape differs", "residual", lambda b: _norm(b, residual=torch.zeros(4, 64, dtype=torch.bfloat16))),
+    _B("weight wrong length", "weight", lambda b: _norm(b, weight=torch.ones(63))),
+    _B("weight not a tensor", "weight", lambda b: _norm(b, weight=[1.0] * 64)),
+    _B("bias wrong length", "bias", lambda b: _norm(b, bias=torch.zeros(128))),
+    _B("add_rmsnorm eps inf", "eps", lambda b: _norm(b, eps=float("inf"))),
+    _B("y_out overlapping residual", "y_out", lambda b: _norm_overlap(b, "y_out")),
+    _B("residual_out overlapping x", "residual_out", lambda b: _norm_overlap(b, "residual_out")),
+    # build_cos_sin_cache
+    _B("cache builder rotary_dim odd", "rotary_dim", lambda b: build_cos_sin_cache(63, 16, 1e4)),
+    _B("cache builder rotary_dim 0", "rotary_dim", lambda b: build_cos_sin_cache(0, 16, 1e4)),
+    _B("cache builder max_position 0", "max_position", lambda b: build_cos_sin_cache(64, 0, 1e4)),
+    _B("cache builder base 1", "base", lambda b: build_cos_sin_cache(64, 16, 1.0)),
+    _B("cache builder base NaN", "base", lambda b: build_cos_sin_cache(64, 16, float("nan"))),
+    _B("cache builder int dtype", "dtype", lambda b: build_cos_sin_cache(64, 16, 1e4, dtype=torch.int32)),
+    _B("cache builder rope_scaling a list", "rope_scaling", lambda b: build_cos_sin_cache(64, 16, 1e4, [4.0])),
+    _B("cache builder unknown rope_type", "rope_scaling",
+       lambda b: build_cos_sin_cache(64, 16, 1e4, {"rope_type": "dynamic", "factor": 2.0})),
+    _B("cache builder yarn without factor", "rope_scaling",
+       lambda b: build_cos_sin_cache(64, 16, 1e4, {"rope_type": "yarn"})),
+    _B("cache builder llama3 missing key", "rope_scaling",
+       lambda b: build_cos_sin_cache(64, 16, 1e4, {"rope_type": "llama3", "factor": 8.0})),
+]
+
+
+def run_bad_call(bad: BadCall, backend: str) -> Tuple[bool, str]:
+    """``(ok, detail)``: ok when the call raised ValueError/TypeError whose message starts with ``bad.arg``."""
+    try:
+        bad.call(backend)
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        if not msg.startswith(bad.arg):
+            return False, f"{type(exc).__name__} does not start with {bad.arg!r}: {msg}"
+        return True, f"{type(exc).__name__}: {msg}"
+    except Exception as exc:  # noqa: BLE001 -- any other exception type is the failure being reported
+        return False, f"raised {type(exc).__name__} instead of ValueError/TypeError: {exc}"
+    return False, "accepted (no error raised)"
+
+
+# --------------------------------------------------------------------------------------------------------
+# The space of valid configurations, for hypothesis (tests) and the fuzz-lite rows (verify).
+# ``choose(options)`` returns one element; hypothesis shrinks towards the first, so it is the plainest.
+# --------------------------------------------------------------------------------------------------------
+Choose = Callable[[Sequence], object]
+
+
+def draw_split_case(choose: Choose, small: bool = False) -> Tuple[SplitCase, int, str, int]:
+    """A random valid ``(SplitCase, seed, mode, out_row_pad)``; ``small`` keeps it interpreter-sized."""
+    T = choose((1, 0, 2, 3) if small else (1, 0, 2, 3, 7, 16, 33))
+    D = choose((64, 2, 8, 80, 96, 128) if small else (64, 2, 4, 8, 30, 48, 80, 96, 128, 192, 256, 512))
+    R = choose(sorted({r for r in (D, D // 2 - (D // 2) % 2, 2, 32, D - 2) if 2 <= r <= D}, reverse=True))
+    num_kv_heads = choose((1, 2, 3) if small else (1, 2, 3, 4))
+    num_q_heads = choose((1, 2, 3, 4) if small else (1, 2, 3, 4, 5, 8, 12))
+    norm = choose((True, False))
+    mode_rope = choose(("rope", "mrope", "mrope_interleaved"))
+    sections = None
+    if mode_rope != "rope":
+        half = R // 2
+        s_h = choose(range(0, half + 1))
+        s_w = choose(range(0, half - s_h + 1))
+        sections = (half - s_h - s_w, s_h, s_w)
+    dtype = choose((torch.bfloat16, torch.float32, torch.float16))
+    case = SplitCase(
+        T=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=D, rotary_dim=R, dtype=dtype, norm=norm,
+        bias=norm and choose((False, True)), is_neox=choose((True, False)), mrope_section=sections,
+        mrope_interleaved=mode_rope == "mrope_interleaved", image=choose((True, False)),
+        pos_dtype=choose((torch.int64, torch.int32)), cache_dtype=choose((torch.float32, torch.bfloat16, torch.float16)),
+        weight_dtype=choose((None, dtype)), row_pad=choose((0, 8, 1)), max_position=choose((64, 2, 7, 4096)),
+        eps=choose((1e-6, 1e-5, 0.1)),
+    )
+    return case, choose(range(0, 1000)), choose(("out", "functional", "inplace")), choose((0, 16))
+
+
+def draw_norm_case(choose: Choose, small: bool = False) -> Tuple[NormCase, int]:
+    """A random valid ``(NormCase, seed)``."""
+    T = choose((1, 0, 2, 3) if small else (1, 0, 2, 3, 7, 33))
+    H = choose((64, 1, 3, 80, 128) if small else (64, 1, 3, 80, 128, 1000, 4096, 5120))
+    case = NormCase(T=T, H=H, dtype=choose((torch.bfloat16, torch.float32, torch.float16)),
+                    residual=choose((True, False)), bias=choose((False, True)), row_pad=choose((0, 8, 1)),
+                    mode=choose(("out", "functional", "inplace")))
+    return case, choose(range(0, 1000))
+
+
+def check_split_case(backend: str, drawn) -> None:
+    case, seed, mode, out_row_pad = drawn
+    run_split(backend, make_split_inputs(case, seed=seed), out_row_pad=out_row_pad, mode=mode)
+
+
+def check_norm_case(backend: str, drawn) -> None:
+    case, seed = drawn
+    run_norm(backend, case, seed=seed)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Determinism and concurrency.
+# --------------------------------------------------------------------------------------------------------
+def _determinism_inputs(backend: str, count: int, T: int):
+    small = backend == "triton"
+    split_cases = [
+        SplitCase(T=T, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64, dtype=torch.bfloat16),
+        SplitCase(T=T, num_q_heads=6, num_kv_heads=2, head_dim=128, rotary_dim=64, dtype=torch.bfloat16, bias=True),
+        SplitCase(T=T, num_q_heads=2, num_kv_heads=1, head_dim=128, rotary_dim=128, dtype=torch.float16,
+                  mrope_section=(24, 20, 20), mrope_interleaved=True),
+        SplitCase(T=T, num_q_heads=3, num_kv_heads=1, head_dim=80, rotary_dim=40, dtype=torch.float32, row_pad=8),
+    ][:count]
+    split = [make_split_inputs(c, seed=i) for i, c in enumerate(split_cases)]
+    norm = [make_norm_inputs(T, H, dt, residual=i % 2 == 0, bias=i >= 2, seed=i)
+            for i, (H, dt) in enumerate([(256, torch.bfloat16), (96, torch.float32), (128, torch.float16),
+                                         (512 if not small else 64, torch.bfloat16)][:count])]
+    return split, norm
+
+
+def _call_both(backend: str, split_kw, norm_kw):
+    return (qkvfuse.split_qkv_rmsnorm_rope(**split_kw, backend=backend),
+            qkvfuse.add_rmsnorm(**norm_kw, backend=backend))
+
+
+def _same_bits(a, b) -> bool:
+    flat_a = [t for group in a for t in group]
+    flat_b = [t for group in b for t in group]
+    return len(flat_a) == len(flat_b) and all(bits_equal(x, y) for x, y in zip(flat_a, flat_b))
+
+
+def check_repeatable(backend: str, repeats: int = 5) -> None:
+    """Repeated calls on the same inputs give identical bits (NaN payloads included)."""
+    split, norm = _determinism_inputs(backend, 4, 3 if backend == "triton" else 64)
+    for s, n in zip(split, norm):
+        first = _call_both(backend, s, n)
+        for _ in range(repeats - 1):
+            assert _same_bits(first, _call_both(backend, s, n)), "a repeated call gave different bits"
+
+
+def check_concurrent_threads(backend: str, threads: int = 4, iterations: int = 4) -> None:
+    """``threads`` Python threads calling both ops on different inputs at once give the serial bits."""
+    split, norm = _determinism_inputs(backend, threads, 3 if backend == "triton" else 64)
+    serial = [_call_both(backend, s, n) for s, n in zip(split, norm)]
+    barrier = threading.Barrier(threads)
+    results: List[List[object]] = [[] for _ in range(threads)]
+    errors: List[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(iterations):
+                results[i].append(_call_both(backend, split[i], norm[i]))
+        except BaseException as exc:  # noqa: BLE001 -- re-raised in the calling thread below
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise AssertionError(f"a thread raised {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+    for i in range(threads):
+        assert len(results[i]) == iterations
+        for got in results[i]:
+            assert _same_bits(serial[i], got), f"thread {i}: concurrent call gave different bits than serial"
+
+
+def check_intra_op_threads(backend: str) -> None:
+    """1 vs 2 intra-op threads (``torch.set_num_threads``) give identical bits, at a T where work is split."""
+    split, norm = _determinism_inputs(backend, 4, 3 if backend == "triton" else 512)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [_call_both(backend, s, n) for s, n in zip(split, norm)]
+        torch.set_num_threads(2)
+        two = [_call_both(backend, s, n) for s, n in zip(split, norm)]
+    finally:
+        torch.set_num_threads(saved)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert _same_bits(a, b), f"input set {i}: 1 and 2 intra-op threads gave different bits"
+
+
+DETERMINISM: Dict[str, Callable[[str], None]] = {
+    "repeated calls": check_repeatable,
+    "4 concurrent threads vs serial": check_concurrent_threads,
+    "1 vs 2 intra-op threads": check_intra_op_threads,
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# The verify section.
+# --------------------------------------------------------------------------------------------------------
+def _run(check: Callable[[], None]) -> Tuple[bool, str]:
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001 -- a check that errors is a failed check, with its reason
+        return False, f"{type(exc).__name__}: {exc}"
+    return True, ""
+
+
+def section(args):
+    """``python -m qkvfuse verify`` section: pass counts per category and backend."""
+    from ..cli.verify import Section
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    quick = bool(getattr(args, "quick", False))
+    wanted = getattr(args, "backend", None)
+    usable = [b for b, reason in available_backends().items() if not reason and (not wanted or b in wanted)]
+    rows = []
+    for backend in usable:
+        interp = backend == "triton"
+        fuzz_n = (4 if quick else 12) if interp else (16 if quick else 100)
+        rng = random.Random(f"qkvfuse-fuzz-lite-{backend}")  # fixed: the same configurations every run
+        choose = rng.choice
+        categories = {
+            "failure modes": [(name, (lambda c=c: c(backend))) for name, c in FAILURE_MODES.items()]
+            + [("NaN/Inf propagate inside their head", lambda: check_nonfinite_propagates(backend, float("nan"))),
+               ("Inf propagates inside its head", lambda: check_nonfinite_propagates(backend, float("inf")))],
+            "bad input": [(bad.name, (lambda bad=bad: _bad_ok(bad, backend))) for bad in BAD_CALLS],
+            "fuzz-lite": [(f"split #{i}", (lambda d=draw_split_case(choose, interp): check_split_case(backend, d)))
+                          for i in range(fuzz_n)]
+            + [(f"add_rmsnorm #{i}", (lambda d=draw_norm_case(choose, interp): check_norm_case(backend, d)))
+               for i in range(fuzz_n)],
+            "determinism": [(name, (lambda c=c: c(backend))) for name, c in DETERMINISM.items()],
+        }
+        for category, checks in categories.items():
+            t0 = time.perf_counter()
+            failed = []
+            for name, check in checks:
+                ok, detail = _run(check)
+                if not ok:
+                    failed.append(f"{name}: {detail}")
+            rows.append({"category": category, "backend": backend, "passed": len(checks) - len(failed),
+                         "total": len(checks), "s": round(time.perf_counter() - t0, 1), "pass": not failed,
+                         "detail": "; ".join(failed)[:2000]})
+    skipped = {b: r for b, r in available_backends().items() if r}
+    note = ("public failure modes of fused QK-norm/RoPE kernels, bad input (ValueError/TypeError naming the "
+            "argument), fuzz-lite (fixed-seed random valid configurations vs the float64 oracle), determinism")
+    if skipped:
+        note += "\nunavailable backends: " + "; ".join(f"{b} ({r})" for b, r in skipped.items())
+    return Section("failure modes and hardening", ("category", "backend", "passed", "total", "s", "pass"), rows, note)
+
+
+def _bad_ok(bad: BadCall, backend: str) -> None:
+    ok, detail = run_bad_call(bad, backend)
+    assert ok, detail
+
+
+# --------------------------------------------------------------------------------------------------------
+# Subprocess entry point: ``python -m qkvfuse.testing.failure_modes bad-input BACKEND``.
+# --------------------------------------------------------------------------------------------------------
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the bad-input catalogue for one backend, one JSON line per call (a crash leaves a ``start`` line)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "bad-input":
+        print("usage: python -m qkvfuse.testing.failure_modes bad-input BACKEND", file=sys.stderr)
+        return 2
+    backend = argv[1]
+    for bad in BAD_CALLS:
+        print(json.dumps({"start": bad.name}), flush=True)
+        ok, detail = run_bad_call(bad, backend)
+        print(json.dumps({"name": bad.name, "ok": ok, "detail": detail}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

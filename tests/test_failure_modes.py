@@ -1,0 +1,70 @@
+"""One test per public failure mode of fused QK-norm/RoPE kernels (the list in the project notes).
+
+Each test runs every backend through a check in :mod:`qkvfuse.testing.failure_modes` (the verify section
+runs the same checks). The comment above each test names the deliberate mutation of the reference that it
+catches; ``tests/test_mutations.py`` applies each mutation and shows that the test then fails.
+"""
+
+import pytest
+
+import qkvfuse.testing.failure_modes as fm
+
+
+# Mutation "partial_rotary_large": pass-through dims [R, D) of Q heads whose token x head index is at or
+# above 10 240 come out as NaN (vLLM #51049: a warp shuffle in a divergent branch).
+def test_partial_rotary_above_10240_token_heads(backend):
+    fm.check_partial_rotary_large(backend)
+
+
+# Mutation "rotary_dim_default": the kernel assumes rotary_dim = head_dim and reads the cache buffer with a
+# row stride of head_dim (what a call site that forgot rotary_dim did in vLLM #43676).
+@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 64), (128, 32), (80, 40)])
+def test_rotary_dim_taken_from_cache(backend, head_dim, rotary_dim):
+    fm.check_rotary_dim_from_cache(backend, head_dim, rotary_dim)
+
+
+# Mutation "mrope_drop_hw": every rotary pair reads the temporal row; height/width rows are ignored
+# (SGLang #35345 / #34446). Text-only or decode inputs cannot see this one.
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "contiguous"])
+def test_mrope_image_tokens_use_height_width_rows(backend, interleaved):
+    fm.check_mrope_image_rows(backend, interleaved)
+
+
+# Mutation "mrope_packed_positions": the kernel reads positions as a packed [T, 3] buffer, ignoring the
+# strides of the [3, T] tensor (decode passes p.expand(3, T), row stride 0).
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "contiguous"])
+def test_mrope_decode_equal_rows_is_rope(backend, interleaved):
+    fm.check_mrope_decode_rows(backend, interleaved)
+
+
+# Mutation "k_variance_zero": K heads are normalised with a variance of 0, i.e. x * rsqrt(eps) * w
+# (vllm-ascend #12642).
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", fm.KNORM_RATIOS, ids=lambda v: str(v))
+def test_k_norm_variance_every_head_ratio(backend, num_q_heads, num_kv_heads):
+    fm.check_k_norm_ratio(backend, num_q_heads, num_kv_heads)
+
+
+# Mutation "skip_unlisted_head_dim": for a head_dim outside {64, 128, 256} the kernel returns the split
+# Q/K/V unnormalised and unrotated (vLLM #53115).
+@pytest.mark.parametrize("head_dim", fm.NON_POW2_HEAD_DIMS)
+def test_head_dim_never_silently_skipped(backend, head_dim):
+    fm.check_head_dim_not_skipped(backend, head_dim)
+
+
+# Mutation "racy_positions": above 2 048 tokens a random ~1 % of tokens read their neighbour's position,
+# differently on every call (vllm-ascend #16674).
+def test_position_reads_deterministic_at_large_t(backend):
+    fm.check_positions_deterministic_large_t(backend)
+
+
+# Mutations "bf16_between_norm_and_rope" (the normalised head is rounded to bf16 before rotating) and
+# "bf16_cos_sin" (an fp32 cache is rounded to bf16 before use) (sgl-kernel-npu #535).
+def test_no_bf16_rounding_between_norm_and_rotation(backend):
+    fm.check_no_bf16_rounding_between_norm_and_rope(backend)
+
+
+# Mutations "ignore_row_stride" (both kernels read input rows as if packed, ignoring the row stride, as
+# vLLM's CPU rms_norm did) and "accept_3d_views" (the public op takes any qkv of the right size and reads
+# its storage as [T, width], as vLLM's CPU rotary_embedding did with 3-D input).
+def test_strided_views_handled_and_3d_views_rejected(backend):
+    fm.check_strided_and_3d_views(backend)
