@@ -23,6 +23,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.add_argument("--dtype", action="append", choices=["bf16", "fp32", "fp16"], help="only these dtypes")
     bench.add_argument("--tokens", action="append", type=int, help="only these token counts")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    bench.add_argument("--op", action="append", choices=["split", "norm"], help="only these ops (repeatable)")
+    bench.add_argument("--hidden", action="append", type=int, help="add_rmsnorm hidden sizes (default 4096, 5120)")
+    bench.add_argument("--seconds", type=float, help="about this many seconds per measurement (rounds adapt)")
+    bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.command == "verify":
         from .verify import run_verify

@@ -1,0 +1,135 @@
+"""``python -m qkvfuse bench``: the fused ops against eager, ``torch.compile`` and a copy roofline, in one run.
+
+Modules: :mod:`.timing` (interleaved rounds, the machine line), :mod:`.harness` (the matrix of shapes,
+implementations and buffer placements), :mod:`.report` (tables, compile times, the verdict against issue 3's
+targets, JSON, chart). How to run and read it: ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from typing import List
+
+import torch
+
+from ..backends import available_backends
+from ..presets import get_preset
+from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
+from .report import (TABLE_NOTE, busy_warning, print_compile_times, print_machine, print_summary, print_tables, summarize,
+                     write_json, write_plot)
+from .timing import Budget, cache_bytes, machine_info
+
+__all__ = ["run_bench", "config_from_args"]
+
+PRESETS = ("Qwen3-8B", "Qwen3-VL-8B", "GLM-4.7", "GLM-4.5-Air")
+QUICK_PRESETS = ("Qwen3-8B", "GLM-4.7")
+TOKENS = (1, 16, 256, 4096)
+QUICK_TOKENS = (1, 256, 4096)
+HIDDEN_SIZES = (4096, 5120)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+FULL_BUDGET = Budget()
+# `make run` budget: ~1 s per measurement and the reference backend left out (it is as slow as eager at
+# T = 4096, seconds per call for GLM shapes); torch.compile once, for one cell.
+QUICK_BUDGET = Budget(block_s=1e-3, cell_s=1.0, warm_s=0.02, min_rounds=3, max_rounds=9)
+
+
+def config_from_args(args) -> BenchConfig:
+    """The run's matrix from the CLI flags (``--quick`` changes the defaults, explicit flags win)."""
+    quick = args.quick
+    presets = tuple(get_preset(name) for name in (args.preset or (QUICK_PRESETS if quick else PRESETS)))
+    dtypes = tuple(DTYPES[d] for d in dict.fromkeys(args.dtype or (["bf16"] if quick else ["bf16", "fp32"])))
+    tokens = tuple(dict.fromkeys(args.tokens or (QUICK_TOKENS if quick else TOKENS)))
+    if any(t < 1 for t in tokens):
+        raise ValueError(f"--tokens: expected positive token counts, got {list(tokens)}")
+    hidden = tuple(dict.fromkeys(getattr(args, "hidden", None) or HIDDEN_SIZES))
+    ops = tuple(getattr(args, "op", None) or ("split", "norm"))
+    impls = [EAGER] + ([] if args.no_compile else [COMPILED]) + ([] if quick else [REFERENCE]) + [CPU]
+    compile_cells = None
+    if quick and presets and "split" in ops:
+        T = 256 if 256 in tokens else tokens[len(tokens) // 2]
+        compile_cells = ((presets[0].name, dtypes[0], T),)
+    elif quick:
+        compile_cells = ((f"hidden {hidden[0]}", dtypes[0], tokens[len(tokens) // 2]),)
+    budget = QUICK_BUDGET if quick else FULL_BUDGET
+    seconds = getattr(args, "seconds", None)
+    if seconds is not None:
+        if not seconds > 0:
+            raise ValueError(f"--seconds: expected a positive number, got {seconds}")
+        budget = dataclasses.replace(budget, cell_s=seconds, block_s=min(budget.block_s, seconds / 10),
+                                     warm_s=min(budget.warm_s, seconds / 10))
+    cpu_reason = available_backends()["cpu"] if CPU in impls else "not requested"
+    return BenchConfig(presets=presets if "split" in ops else (), hidden_sizes=hidden if "norm" in ops else (),
+                       dtypes=dtypes, tokens=tokens, impls=tuple(impls), compile_cells=compile_cells, budget=budget,
+                       l2_bytes=cache_bytes(2, 1 << 20), cpu_reason=cpu_reason)
+
+
+def _config_json(cfg: BenchConfig) -> dict:
+    return {"presets": [p.name for p in cfg.presets], "hidden_sizes": list(cfg.hidden_sizes),
+            "dtypes": [dtype_name(d) for d in cfg.dtypes], "tokens": list(cfg.tokens), "impls": list(cfg.impls),
+            "compile_cells": None if cfg.compile_cells is None else
+            [[s, dtype_name(d), t] for s, d, t in cfg.compile_cells],
+            "budget": dataclasses.asdict(cfg.budget),
+            "l2_bytes": cfg.l2_bytes, "cpu_backend_unavailable": cfg.cpu_reason}
+
+
+def run_bench(args) -> int:
+    """Run the benchmark described by the CLI flags; print the tables and the summary last. Returns 0."""
+    t_start = time.perf_counter()
+    try:
+        cfg = config_from_args(args)
+    except (KeyError, ValueError) as exc:
+        print(f"bench: {exc.args[0] if exc.args else exc}")
+        return 2
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            print(f"bench: --threads: expected a positive int, got {threads}")
+            return 2
+        torch.set_num_threads(threads)
+    machine = machine_info()
+    print_machine(machine)
+    print("qkvfuse cpu backend: " + (f"unavailable, column skipped ({cfg.cpu_reason})" if cfg.cpu_reason
+                                      else "available"))
+    if cfg.compile_cells is not None and COMPILED in cfg.impls:
+        print("torch.compile baseline only for: " + ", ".join(f"{s} {dtype_name(d)} T={t}"
+                                                             for s, d, t in cfg.compile_cells))
+    rows: List[Row] = []
+    with warnings.catch_warnings():
+        # dynamo traces through the lru_cache'd mRoPE axis map on purpose (its result is a constant)
+        warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+        for preset in cfg.presets:
+            for dtype in cfg.dtypes:
+                for T in cfg.tokens:
+                    t0 = time.perf_counter()
+                    rows += bench_split(cfg, preset, dtype, T)
+                    print(f"  measured split {preset.name} {dtype_name(dtype)} T={T} in {time.perf_counter() - t0:.1f} s",
+                          flush=True)
+        for hidden in cfg.hidden_sizes:
+            for dtype in cfg.dtypes:
+                for T in cfg.tokens:
+                    t0 = time.perf_counter()
+                    rows += bench_norm(cfg, hidden, dtype, T)
+                    print(f"  measured add_rmsnorm hidden {hidden} {dtype_name(dtype)} T={T} in "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    print("\n" + TABLE_NOTE)
+    print_tables(rows)
+    print_compile_times(rows)
+    summary = summarize(rows, cfg.cpu_reason)
+    if args.json:
+        write_json(args.json, machine, _config_json(cfg), rows, summary)
+    if args.plot:
+        write_plot(args.plot, rows, f"qkvfuse bench: {machine['cpu']}, {machine['torch_threads']} threads "
+                                    f"(out= solid, fresh dashed; T <= 16 rotated buffers)")
+    print_summary(rows, summary, cfg.cpu_reason)
+    busy = busy_warning(machine)
+    if busy:
+        print("\n" + busy)
+    written = [p for p in (args.json, args.plot) if p]
+    print(f"\nbench: {len(rows)} rows in {time.perf_counter() - t_start:.0f} s; load average "
+          f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'] or [])} at the end"
+          + (f"; wrote {', '.join(written)}" if written else ""))
+    return 0

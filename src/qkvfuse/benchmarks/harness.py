@@ -1,0 +1,215 @@
+"""The benchmark matrix: which shapes, which implementations, which buffers; one row per measurement.
+
+For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_rmsnorm`` (per hidden size):
+
+* ``eager unfused`` -- :func:`qkvfuse.testing.unfused_split` / ``unfused_add_rmsnorm``, the transformers-style
+  path (it allocates its outputs: ``fresh``);
+* ``torch.compile unfused`` -- the same function under ``torch.compile(dynamic=False)``, compiled once per
+  shape; the first call (the compile) is reported apart;
+* ``reference`` -- qkvfuse's reference backend through the public op (``out=`` and ``fresh``);
+* ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
+  dispatch included; skipped, with the reason, where it is unavailable;
+* ``copy_ roofline`` -- ``dst.copy_(src)`` of the same bytes into a preallocated tensor (``qkv`` for the split;
+  a ``[T, 2H]`` tensor for add_rmsnorm, whose op reads two and writes two ``[T, H]`` tensors).
+
+Data placement (the ``data`` column): ``hot`` calls reuse one buffer set, so at T <= 16 everything stays in
+L1/L2 and the branch predictors and threads stay warm, which flatters small-T numbers; ``rotated xN`` cycles N
+input/output sets totalling more than ``4 x L2``; larger T use ``1 set``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import qkvfuse
+from ..presets import ModelPreset
+from ..testing import SplitCase, make_norm_inputs, make_split_inputs, unfused_add_rmsnorm, unfused_split
+from .timing import Budget, Candidate, measure
+
+__all__ = ["BenchConfig", "Row", "bench_split", "bench_norm", "COPY", "EAGER", "COMPILED", "REFERENCE", "CPU"]
+
+EAGER, COMPILED, REFERENCE, CPU, COPY = ("eager unfused", "torch.compile unfused", "reference", "qkvfuse cpu",
+                                         "copy_ roofline")
+ROTATE_MAX_T = 16  # token counts at which back-to-back calls keep the data in L1/L2: also time rotated buffers
+ROTATE_FOOTPRINT_L2 = 4  # rotated buffer sets total at least this many L2 sizes
+CACHE_ROWS = 8192  # rows of the cos/sin table: only T rows are read per call, so the table size is irrelevant
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What one run measures (built from the CLI flags by :func:`qkvfuse.benchmarks.run_bench`)."""
+
+    presets: Tuple[ModelPreset, ...]
+    hidden_sizes: Tuple[int, ...]
+    dtypes: Tuple[torch.dtype, ...]
+    tokens: Tuple[int, ...]
+    impls: Tuple[str, ...]  # which of EAGER, COMPILED, REFERENCE, CPU run (COPY always does)
+    compile_cells: Optional[Tuple[Tuple[str, torch.dtype, int], ...]]  # None: every cell; else (shape, dtype, T)
+    budget: Budget
+    l2_bytes: int
+    cpu_reason: str  # why the cpu backend is unavailable ("" when it is available)
+
+    def compiles(self, shape: str, dtype: torch.dtype, T: int) -> bool:
+        return COMPILED in self.impls and (self.compile_cells is None or (shape, dtype, T) in self.compile_cells)
+
+
+@dataclasses.dataclass
+class Row:
+    """One line of the table (``us`` etc. are medians over the rounds, ratios medians of per-round ratios)."""
+
+    op: str
+    shape: str
+    mode: str
+    dtype: str
+    T: int
+    data: str
+    impl: str
+    outputs: str
+    us: float
+    gbps: float
+    roofline: float  # copy_time / time: 1.0 is the memory roofline
+    vs_eager: Optional[float]
+    vs_compile: Optional[float]
+    copy_us: float
+    bytes: int
+    rounds: int
+    calls_per_block: int
+    compile_s: Optional[float] = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _rotation(set_bytes: int, l2_bytes: int) -> int:
+    return max(2, math.ceil(ROTATE_FOOTPRINT_L2 * l2_bytes / max(set_bytes, 1)))
+
+
+def _compile(fn: Callable, first_call: Callable[[Callable], object]) -> Tuple[Optional[Callable], float, str]:
+    """``torch.compile(fn)`` and the seconds its first call takes (the compile), or ``(None, 0, reason)``."""
+    torch._dynamo.reset()  # each shape's compile time measured from the same (empty) in-process state
+    compiled = torch.compile(fn, dynamic=False)
+    t0 = time.perf_counter()
+    try:
+        first_call(compiled)
+    except Exception as exc:  # a compile failure is a finding to print, not a reason to lose the run
+        return None, 0.0, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return compiled, time.perf_counter() - t0, ""
+
+
+def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, T: int,
+          candidates_for: Callable[[int], Tuple[List[Candidate], List[Callable]]], n_sets: int, nbytes: int,
+          copy_bytes: int, compile_s: Optional[float]) -> List[Row]:
+    """Measure hot (and, for small T, rotated) placements and turn the results into rows."""
+    placements = [("hot", 1), (f"rotated x{n_sets}", n_sets)] if T <= ROTATE_MAX_T else [("1 set", 1)]
+    rows = []
+    for data, n in placements:
+        candidates, copy_calls = candidates_for(n)
+        if not candidates:
+            continue
+        results = measure(candidates, copy_calls, cfg.budget)
+        eager = next((c.key for c in candidates if c.impl == EAGER), None)
+        compiled = next((c.key for c in candidates if c.impl == COMPILED), None)
+        copy_us = []
+        for c in candidates:
+            m = results[c.key]
+            copy_us.append(m.copy_us)
+            rows.append(Row(op, shape, mode, dtype_name(dtype), T, data, c.impl, c.outputs, m.us, nbytes / m.us / 1e3,
+                            m.roofline, 1.0 if c.key == eager else m.vs.get(eager),
+                            1.0 if c.key == compiled else m.vs.get(compiled), m.copy_us, nbytes, m.rounds,
+                            m.calls_per_block, compile_s if c.impl == COMPILED else None))
+        copy_median = statistics.median(copy_us)
+        rows.append(Row(op, shape, mode, dtype_name(dtype), T, data, COPY, "out=", copy_median,
+                        copy_bytes / copy_median / 1e3, 1.0, None, None, copy_median, copy_bytes, rows[-1].rounds, 0))
+    return rows
+
+
+def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable], public: Callable,
+                kws: Sequence[dict], outputs: Sequence[tuple]) -> List[Candidate]:
+    """The implementations of one op over buffer sets ``kws`` (keyword arguments) with their ``out=`` tuples."""
+    cands = []
+    if EAGER in cfg.impls:
+        cands.append(Candidate(EAGER, "fresh", [functools.partial(unfused, **kw) for kw in kws]))
+    if compiled is not None:
+        cands.append(Candidate(COMPILED, "fresh", [functools.partial(compiled, **kw) for kw in kws]))
+    for impl, backend in ((REFERENCE, "reference"), (CPU, "cpu")):
+        if impl not in cfg.impls or (impl == CPU and cfg.cpu_reason):
+            continue
+        cands.append(Candidate(impl, "out=", [functools.partial(public, **kw, out=o, backend=backend)
+                                              for kw, o in zip(kws, outputs)]))
+        cands.append(Candidate(impl, "fresh", [functools.partial(public, **kw, backend=backend) for kw in kws]))
+    return cands
+
+
+def split_mode(preset: ModelPreset) -> str:
+    rope = "rope" if preset.mrope_section is None else (
+        "mrope interleaved" if preset.mrope_interleaved else "mrope contiguous")
+    rotary = "" if preset.rotary_dim == preset.head_dim else f", rotary {preset.rotary_dim}/{preset.head_dim}"
+    return f"{preset.num_q_heads}/{preset.num_kv_heads}x{preset.head_dim}, {rope}{rotary}, " + (
+        "qk-norm" if preset.qk_norm else "no qk-norm")
+
+
+def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: int) -> List[Row]:
+    """Rows for one preset / dtype / T of ``split_qkv_rmsnorm_rope`` (inputs from the shared generators)."""
+    case = SplitCase.from_preset(preset, T, dtype=dtype, max_position=min(preset.max_position, CACHE_ROWS))
+    first = make_split_inputs(case, seed=0)
+    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
+    # Bytes the op must move: qkv in, q/k/v out, the T cos/sin rows it gathers, positions and norm params.
+    per_token_cache = case.rotary_dim * first["cos_sin_cache"].element_size()
+    nbytes = (2 * _nbytes(first["qkv"]) + T * per_token_cache
+              + _nbytes(*(first.get(k) for k in ("positions", "q_weight", "k_weight", "q_bias", "k_bias"))))
+    n_sets = _rotation(2 * _nbytes(first["qkv"]), cfg.l2_bytes) if T <= ROTATE_MAX_T else 1
+    sets = [first] + [dict(make_split_inputs(case, seed=i), cos_sin_cache=first["cos_sin_cache"])  # one table, as
+                      for i in range(1, n_sets)]                                                    # in a model
+    outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
+    copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
+
+    compiled, compile_s = None, None
+    if cfg.compiles(preset.name, dtype, T):
+        compiled, compile_s, reason = _compile(unfused_split, lambda f: f(**first))
+        if compiled is None:
+            print(f"  torch.compile failed for {preset.name} {dtype_name(dtype)} T={T}: {reason}")
+
+    def candidates_for(n: int):
+        copies = [functools.partial(dst.copy_, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
+        return _candidates(cfg, unfused_split, compiled, qkvfuse.split_qkv_rmsnorm_rope, sets[:n], outs[:n]), copies
+
+    return _rows(cfg, "split_qkv_rmsnorm_rope", preset.name, split_mode(preset), dtype, T, candidates_for, n_sets,
+                 nbytes, 2 * _nbytes(first["qkv"]), compile_s)
+
+
+def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> List[Row]:
+    """Rows for one hidden size / dtype / T of ``add_rmsnorm`` with a residual (fp32 weight, no bias)."""
+    first = make_norm_inputs(T, hidden, dtype, residual=True, seed=0)
+    # x and residual in, y and residual_out out (plus the weight): the copy moves a [T, 2H] tensor to match.
+    nbytes = 4 * _nbytes(first["x"]) + _nbytes(first["weight"])
+    n_sets = _rotation(4 * _nbytes(first["x"]), cfg.l2_bytes) if T <= ROTATE_MAX_T else 1
+    sets = [first] + [make_norm_inputs(T, hidden, dtype, residual=True, seed=i) for i in range(1, n_sets)]
+    outs = [(torch.empty_like(kw["x"]), torch.empty_like(kw["x"])) for kw in sets]
+    copy_src = [torch.cat([kw["x"], kw["residual"]], dim=1) for kw in sets]
+    copy_dst = [torch.empty_like(src) for src in copy_src]
+    shape = f"hidden {hidden}"
+
+    compiled, compile_s = None, None
+    if cfg.compiles(shape, dtype, T):
+        compiled, compile_s, reason = _compile(unfused_add_rmsnorm, lambda f: f(**first))
+        if compiled is None:
+            print(f"  torch.compile failed for add_rmsnorm {shape} {dtype_name(dtype)} T={T}: {reason}")
+
+    def candidates_for(n: int):
+        copies = [functools.partial(dst.copy_, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
+        return _candidates(cfg, unfused_add_rmsnorm, compiled, qkvfuse.add_rmsnorm, sets[:n], outs[:n]), copies
+
+    return _rows(cfg, "add_rmsnorm", shape, "residual, fp32 weight", dtype, T, candidates_for, n_sets, nbytes,
+                 2 * _nbytes(copy_src[0]), compile_s)

@@ -1,0 +1,256 @@
+"""Presenting a run: the tables, the compile times, the verdict against issue 3's targets, JSON and a chart."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from ..cli.verify import Section, print_section
+from .harness import COMPILED, COPY, CPU, EAGER, ROTATE_MAX_T, Row
+
+__all__ = ["busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize", "print_summary", "write_json",
+           "write_plot", "TABLE_NOTE"]
+
+TABLE_NOTE = (
+    "us: median per call over the rounds. GB/s: bytes the op must read + write / us. roofline: copy_ time / "
+    "time (100% = as fast as\n"
+    "copying the same bytes; median of per-round ratios, the copy timed right before each block). vs eager, "
+    "vs compile: their time /\n"
+    "this time (> 1: faster), median of per-round ratios. out=: preallocated outputs (what an engine does); "
+    "fresh: allocated per call\n"
+    "(glibc mmaps every allocation >= 32 MB: page faults on every call at large T). data: hot = the same "
+    f"buffers every call (at T <= {ROTATE_MAX_T}\n"
+    "they stay in L1/L2, which flatters the time); rotated xN = N buffer sets cycled, > 4x L2; 1 set = "
+    "one buffer set (T > 16)."
+)
+
+# Issue 3's CPU anchors (bf16, median us, a 2-core AVX-512 BF16 machine, not this run): fastest published path
+# and a same-shape copy there. GLM-4.7 has GLM-4.5's attention geometry (96/8 x 128, rotary 64, QK-norm).
+PUBLISHED_ANCHORS: Dict[str, Dict[int, Tuple[float, float]]] = {
+    "Qwen3-8B": {1: (17.1, 1.2), 16: (34.1, 2.9), 256: (227.0, 34.0), 4096: (4921.0, 2203.0)},
+    "GLM-4.5": {1: (19.2, 1.4), 16: (55.8, 4.3), 256: (516.0, 91.0), 4096: (16571.0, 5280.0)},
+}
+_ANCHOR_OF = {"Qwen3-8B": "Qwen3-8B", "GLM-4.5": "GLM-4.5", "GLM-4.6": "GLM-4.5", "GLM-4.7": "GLM-4.5"}
+
+# Issue 3's targets (bf16, qkvfuse cpu with out=).
+T1_MAX_US = 5.0
+T16_MAX_COPIES = 3.0
+T256_MIN_ROOFLINE = 0.40
+T4096_MIN_ROOFLINE = 0.70
+NORM_MIN_ROOFLINE = 0.70
+
+
+def _us(x: float) -> str:
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 1000 else f"{x:,.0f}"
+
+
+def _pct(r: Optional[float]) -> str:
+    return "" if r is None else f"{100 * r:.1f}%" if r < 0.1 else f"{100 * r:.0f}%"
+
+
+def _times(v: Optional[float]) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def print_machine(info: Dict[str, object]) -> None:
+    l2, l3 = info["l2_bytes"], info["l3_bytes"]
+    print(f"machine: {info['cpu']} | SIMD {' '.join(info['simd']) or 'none of avx2/avx512'} | "
+          f"{info['logical_cpus']} logical CPUs ({info['usable_cpus']} usable) | torch {info['torch']}, "
+          f"{info['torch_threads']} threads | L2 {l2 >> 10} KiB, L3 {l3 >> 20} MiB | load average "
+          f"{' '.join(f'{x:.2f}' for x in info['loadavg_start'] or [])}"
+          + (f" | {info['malloc_env']}" if info["malloc_env"] else ""))
+
+
+def busy_warning(info: Dict[str, object]) -> str:
+    """A warning when other work shared the CPUs: a parallel region then waits for a time slice (milliseconds)."""
+    cpus = info["usable_cpus"] or 1
+    start, end = (info.get("loadavg_start") or [0.0])[0], (info.get("loadavg_end") or [0.0])[0]
+    # At the end the 1-minute load includes this run's own threads.
+    if start <= 0.5 * cpus and end <= cpus + 0.5 * cpus:
+        return ""
+    return (f"WARNING: the machine was busy (1-minute load {start:.2f} at the start, {end:.2f} at the end, on "
+            f"{cpus} CPUs): multi-threaded calls wait for time slices and every ratio is suspect. Rerun on a quiet "
+            f"machine (or with --threads 1 to see single-thread numbers).")
+
+
+def print_tables(rows: Sequence[Row]) -> None:
+    """One table per op and shape, rows in the order measured."""
+    groups: Dict[Tuple[str, str], List[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.op, r.shape), []).append(r)
+    columns = ("dtype", "T", "data", "impl", "outputs", "us", "GB/s", "roofline", "vs eager", "vs compile", "rounds")
+    for (op, shape), group in groups.items():
+        cells = [{"dtype": r.dtype, "T": str(r.T), "data": r.data, "impl": r.impl, "outputs": r.outputs,
+                  "us": _us(r.us), "GB/s": f"{r.gbps:.1f}", "roofline": _pct(r.roofline),
+                  "vs eager": _times(r.vs_eager), "vs compile": _times(r.vs_compile), "rounds": str(r.rounds)}
+                 for r in group]
+        print_section(Section(f"{op}: {shape} ({group[0].mode})", columns, cells))
+
+
+def print_compile_times(rows: Sequence[Row]) -> None:
+    compiled = [r for r in rows if r.impl == COMPILED and r.compile_s is not None]
+    seen, cells = set(), []
+    for r in compiled:
+        key = (r.op, r.shape, r.dtype, r.T)
+        if key not in seen:
+            seen.add(key)
+            cells.append({"op": r.op, "shape": r.shape, "dtype": r.dtype, "T": str(r.T),
+                          "compile s": f"{r.compile_s:.1f}"})
+    if cells:
+        print_section(Section("torch.compile of the unfused path: first call (compile) time, apart from the tables",
+                              ("op", "shape", "dtype", "T", "compile s"), cells))
+
+
+def _pick(rows: Sequence[Row], op: str, shape: str, T: int, outputs: str = "out=", data: str = "",
+          impl: str = CPU) -> Optional[Row]:
+    for r in rows:
+        if (r.op, r.shape, r.dtype, r.T, r.impl, r.outputs) == (op, shape, "bf16", T, impl, outputs) \
+                and r.data.startswith(data):
+            return r
+    return None
+
+
+def summarize(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
+    """Issue 3's targets against this run: bf16, ``qkvfuse cpu`` with ``out=``; rotated data at T <= 16."""
+    split = "split_qkv_rmsnorm_rope"
+    shapes = list(dict.fromkeys(r.shape for r in rows if r.op == split and r.dtype == "bf16"))
+    hiddens = list(dict.fromkeys(r.shape for r in rows if r.op == "add_rmsnorm" and r.dtype == "bf16"))
+    out: List[Dict[str, object]] = []
+
+    def add(target: str, shape: str, T: int, check) -> None:
+        anchor = PUBLISHED_ANCHORS.get(_ANCHOR_OF.get(shape, ""), {}).get(T)
+        anchor_text = (f"{_us(anchor[0])} us (copy {_us(anchor[1])}) [{_ANCHOR_OF[shape]}]" if anchor else "")
+        if cpu_reason:
+            out.append({"target": target, "shape": shape, "measured": "", "verdict": "n/a: cpu backend unavailable",
+                        "published": anchor_text})
+            return
+        result = check()
+        if result is None:
+            return
+        measured, met = result
+        out.append({"target": target, "shape": shape, "measured": measured, "verdict": "MET" if met else "MISSED",
+                    "published": anchor_text})
+
+    for shape in shapes:
+        def t1(shape=shape):
+            rot, hot = _pick(rows, split, shape, 1, data="rotated"), _pick(rows, split, shape, 1, data="hot")
+            if rot is None:
+                return None
+            return f"{_us(rot.us)} us rotated ({_us(hot.us)} hot)", rot.us <= T1_MAX_US
+
+        def t16(shape=shape):
+            rot, hot = _pick(rows, split, shape, 16, data="rotated"), _pick(rows, split, shape, 16, data="hot")
+            if rot is None:
+                return None
+            return (f"{1 / rot.roofline:.2f}x copy, {_us(rot.us)} us rotated ({1 / hot.roofline:.2f}x hot)",
+                    1 / rot.roofline <= T16_MAX_COPIES)
+
+        def big(T, floor, shape=shape):
+            r = _pick(rows, split, shape, T)
+            if r is None:
+                return None
+            fresh = _pick(rows, split, shape, T, outputs="fresh")
+            return (f"{_pct(r.roofline)}, {_us(r.us)} us" + (f" (fresh {_pct(fresh.roofline)})" if fresh else ""),
+                    r.roofline >= floor)
+
+        add(f"split T=1 <= {T1_MAX_US:g} us incl. dispatch", shape, 1, t1)
+        add(f"split T=16 <= {T16_MAX_COPIES:g}x copy", shape, 16, t16)
+        add(f"split T=256 >= {T256_MIN_ROOFLINE:.0%} roofline", shape, 256, lambda s=shape: big(256, T256_MIN_ROOFLINE, s))
+        add(f"split T=4096 >= {T4096_MIN_ROOFLINE:.0%} roofline", shape, 4096,
+            lambda s=shape: big(4096, T4096_MIN_ROOFLINE, s))
+    for hidden in hiddens:
+        def norm(hidden=hidden):
+            r = _pick(rows, "add_rmsnorm", hidden, 4096)
+            if r is None:
+                return None
+            fresh = _pick(rows, "add_rmsnorm", hidden, 4096, outputs="fresh")
+            return (f"{_pct(r.roofline)}, {_us(r.us)} us" + (f" (fresh {_pct(fresh.roofline)})" if fresh else ""),
+                    r.roofline >= NORM_MIN_ROOFLINE)
+
+        add(f"add_rmsnorm T=4096 >= {NORM_MIN_ROOFLINE:.0%} roofline", hidden, 4096, norm)
+    return out
+
+
+def _speedup_line(rows: Sequence[Row], versus: str, attr: str) -> str:
+    mine = [getattr(r, attr) for r in rows if r.impl == CPU and r.outputs == "out=" and getattr(r, attr)]
+    if not mine:
+        return ""
+    return (f"qkvfuse cpu [out=] vs {versus}: {min(mine):.2f}x .. {max(mine):.2f}x over {len(mine)} measurements "
+            f"(> 1: qkvfuse faster)")
+
+
+def print_summary(rows: Sequence[Row], summary: Sequence[Dict[str, object]], cpu_reason: str) -> None:
+    lines = [line for line in (_speedup_line(rows, EAGER, "vs_eager"), _speedup_line(rows, COMPILED, "vs_compile"))
+             if line]
+    note = "\n".join(lines)
+    if cpu_reason:
+        note = f"qkvfuse cpu backend unavailable, its column skipped: {cpu_reason}"
+    if not summary:
+        note += "\n(no bf16 cell of a target shape measured: the targets are for bf16)"
+    columns = ("target", "shape", "measured", "verdict", "published")
+    print_section(Section("summary against issue 3's targets (bf16, qkvfuse cpu with out=; published = best "
+                          "published path on an AVX-512 BF16 machine, not this run)", columns,
+                          [dict(s) for s in summary], note.strip()))
+
+
+def write_json(path: str, machine: Dict[str, object], config: Dict[str, object], rows: Sequence[Row],
+               summary: Sequence[Dict[str, object]]) -> None:
+    payload = {"machine": machine, "config": config, "columns_note": TABLE_NOTE,
+               "rows": [dataclasses.asdict(r) for r in rows], "summary": list(summary)}
+    with open(path, "w") as fh:
+        json.dump(payload, fh, indent=1)
+
+
+def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
+    """One panel per (op, shape, dtype): median us against T, log-log; rotated data at T <= 16."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plotted = [r for r in rows if not r.data.startswith("hot")]
+    panels = list(dict.fromkeys((r.op, r.shape, r.dtype) for r in plotted))
+    if not panels:
+        return
+    ncols = min(4, len(panels))
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows + 1.4), squeeze=False)
+    styles = {EAGER: ("tab:red", "o"), COMPILED: ("tab:orange", "s"), "reference": ("tab:purple", "^"),
+              CPU: ("tab:blue", "D"), COPY: ("black", "")}
+    handles = {}
+    for ax, (op, shape, dtype) in zip(axes.flat, panels):
+        mine = [r for r in plotted if (r.op, r.shape, r.dtype) == (op, shape, dtype)]
+        for impl, outputs in dict.fromkeys((r.impl, r.outputs) for r in mine):
+            line = sorted((r.T, r.us) for r in mine if (r.impl, r.outputs) == (impl, outputs))
+            color, marker = styles.get(impl, ("tab:gray", "x"))
+            label = f"{impl} [{outputs}]" if impl != COPY else "copy_ (roofline)"
+            (h,) = ax.plot([t for t, _ in line], [u for _, u in line], color=color, marker=marker or None,
+                           linestyle="--" if outputs == "fresh" else "-", linewidth=2.2 if impl == COPY else 1.4,
+                           markersize=4, label=label)
+            handles.setdefault(label, h)
+            if impl == CPU and outputs == "out=":  # the number the targets are about, at each point
+                for r in sorted(mine, key=lambda r: r.T):
+                    if (r.impl, r.outputs) == (impl, outputs):
+                        ax.annotate(_pct(r.roofline), (r.T, r.us), textcoords="offset points", xytext=(4, 6),
+                                    fontsize=7, color=color)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ticks = sorted({r.T for r in mine})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_title(f"{'split+norm+rope' if op.startswith('split') else op}: {shape}, {dtype}", fontsize=10)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("median us per call")
+        ax.grid(True, alpha=0.35)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    legend_cols = min(len(handles), 2 * ncols)
+    legend_rows = -(-len(handles) // legend_cols)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=legend_cols, fontsize=9,
+               frameon=False)
+    fig.suptitle(title + "\nlabels: qkvfuse cpu [out=] as % of the copy roofline", fontsize=10)
+    height = fig.get_size_inches()[1]
+    fig.tight_layout(rect=(0, (0.1 + 0.22 * legend_rows) / height, 1, 1 - 0.45 / height))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
