@@ -16,6 +16,7 @@ Random weights make two things fragile that real checkpoints are not, and the bu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Dict, Optional, Tuple
 
@@ -204,10 +205,15 @@ def build_tiny_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int
 def clone_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of ``model`` built with ``dtype=`` at construction, holding the same weights rounded to ``dtype``.
 
-    Buffers transformers keeps in fp32 (GLM's ``e_score_correction_bias``) stay fp32; ``top_k`` pins made by
+    ``dtype=torch.float64`` gives the high-precision reference model the bf16 checks compare against (its
+    MoE experts run transformers' per-expert loop, which has a float64 path). Buffers transformers keeps in fp32 (GLM's ``e_score_correction_bias``) stay fp32; ``top_k`` pins made by
     :func:`build_tiny_model` are carried over.
     """
-    twin = type(model)._from_config(model.config, dtype=dtype)
+    # _from_config writes dtype (and the experts implementation) into the config: give the twin its own.
+    config = copy.deepcopy(model.config)
+    # transformers' grouped-mm experts kernel has no float64 path; the per-expert loop does.
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    twin = type(model)._from_config(config, dtype=dtype, **extra)
     twin.load_state_dict(model.state_dict())
     for (_, src), (_, dst) in zip(model.named_modules(), twin.named_modules()):
         if type(src).__name__ == "Qwen3MoeTopKRouter":

@@ -73,8 +73,6 @@ SUPPORTED_MODELS: Dict[str, _Family] = {
     "Glm4vMoeForConditionalGeneration": _GLM4V_MOE, "Glm4vMoeModel": _GLM4V_MOE,
     "Glm4vMoeTextModel": _GLM4V_MOE,
 }
-# MoE blocks with a shared expert that qkvfuse.moe.glm4 can overlap (issue 6).
-_SHARED_EXPERT_MOE = ("Glm4MoeMoE",)
 _OVERLAP_ENV = "QKVFUSE_SHARED_EXPERT_OVERLAP"
 _FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -330,26 +328,37 @@ def _check_layer(layer: nn.Module, family: _Family) -> None:
 
 
 def _overlap_requested(shared_expert_overlap: Optional[bool]) -> Optional[bool]:
+    """True/False: patch the GLM MoE blocks with that setting; None: leave them alone."""
     if shared_expert_overlap is not None:
-        return bool(shared_expert_overlap)
-    return True if os.environ.get(_OVERLAP_ENV) == "1" else None
+        if not isinstance(shared_expert_overlap, bool):
+            raise TypeError(f"shared_expert_overlap: expected a bool or None, got {shared_expert_overlap!r}")
+        return shared_expert_overlap
+    if not os.environ.get(_OVERLAP_ENV, "").strip():
+        return None
+    # The environment switch is parsed by qkvfuse.moe, the one place that defines it.
+    return True if _glm4_moe_api().overlap_enabled(None) else None
+
+
+def _glm4_moe_api():
+    try:
+        from ..moe import glm4, overlap
+    except ImportError as exc:
+        raise NotImplementedError(
+            f"apply_qkvfuse: shared-expert overlap needs qkvfuse.moe.glm4 (patch_glm4_moe), which is not available "
+            f"in this qkvfuse ({exc}); pass shared_expert_overlap=None and unset {_OVERLAP_ENV}") from None
+    return types.SimpleNamespace(patch=glm4.patch_glm4_moe, unpatch=glm4.unpatch_glm4_moe,
+                                 is_block=glm4.is_glm4_moe_block, overlap_enabled=overlap.overlap_enabled)
 
 
 def _patch_moe(model: nn.Module, overlap: bool, explicit: bool) -> List[nn.Module]:
-    blocks = [m for m in model.modules() if type(m).__name__ in _SHARED_EXPERT_MOE]
-    if not blocks:
-        if explicit:
-            raise ValueError(f"apply_qkvfuse: shared_expert_overlap applies to MoE blocks with a shared expert "
-                             f"({', '.join(_SHARED_EXPERT_MOE)}); {type(model).__name__} has none")
-        return []  # the environment variable is global: models without shared experts ignore it
-    try:
-        from ..moe.glm4 import patch_glm4_moe
-    except ImportError as exc:
-        raise NotImplementedError(
-            f"apply_qkvfuse: shared_expert_overlap needs qkvfuse.moe.glm4.patch_glm4_moe, which is not available "
-            f"in this qkvfuse ({exc}); pass shared_expert_overlap=None and unset {_OVERLAP_ENV}") from None
+    api = _glm4_moe_api()
+    blocks = [m for m in model.modules() if api.is_block(m)]
+    if not blocks and explicit:
+        raise ValueError(f"apply_qkvfuse: shared_expert_overlap applies to GLM-4 MoE blocks with a shared expert; "
+                         f"{type(model).__name__} has none")
+    # Without an explicit request the environment switch is global: models without shared experts ignore it.
     for block in blocks:
-        patch_glm4_moe(block, overlap=overlap)
+        api.patch(block, overlap=overlap)
     return blocks
 
 
@@ -376,10 +385,10 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     fuse_add_rmsnorm : bool
         Also replace each decoder layer's post-attention ``residual + x`` and RMSNorm by one ``add_rmsnorm``.
     shared_expert_overlap : bool, optional
-        For GLM-4.x MoE blocks, run the shared expert overlapped (True) or serially (False) through
-        ``qkvfuse.moe.glm4.patch_glm4_moe``. None: leave the MoE blocks alone unless the environment sets
-        ``QKVFUSE_SHARED_EXPERT_OVERLAP=1``.
-
+        For GLM-4 MoE blocks (GLM-4.5/4.6/4.7, GLM-4.5V text), run the shared expert overlapped with the routed
+        experts (True) or inline (False) through ``qkvfuse.moe.glm4.patch_glm4_moe``. None: leave the MoE
+        blocks alone unless ``QKVFUSE_SHARED_EXPERT_OVERLAP`` enables it (models without such blocks then
+        ignore the variable; an explicit True/False on them raises ``ValueError``).
     Returns
     -------
     model
@@ -474,10 +483,9 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     if state.moe_blocks:
-        from ..moe.glm4 import unpatch_glm4_moe
-
+        unpatch = _glm4_moe_api().unpatch
         for block in state.moe_blocks:
-            unpatch_glm4_moe(block)
+            unpatch(block)
     for hook in state.hooks:
         hook.remove()
     for rotary in state.rotaries:
