@@ -211,3 +211,33 @@ def test_environment_switch_and_patch_api(model_factory, monkeypatch):
         patch_glm4_moe(block.shared_experts, overlap=True)
     with pytest.raises(TypeError, match="runner must be a SharedExpertOverlap"):
         patch_glm4_moe(block, overlap=True, runner="side")
+
+
+@pytest.mark.parametrize("module_name, block_name, config_name", [
+    ("glm4v_moe", "Glm4vMoeTextMoE", "Glm4vMoeTextConfig"),  # GLM-4.5V text model
+    ("glm4_moe_lite", "Glm4MoeLiteMoE", "Glm4MoeLiteConfig"),
+])
+def test_twin_blocks_patch_bitwise(module_name, block_name, config_name):
+    """The other transformers classes accepted by patch_glm4_moe have the same forward; it stays bitwise."""
+    import importlib
+
+    block_cls = getattr(importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}"),
+                        block_name)
+    config = getattr(transformers, config_name)(
+        hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+        topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, experts_implementation="grouped_mm")
+    block = block_cls(config).eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, 0.1)
+        block.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    x = torch.randn(2, 3, 64)
+    fake, runner = _fake_runner()
+    with torch.no_grad():
+        original = block(x)
+        assert_bitwise(block(x), original)
+        patch_glm4_moe(block, overlap=True, runner=runner)
+        with intercepting_record_stream(fake):
+            assert_bitwise(block(x), original)
+        unpatch_glm4_moe(block)
+    assert ("wait", "main", "side0") in fake.log
