@@ -1,0 +1,165 @@
+// add_rmsnorm on CPU (semantics: qkvfuse/reference.py). One row per work item, two passes over the row:
+// the first forms s = x + residual rounded to the I/O dtype (stored as residual_out) and sums its squares, the
+// second normalises s -- re-read from residual_out, still in L1/L2 -- into y. Each row's bits depend only on
+// that row, never on the thread split or on T.
+#include "vec_io.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace qkvfuse_cpu {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+struct NormPlan {
+  int64_t T, H;
+  const void* x;
+  int64_t x_rs;
+  const void* r;  // nullptr without residual
+  int64_t r_rs;
+  void* y;
+  int64_t y_rs;
+  void* r_out;  // nullptr without residual
+  int64_t r_out_rs;
+  const float* w;
+  const float* b;  // nullptr without bias
+  float eps;
+};
+
+template <typename T>
+void norm_row(const NormPlan& p, int64_t t) {
+  const int64_t H = p.H;
+  const T* x = static_cast<const T*>(p.x) + t * p.x_rs;
+  const T* r = p.r != nullptr ? static_cast<const T*>(p.r) + t * p.r_rs : nullptr;
+  T* r_out = p.r_out != nullptr ? static_cast<T*>(p.r_out) + t * p.r_out_rs : nullptr;
+  T* y = static_cast<T*>(p.y) + t * p.y_rs;
+
+  // Pass 1: s (rounded to T exactly as the unfused add rounds it) and sum of s^2 in fp32.
+  fVec acc0(0.f), acc1(0.f);
+  float tail = 0.f;
+  int64_t d = 0;
+  for (; d + 2 * kF <= H; d += 2 * kF) {
+    fVec a, b;
+    Io<T>::load2(x + d, a, b);
+    if (r != nullptr) {
+      fVec ra, rb;
+      Io<T>::load2(r + d, ra, rb);
+      a = a + ra;
+      b = b + rb;
+      Io<T>::store2_rounded(r_out + d, a, b);
+    }
+    acc0 = at::vec::fmadd(a, a, acc0);
+    acc1 = at::vec::fmadd(b, b, acc1);
+  }
+  for (; d < H; ++d) {
+    float s = static_cast<float>(x[d]);
+    if (r != nullptr) {
+      r_out[d] = static_cast<T>(s + static_cast<float>(r[d]));
+      s = static_cast<float>(r_out[d]);
+    }
+    tail = std::fma(s, s, tail);
+  }
+  const float ss = reduce_sum(acc0 + acc1) + tail;
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + p.eps);
+
+  // Pass 2: y = (s * inv) * w (+ b), rounded once. s is re-read from where pass 1 left it (exactly aliased
+  // outputs are safe: every element is read before its own position is written).
+  const T* s = r != nullptr ? r_out : x;
+  const fVec vinv(inv);
+  auto norm = [&](const fVec& v, int64_t i) {
+    fVec out = v * vinv * fVec::loadu(p.w + i);
+    return p.b != nullptr ? out + fVec::loadu(p.b + i) : out;
+  };
+  for (d = 0; d + 2 * kF <= H; d += 2 * kF) {
+    fVec a, b;
+    Io<T>::load2(s + d, a, b);
+    Io<T>::store2(y + d, norm(a, d), norm(b, d + kF));
+  }
+  for (; d < H; ++d) {
+    float v = static_cast<float>(s[d]) * inv * p.w[d];
+    if (p.b != nullptr) v = v + p.b[d];
+    y[d] = static_cast<T>(v);
+  }
+}
+
+template <typename T>
+void run_norm(const NormPlan& p) {
+  at::parallel_for(0, p.T, grain_items(p.H), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row<T>(p, t);
+  });
+}
+
+void check_rows(const Tensor& t, const Tensor& x, const char* what) {
+  TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device().is_cpu() &&
+                  (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1))),
+              "qkvfuse cpu kernel: bad ", what, " ", t.sizes(), " ", t.strides());
+}
+
+void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
+                     double eps, const Tensor& y_out, const OptTensor& residual_out) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                               x.scalar_type() == at::kHalf),
+              "qkvfuse cpu kernel: bad x ", x.sizes());
+  check_rows(x, x, "x");
+  check_rows(y_out, x, "y_out");
+  TORCH_CHECK(residual.has_value() == residual_out.has_value(),
+              "qkvfuse cpu kernel: residual and residual_out come together");
+  const int64_t T = x.size(0), H = x.size(1);
+  if (T == 0 || H == 0) return;
+  // A std::vector rather than a stack array: H is the model's hidden size, unbounded here.
+  std::vector<float> w(H), b(bias.has_value() ? H : 0);
+  vector_to_fp32(weight, H, w.data());
+  if (bias.has_value()) vector_to_fp32(*bias, H, b.data());
+  NormPlan p{};
+  p.T = T;
+  p.H = H;
+  p.x = x.const_data_ptr();
+  p.x_rs = x.stride(0);
+  p.y = y_out.data_ptr();
+  p.y_rs = y_out.stride(0);
+  if (residual.has_value()) {
+    check_rows(*residual, x, "residual");
+    check_rows(*residual_out, x, "residual_out");
+    p.r = residual->const_data_ptr();
+    p.r_rs = residual->stride(0);
+    p.r_out = residual_out->data_ptr();
+    p.r_out_rs = residual_out->stride(0);
+  }
+  p.w = w.data();
+  p.b = bias.has_value() ? b.data() : nullptr;
+  p.eps = static_cast<float>(eps);
+  switch (x.scalar_type()) {
+    case at::kFloat: return run_norm<float>(p);
+    case at::kBFloat16: return run_norm<c10::BFloat16>(p);
+    default: return run_norm<c10::Half>(p);
+  }
+}
+
+std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                       const OptTensor& bias, double eps) {
+  Tensor y = at::empty(x.sizes(), x.options());
+  if (!residual.has_value()) {
+    add_rmsnorm_out(x, residual, weight, bias, eps, y, std::nullopt);
+    return {y, at::empty({0}, x.options())};
+  }
+  Tensor r_out = at::empty(x.sizes(), x.options());
+  add_rmsnorm_out(x, residual, weight, bias, eps, y, r_out);
+  return {y, r_out};
+}
+
+}  // namespace
+}  // namespace qkvfuse_cpu
+
+TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
+  m.impl("add_rmsnorm", &qkvfuse_cpu::add_rmsnorm);
+  m.impl("add_rmsnorm_out", &qkvfuse_cpu::add_rmsnorm_out);
+}

@@ -1,0 +1,409 @@
+// split_qkv_rmsnorm_rope on CPU: one pass over packed QKV (semantics: qkvfuse/reference.py).
+//
+// Work items are (token, head) pairs, token-major, split over threads by at::parallel_for; a token's V heads
+// form one more item (a row memcpy). A Q/K item reads its head once into an fp32 stack buffer (summing
+// squares on the way), then normalises, rotates and rounds it straight into the output. Each item's bits
+// depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
+// threads or on the other tokens in the batch.
+#include "vec_io.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace qkvfuse_cpu {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+constexpr int64_t kMaxHalf = kMaxHeadDim / 2;
+
+// The mRoPE axis rule of qkvfuse.rope.mrope_axis_map (the Python function is the definition; the op
+// qkvfuse_cpu::mrope_axis_map exposes this copy so a test compares the two on every layout).
+int64_t mrope_axis(int64_t j, int64_t s_t, int64_t s_h, int64_t s_w, bool interleaved) {
+  if (interleaved) {
+    if (j % 3 == 1 && j < 3 * s_h) return 1;
+    if (j % 3 == 2 && j < 3 * s_w) return 2;
+    return 0;
+  }
+  return j < s_t ? 0 : (j < s_t + s_h ? 1 : 2);
+}
+
+struct SplitPlan {
+  int64_t T, hq, hkv, D, R, half, max_pos;
+  const void* qkv;
+  int64_t qkv_rs;  // row strides in elements
+  void* q;
+  int64_t q_rs;
+  void* k;
+  int64_t k_rs;
+  void* v;  // nullptr when v_out already is qkv's own V slice
+  int64_t v_rs;
+  const void* pos;
+  bool pos64;
+  int64_t pos_s_axis, pos_s_t;
+  bool mrope;
+  uint8_t axis[kMaxHalf];
+  const void* cache;
+  at::ScalarType cache_dtype;
+  int64_t cache_rs;
+  const float *wq, *wk, *bq, *bk;  // fp32 copies, nullptr when absent
+  float eps;
+  bool neox;
+};
+
+int64_t read_pos(const SplitPlan& p, int64_t axis, int64_t t) {
+  const int64_t off = axis * p.pos_s_axis + t * p.pos_s_t;
+  return p.pos64 ? static_cast<const int64_t*>(p.pos)[off] : static_cast<const int32_t*>(p.pos)[off];
+}
+
+// Raises before any output is written. Positions are clamped again where they are used, so the table is
+// never read out of bounds even if a caller reaches the kernel some other way.
+void check_positions(const SplitPlan& p) {
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  for (int64_t a = 0; a < (p.mrope ? 3 : 1); ++a) {
+    for (int64_t t = 0; t < p.T; ++t) {
+      const int64_t v = read_pos(p, a, t);
+      lo = std::min(lo, v);
+      hi = std::max(hi, v);
+    }
+  }
+  TORCH_CHECK_VALUE(lo >= 0 && hi < p.max_pos, "positions: expected values in [0, ", p.max_pos,
+                    ") (cos_sin_cache rows), got values in [", lo, ", ", hi, "]");
+}
+
+template <typename C>
+void gather_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
+  const C* table = static_cast<const C*>(p.cache);
+  auto row = [&](int64_t axis) {
+    const int64_t pos = std::clamp<int64_t>(read_pos(p, axis, t), 0, p.max_pos - 1);
+    return table + pos * p.cache_rs;
+  };
+  if (!p.mrope) {
+    const C* r = row(0);
+    for (int64_t j = 0; j < p.half; ++j) {
+      cos[j] = static_cast<float>(r[j]);
+      sin[j] = static_cast<float>(r[p.half + j]);
+    }
+    return;
+  }
+  const C* rows[3] = {row(0), row(1), row(2)};
+  for (int64_t j = 0; j < p.half; ++j) {
+    const C* r = rows[p.axis[j]];
+    cos[j] = static_cast<float>(r[j]);
+    sin[j] = static_cast<float>(r[p.half + j]);
+  }
+}
+
+void token_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
+  switch (p.cache_dtype) {
+    case at::kFloat: return gather_cos_sin<float>(p, t, cos, sin);
+    case at::kBFloat16: return gather_cos_sin<c10::BFloat16>(p, t, cos, sin);
+    default: return gather_cos_sin<c10::Half>(p, t, cos, sin);
+  }
+}
+
+// kNorm: 0 no QK-norm, 1 weight, 2 weight and bias. One head: src -> dst, `half` rotary pairs then D - 2*half
+// pass-through dims. The norm is (x * inv) * w (+ b) in the vector body and the scalar tail alike; the
+// rotation is fused multiply-adds in both, so an element's value never depends on which path computed it.
+template <typename T, int kNorm, bool kNeox>
+void qk_head(const T* src, T* dst, const float* w, const float* b, float eps, int64_t D, int64_t half,
+             const float* cos, const float* sin) {
+  alignas(64) float x[kMaxHeadDim];
+  fVec acc0(0.f), acc1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kF <= D; d += 2 * kF) {
+    fVec a, c;
+    Io<T>::load2(src + d, a, c);
+    a.store(x + d);
+    c.store(x + d + kF);
+    if constexpr (kNorm > 0) {
+      acc0 = at::vec::fmadd(a, a, acc0);
+      acc1 = at::vec::fmadd(c, c, acc1);
+    }
+  }
+  float tail = 0.f;
+  for (; d < D; ++d) {
+    x[d] = static_cast<float>(src[d]);
+    tail = std::fma(x[d], x[d], tail);
+  }
+  float inv = 1.f;
+  if constexpr (kNorm > 0) {
+    const float ss = reduce_sum(acc0 + acc1) + tail;
+    inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+  }
+  const fVec vinv(inv);
+  auto norm = [&](int64_t i) {
+    fVec v = fVec::loadu(x + i);
+    if constexpr (kNorm > 0) v = v * vinv * fVec::loadu(w + i);
+    if constexpr (kNorm > 1) v = v + fVec::loadu(b + i);
+    return v;
+  };
+  auto norm1 = [&](int64_t i) {
+    float v = x[i];
+    if constexpr (kNorm > 0) v = v * inv * w[i];
+    if constexpr (kNorm > 1) v = v + b[i];
+    return v;
+  };
+  auto rot1 = [&](int64_t ia, int64_t ib, int64_t j) {
+    const float ya = norm1(ia), yb = norm1(ib);
+    dst[ia] = static_cast<T>(std::fma(ya, cos[j], -(yb * sin[j])));
+    dst[ib] = static_cast<T>(std::fma(yb, cos[j], ya * sin[j]));
+  };
+
+  int64_t j = 0;
+  if constexpr (kNeox) {
+    for (; j + 2 * kF <= half; j += 2 * kF) {
+      const fVec a0 = norm(j), a1 = norm(j + kF), b0 = norm(half + j), b1 = norm(half + j + kF);
+      const fVec c0 = fVec::loadu(cos + j), c1 = fVec::loadu(cos + j + kF);
+      const fVec s0 = fVec::loadu(sin + j), s1 = fVec::loadu(sin + j + kF);
+      Io<T>::store2(dst + j, at::vec::fmsub(a0, c0, b0 * s0), at::vec::fmsub(a1, c1, b1 * s1));
+      Io<T>::store2(dst + half + j, at::vec::fmadd(b0, c0, a0 * s0), at::vec::fmadd(b1, c1, a1 * s1));
+    }
+    for (; j + kF <= half; j += kF) {
+      const fVec a = norm(j), bb = norm(half + j), c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
+      Io<T>::store1(dst + j, at::vec::fmsub(a, c, bb * s));
+      Io<T>::store1(dst + half + j, at::vec::fmadd(bb, c, a * s));
+    }
+    for (; j < half; ++j) rot1(j, half + j, j);
+  } else {
+    for (; j + kF <= half; j += kF) {
+      const auto [a, bb] = at::vec::deinterleave2(norm(2 * j), norm(2 * j + kF));
+      const fVec c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
+      const auto [o0, o1] = at::vec::interleave2(at::vec::fmsub(a, c, bb * s), at::vec::fmadd(bb, c, a * s));
+      Io<T>::store2(dst + 2 * j, o0, o1);
+    }
+    for (; j < half; ++j) rot1(2 * j, 2 * j + 1, j);
+  }
+
+  d = 2 * half;  // partial rotary: the rest is normalised but not rotated
+  for (; d + 2 * kF <= D; d += 2 * kF) Io<T>::store2(dst + d, norm(d), norm(d + kF));
+  for (; d + kF <= D; d += kF) Io<T>::store1(dst + d, norm(d));
+  for (; d < D; ++d) dst[d] = static_cast<T>(norm1(d));
+}
+
+template <typename T>
+using HeadFn = void (*)(const T*, T*, const float*, const float*, float, int64_t, int64_t, const float*,
+                        const float*);
+
+template <typename T, int kNorm>
+HeadFn<T> pick_style(bool neox) {
+  return neox ? &qk_head<T, kNorm, true> : &qk_head<T, kNorm, false>;
+}
+
+template <typename T>
+void run_split(const SplitPlan& p) {
+  const int norm_mode = p.wq == nullptr ? 0 : (p.bq == nullptr ? 1 : 2);
+  const HeadFn<T> head = norm_mode == 0   ? pick_style<T, 0>(p.neox)
+                         : norm_mode == 1 ? pick_style<T, 1>(p.neox)
+                                          : pick_style<T, 2>(p.neox);
+  const T* qkv = static_cast<const T*>(p.qkv);
+  T* q = static_cast<T*>(p.q);
+  T* k = static_cast<T*>(p.k);
+  T* v = static_cast<T*>(p.v);
+  const int64_t qk_heads = p.hq + p.hkv;
+  const int64_t per_token = qk_heads + (v != nullptr ? 1 : 0);
+  const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
+  at::parallel_for(0, p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
+    alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
+    int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = qkv + t * p.qkv_rs;
+      if (h < qk_heads) {
+        if (cos_sin_token != t) {  // once per token per thread: each thread gathers its own copy
+          token_cos_sin(p, t, cos, sin);
+          cos_sin_token = t;
+        }
+        if (h < p.hq) {
+          head(row + h * p.D, q + t * p.q_rs + h * p.D, p.wq, p.bq, p.eps, p.D, p.half, cos, sin);
+        } else {
+          head(row + h * p.D, k + t * p.k_rs + (h - p.hq) * p.D, p.wk, p.bk, p.eps, p.D, p.half, cos, sin);
+        }
+      } else {
+        std::memcpy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
+      }
+      if (++h == per_token) {
+        h = 0;
+        ++t;
+      }
+    }
+  });
+}
+
+const float* to_fp32(const OptTensor& t, int64_t D, float* out) {
+  if (!t.has_value()) return nullptr;
+  vector_to_fp32(*t, D, out);
+  return out;
+}
+
+bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+void check_out(const Tensor& out, const Tensor& qkv, int64_t width) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == qkv.size(0) && out.size(1) == width &&
+                  out.scalar_type() == qkv.scalar_type() && out.device().is_cpu() &&
+                  (out.numel() == 0 || (out.stride(1) == 1 && out.stride(0) >= width)),
+              "qkvfuse cpu kernel: bad output ", out.sizes(), " ", out.strides());
+}
+
+// Everything the kernel needs, from validated arguments. The TORCH_CHECKs only guard memory safety for
+// callers that reach torch.ops.qkvfuse.* directly; qkvfuse.ops validates with user-facing messages first.
+SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
+                    int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                    const OptTensor& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
+                    bool mrope_interleaved, float* weight_buffers) {
+  const int64_t width = (hq + 2 * hkv) * D;
+  TORCH_CHECK(hq >= 1 && hkv >= 1 && D >= 2 && D % 2 == 0 && D <= kMaxHeadDim,
+              "qkvfuse cpu kernel: bad head geometry");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && is_float_type(qkv.scalar_type()) &&
+                  (qkv.numel() == 0 || (qkv.stride(1) == 1 && qkv.stride(0) >= width)),
+              "qkvfuse cpu kernel: bad qkv ", qkv.sizes(), " ", qkv.strides());
+  TORCH_CHECK(cache.dim() == 2 && cache.size(0) >= 1 && cache.size(1) >= 2 && cache.size(1) % 2 == 0 &&
+                  cache.size(1) <= D && cache.stride(1) == 1 && cache.stride(0) >= cache.size(1) &&
+                  is_float_type(cache.scalar_type()) && cache.device().is_cpu(),
+              "qkvfuse cpu kernel: bad cos_sin_cache ", cache.sizes());
+  const bool mrope = !mrope_section.empty();
+  const int64_t T = qkv.size(0), R = cache.size(1);
+  TORCH_CHECK((positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt) &&
+                  positions.device().is_cpu() &&
+                  (mrope ? (positions.dim() == 2 && positions.size(0) == 3 && positions.size(1) == T)
+                         : (positions.dim() == 1 && positions.size(0) == T)),
+              "qkvfuse cpu kernel: bad positions ", positions.sizes());
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value() && (q_weight.has_value() || !q_bias.has_value()) &&
+                  q_bias.has_value() == k_bias.has_value(),
+              "qkvfuse cpu kernel: norm weights and biases come in pairs (both Q and K)");
+
+  SplitPlan p{};
+  p.T = T;
+  p.hq = hq;
+  p.hkv = hkv;
+  p.D = D;
+  p.R = R;
+  p.half = R / 2;
+  p.max_pos = cache.size(0);
+  p.qkv = qkv.const_data_ptr();
+  p.qkv_rs = qkv.stride(0);
+  p.pos = positions.const_data_ptr();
+  p.pos64 = positions.scalar_type() == at::kLong;
+  p.pos_s_axis = mrope ? positions.stride(0) : 0;
+  p.pos_s_t = positions.stride(-1);
+  p.mrope = mrope;
+  if (mrope) {
+    TORCH_CHECK(mrope_section.size() == 3 && mrope_section[0] + mrope_section[1] + mrope_section[2] == p.half,
+                "qkvfuse cpu kernel: mrope_section must be three sizes summing to rotary_dim // 2");
+    for (int64_t j = 0; j < p.half; ++j) {
+      p.axis[j] = static_cast<uint8_t>(
+          mrope_axis(j, mrope_section[0], mrope_section[1], mrope_section[2], mrope_interleaved));
+    }
+  }
+  p.cache = cache.const_data_ptr();
+  p.cache_dtype = cache.scalar_type();
+  p.cache_rs = cache.stride(0);
+  p.wq = to_fp32(q_weight, D, weight_buffers);
+  p.wk = to_fp32(k_weight, D, weight_buffers + kMaxHeadDim);
+  p.bq = to_fp32(q_bias, D, weight_buffers + 2 * kMaxHeadDim);
+  p.bk = to_fp32(k_bias, D, weight_buffers + 3 * kMaxHeadDim);
+  p.eps = static_cast<float>(eps);
+  p.neox = is_neox;
+  return p;
+}
+
+void set_outputs(SplitPlan& p, const Tensor& qkv, const Tensor& q_out, const Tensor& k_out, const Tensor& v_out) {
+  const int64_t kv = p.hkv * p.D;
+  check_out(q_out, qkv, p.hq * p.D);
+  check_out(k_out, qkv, kv);
+  check_out(v_out, qkv, kv);
+  p.q = q_out.data_ptr();
+  p.q_rs = q_out.stride(0);
+  p.k = k_out.data_ptr();
+  p.k_rs = k_out.stride(0);
+  const char* v_in = static_cast<const char*>(p.qkv) + (p.hq + p.hkv) * p.D * qkv.element_size();
+  // Exactly aliasing V (the in-place form) needs no copy; ops.py rejects any other overlap.
+  const bool v_aliased = v_out.const_data_ptr() == v_in && (p.T <= 1 || v_out.stride(0) == p.qkv_rs);
+  p.v = v_aliased ? nullptr : v_out.data_ptr();
+  p.v_rs = v_out.stride(0);
+}
+
+void run(const SplitPlan& p, at::ScalarType dtype) {
+  if (p.T == 0) return;
+  check_positions(p);
+  switch (dtype) {
+    case at::kFloat: return run_split<float>(p);
+    case at::kBFloat16: return run_split<c10::BFloat16>(p);
+    default: return run_split<c10::Half>(p);
+  }
+}
+
+void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
+                                const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                c10::IntArrayRef mrope_section, bool mrope_interleaved, const Tensor& q_out,
+                                const Tensor& k_out, const Tensor& v_out) {
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
+                          mrope_section, mrope_interleaved, weights);
+  set_outputs(p, qkv, q_out, k_out, v_out);
+  run(p, qkv.scalar_type());
+}
+
+std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
+    const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv, int64_t D,
+    const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias,
+    double eps, bool is_neox, c10::IntArrayRef mrope_section, bool mrope_interleaved) {
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
+                          mrope_section, mrope_interleaved, weights);
+  Tensor q = at::empty({p.T, hq * D}, qkv.options());
+  Tensor k = at::empty({p.T, hkv * D}, qkv.options());
+  Tensor v = at::empty({p.T, hkv * D}, qkv.options());
+  set_outputs(p, qkv, q, k, v);
+  run(p, qkv.scalar_type());
+  return {q, k, v};
+}
+
+void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                    int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
+                                    const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                    c10::IntArrayRef mrope_section, bool mrope_interleaved) {
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
+                          mrope_section, mrope_interleaved, weights);
+  char* base = static_cast<char*>(qkv.data_ptr());
+  p.q = base;
+  p.q_rs = p.qkv_rs;
+  p.k = base + hq * D * qkv.element_size();
+  p.k_rs = p.qkv_rs;
+  p.v = nullptr;  // V stays where it is
+  run(p, qkv.scalar_type());
+}
+
+std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool interleaved) {
+  TORCH_CHECK(section.size() == 3, "mrope_axis_map: three sections expected");
+  std::vector<int64_t> axes(half);
+  for (int64_t j = 0; j < half; ++j) axes[j] = mrope_axis(j, section[0], section[1], section[2], interleaved);
+  return axes;
+}
+
+}  // namespace
+}  // namespace qkvfuse_cpu
+
+TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
+  m.impl("split_qkv_rmsnorm_rope", &qkvfuse_cpu::split_qkv_rmsnorm_rope);
+  m.impl("split_qkv_rmsnorm_rope_out", &qkvfuse_cpu::split_qkv_rmsnorm_rope_out);
+  m.impl("split_qkv_rmsnorm_rope_inplace", &qkvfuse_cpu::split_qkv_rmsnorm_rope_inplace);
+}
+
+// Introspection for tests: the kernel's own copy of the mRoPE axis rule and its parallel grain.
+TORCH_LIBRARY(qkvfuse_cpu, m) {
+  m.def("mrope_axis_map(int half, int[] mrope_section, bool interleaved) -> int[]", &qkvfuse_cpu::mrope_axis_map);
+  m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
+}

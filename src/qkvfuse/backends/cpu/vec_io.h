@@ -1,0 +1,100 @@
+// Loads and stores between fp32 registers and fp32/bf16/fp16 memory, shared by the qkvfuse CPU kernels.
+//
+// All arithmetic happens in Vectorized<float>. Narrow types are widened on load (exact) and rounded once on
+// store, to nearest even -- the same rounding as torch's `.to(torch.bfloat16)` / `.to(torch.float16)`, in the
+// vector path (ATen's converters) and in the scalar tails (c10::BFloat16 / c10::Half constructors) alike.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace qkvfuse_cpu {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t kF = fVec::size();  // fp32 lanes per register (8 with AVX2, 16 with AVX-512)
+
+// Widest head a kernel's on-stack fp32 staging buffer holds (ops.MAX_HEAD_DIM).
+constexpr int64_t kMaxHeadDim = 512;
+
+// Minimum elements a thread's share must hold before at::parallel_for forks: below it the fork/join costs
+// more than the work (a decode token of Qwen3-8B is 40 heads x 128 = 5 120 elements, done in ~2 us).
+constexpr int64_t kGrainElems = 16384;
+
+inline int64_t grain_items(int64_t elems_per_item) {
+  return elems_per_item >= kGrainElems ? 1 : (kGrainElems + elems_per_item - 1) / elems_per_item;
+}
+
+// Horizontal sum in a fixed lane order (so a row's sum never depends on threads or batch).
+inline float reduce_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
+}
+
+template <typename T>
+struct Io;
+
+template <>
+struct Io<float> {
+  static void load2(const float* p, fVec& a, fVec& b) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + kF);
+  }
+  static fVec load1(const float* p) { return fVec::loadu(p); }
+  static void store2(float* p, const fVec& a, const fVec& b) {
+    a.store(p);
+    b.store(p + kF);
+  }
+  static void store1(float* p, const fVec& a) { a.store(p); }
+  // Store a, b and replace them by the stored (rounded) values: a no-op rounding for fp32.
+  static void store2_rounded(float* p, fVec& a, fVec& b) { store2(p, a, b); }
+};
+
+template <typename T>
+struct Io16 {
+  using bVec = at::vec::Vectorized<T>;
+  static_assert(bVec::size() == 2 * kF, "a 16-bit vector holds two fp32 vectors");
+  static void load2(const T* p, fVec& a, fVec& b) { at::vec::load_to_float<T>(p, a, b); }
+  static fVec load1(const T* p) {
+    fVec a;
+    at::vec::load_to_float<T>(p, a);
+    return a;
+  }
+  static void store2(T* p, const fVec& a, const fVec& b) { at::vec::convert_from_float<T>(a, b).store(p); }
+  static void store1(T* p, const fVec& a) { at::vec::convert_from_float<T>(a, a).store(p, kF); }
+  static void store2_rounded(T* p, fVec& a, fVec& b) {
+    bVec rounded = at::vec::convert_from_float<T>(a, b);
+    rounded.store(p);
+    std::tie(a, b) = at::vec::convert_to_float<T>(rounded);
+  }
+};
+
+template <>
+struct Io<c10::BFloat16> : Io16<c10::BFloat16> {};
+template <>
+struct Io<c10::Half> : Io16<c10::Half> {};
+
+// A 1-D weight or bias (fp32/bf16/fp16, any stride) as fp32: read once per call, shared by every row.
+inline void vector_to_fp32(const at::Tensor& t, int64_t n, float* out) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.device().is_cpu(), "qkvfuse cpu kernel: bad weight/bias ",
+              t.sizes());
+  const int64_t s = t.stride(0);
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      for (int64_t i = 0; i < n; ++i) out[i] = t.const_data_ptr<float>()[i * s];
+      break;
+    case at::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(t.const_data_ptr<c10::BFloat16>()[i * s]);
+      break;
+    case at::kHalf:
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(t.const_data_ptr<c10::Half>()[i * s]);
+      break;
+    default:
+      TORCH_CHECK(false, "qkvfuse cpu kernel: weight/bias dtype ", t.scalar_type());
+  }
+}
+
+}  // namespace qkvfuse_cpu
