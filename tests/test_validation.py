@@ -1,0 +1,59 @@
+"""Bad input: every call in the catalogue raises ValueError/TypeError naming the argument, on every backend.
+
+The catalogue (``qkvfuse.testing.failure_modes.BAD_CALLS``) covers both ops and the cache builder. It runs
+in one child process per backend, so a crash of native or Triton code on bad input is reported as a test
+failure (naming the call it died in) instead of killing pytest. NaN/Inf inputs are not errors: they
+propagate inside their head or row (documented in ``split_qkv_rmsnorm_rope``), tested below.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import qkvfuse.testing.failure_modes as fm
+
+_RESULTS = {}
+
+
+def _results(backend):
+    """``(results by call name, exit code, call that was running when the child died, stderr tail)``."""
+    if backend not in _RESULTS:
+        proc = subprocess.run([sys.executable, "-m", "qkvfuse.testing.failure_modes", "bad-input", backend],
+                              capture_output=True, text=True, timeout=600)
+        results, running = {}, None
+        for line in proc.stdout.splitlines():
+            record = json.loads(line)
+            if "start" in record:
+                running = record["start"]
+            else:
+                results[record["name"]] = (record["ok"], record["detail"])
+                running = None
+        _RESULTS[backend] = (results, proc.returncode, running, proc.stderr[-3000:])
+    return _RESULTS[backend]
+
+
+def test_catalogue_covers_both_ops_and_the_cache_builder():
+    names = [bad.name for bad in fm.BAD_CALLS]
+    assert len(set(names)) == len(names) >= 30
+    args = {bad.arg for bad in fm.BAD_CALLS}
+    for arg in ("qkv", "positions", "cos_sin_cache", "mrope_section", "q_weight", "k_bias", "q_out", "eps",  # split
+                "x", "residual", "weight", "bias", "y_out", "residual_out",  # add_rmsnorm
+                "rotary_dim", "max_position", "base", "dtype", "rope_scaling"):  # build_cos_sin_cache
+        assert arg in args, f"no bad call for {arg!r}"
+
+
+@pytest.mark.parametrize("name", [bad.name for bad in fm.BAD_CALLS])
+def test_bad_call_raises_naming_the_argument(backend, name):
+    results, returncode, running, stderr = _results(backend)
+    if name not in results:
+        where = f"while running {running!r}" if running else "before reaching this call"
+        pytest.fail(f"the child process died (exit code {returncode}) {where}:\n{stderr}")
+    ok, detail = results[name]
+    assert ok, detail
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+def test_nonfinite_input_propagates_inside_its_head(backend, value):
+    fm.check_nonfinite_propagates(backend, value)
