@@ -241,3 +241,16 @@ def test_twin_blocks_patch_bitwise(module_name, block_name, config_name):
             assert_bitwise(block(x), original)
         unpatch_glm4_moe(block)
     assert ("wait", "main", "side0") in fake.log
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_patched_block_traces_fullgraph(model_factory, overlap):
+    """The patched forward adds no graph break (GLM-4 MoE models declare full-graph compilability); on CPU
+    tensors Dynamo traces the inline path."""
+    block = _blocks(model_factory(torch.float32))[0]
+    x = torch.randn(2, 3, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        original = block(x)
+        patch_glm4_moe(block, overlap=overlap)
+        assert_bitwise(torch.compile(block, backend="eager", fullgraph=True)(x), original)
