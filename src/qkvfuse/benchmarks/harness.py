@@ -96,6 +96,15 @@ def _rotation(set_bytes: int, l2_bytes: int) -> int:
     return max(2, math.ceil(ROTATE_FOOTPRINT_L2 * l2_bytes / max(set_bytes, 1)))
 
 
+def _more_sets(first: Dict[str, object], n_sets: int, shared: Sequence[str] = ()) -> List[Dict[str, object]]:
+    """``first`` and ``n_sets - 1`` copies in their own memory, like successive layers of one forward: new
+    activations and weights, the same positions and (``shared``) the same cos/sin table."""
+    def copy(key, value):
+        return value.clone() if isinstance(value, torch.Tensor) and key not in shared else value
+
+    return [first] + [{k: copy(k, v) for k, v in first.items()} for _ in range(1, n_sets)]
+
+
 def _compile(fn: Callable, first_call: Callable[[Callable], object]) -> Tuple[Optional[Callable], float, str]:
     """``torch.compile(fn)`` and the seconds its first call takes (the compile), or ``(None, 0, reason)``."""
     torch._dynamo.reset()  # each shape's compile time measured from the same (empty) in-process state
@@ -170,8 +179,7 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
     nbytes = (2 * _nbytes(first["qkv"]) + T * per_token_cache
               + _nbytes(*(first.get(k) for k in ("positions", "q_weight", "k_weight", "q_bias", "k_bias"))))
     n_sets = _rotation(2 * _nbytes(first["qkv"]), cfg.l2_bytes) if T <= ROTATE_MAX_T else 1
-    sets = [first] + [dict(make_split_inputs(case, seed=i), cos_sin_cache=first["cos_sin_cache"])  # one table, as
-                      for i in range(1, n_sets)]                                                    # in a model
+    sets = _more_sets(first, n_sets, shared=("positions", "cos_sin_cache"))
     outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
     copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
 
@@ -195,7 +203,7 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
     # x and residual in, y and residual_out out (plus the weight): the copy moves a [T, 2H] tensor to match.
     nbytes = 4 * _nbytes(first["x"]) + _nbytes(first["weight"])
     n_sets = _rotation(4 * _nbytes(first["x"]), cfg.l2_bytes) if T <= ROTATE_MAX_T else 1
-    sets = [first] + [make_norm_inputs(T, hidden, dtype, residual=True, seed=i) for i in range(1, n_sets)]
+    sets = _more_sets(first, n_sets)
     outs = [(torch.empty_like(kw["x"]), torch.empty_like(kw["x"])) for kw in sets]
     copy_src = [torch.cat([kw["x"], kw["residual"]], dim=1) for kw in sets]
     copy_dst = [torch.empty_like(src) for src in copy_src]

@@ -215,7 +215,7 @@ def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
         return
     ncols = min(4, len(panels))
     nrows = (len(panels) + ncols - 1) // ncols
-    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows + 1.4), squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows + 1.0), squeeze=False)
     styles = {EAGER: ("tab:red", "o"), COMPILED: ("tab:orange", "s"), "reference": ("tab:purple", "^"),
               CPU: ("tab:blue", "D"), COPY: ("black", "")}
     handles = {}

@@ -1,0 +1,78 @@
+"""Smoke tests of ``python -m qkvfuse bench`` on tiny configurations: it runs, prints, writes; no timing asserts."""
+
+import json
+import math
+
+import pytest
+
+import qkvfuse.benchmarks as benchmarks
+from qkvfuse.benchmarks.harness import COPY, CPU
+from qkvfuse.benchmarks.timing import Budget, Candidate, measure
+from qkvfuse.cli import main
+
+TINY = ["bench", "--preset", "Qwen3-8B", "--tokens", "1", "--dtype", "bf16", "--hidden", "256", "--no-compile",
+        "--seconds", "0.05"]
+
+
+def test_bench_prints_table_and_writes_json_and_png(tmp_path, capsys):
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(TINY + ["--json", str(json_path), "--plot", str(png_path)]) == 0
+    text = capsys.readouterr().out
+    assert "machine:" in text and "threads" in text
+    assert "== split_qkv_rmsnorm_rope: Qwen3-8B" in text and "== add_rmsnorm: hidden 256" in text
+    assert "summary against issue 3's targets" in text
+    assert text.rstrip().splitlines()[-1].startswith("bench:") or "WARNING" in text.rstrip().splitlines()[-1]
+
+    payload = json.loads(json_path.read_text())
+    rows = payload["rows"]
+    assert payload["machine"]["torch_threads"] >= 1 and payload["config"]["tokens"] == [1]
+    placements = {(r["op"], r["data"].split()[0]) for r in rows}
+    assert placements == {(op, d) for op in ("split_qkv_rmsnorm_rope", "add_rmsnorm") for d in ("hot", "rotated")}
+    for r in rows:
+        assert math.isfinite(r["us"]) and r["us"] > 0 and r["roofline"] > 0 and r["rounds"] >= 3
+    # every placement has its own roofline row, measured in the same rounds as the kernels
+    assert sum(r["impl"] == COPY for r in rows) == len(placements)
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unavailable_cpu_backend_is_reported_and_its_column_skipped(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(benchmarks, "available_backends", lambda: {"cpu": "no C++ compiler (test)"})
+    json_path = tmp_path / "bench.json"
+    assert main(TINY + ["--op", "norm", "--json", str(json_path)]) == 0
+    text = capsys.readouterr().out
+    assert "unavailable, column skipped (no C++ compiler (test))" in text
+    payload = json.loads(json_path.read_text())
+    assert payload["rows"] and not [r for r in payload["rows"] if r["impl"] == CPU]
+    assert payload["config"]["cpu_backend_unavailable"] == "no C++ compiler (test)"
+
+
+def test_unknown_preset_is_an_error_naming_the_known_ones(capsys):
+    assert main(["bench", "--preset", "Qwen9-1T"]) == 2
+    assert "known presets" in capsys.readouterr().out
+
+
+def test_measure_rotates_over_every_buffer_set_in_every_block():
+    counts = {"a": [0, 0, 0], "b": [0, 0, 0], "copy": [0, 0, 0]}
+
+    def counter(name, i):
+        def call():
+            counts[name][i] += 1
+        return call
+
+    cands = [Candidate(name, "out=", [counter(name, i) for i in range(3)]) for name in ("a", "b")]
+    budget = Budget(block_s=1e-5, cell_s=1e-4, warm_s=1e-5, min_rounds=3, max_rounds=4)
+    results = measure(cands, [counter("copy", i) for i in range(3)], budget)
+    assert set(results) == {"a [out=]", "b [out=]"}
+    for m in results.values():
+        assert 3 <= m.rounds <= 4 and m.calls_per_block >= 3 and set(m.vs) <= {"a [out=]", "b [out=]"}
+    for per_set in counts.values():
+        assert min(per_set) >= 1 + 3  # the warm-up pass plus at least one visit per round
+
+
+@pytest.mark.slow
+def test_bench_with_torch_compile(tmp_path, capsys):
+    argv = [a for a in TINY if a != "--no-compile"] + ["--op", "norm", "--json", str(tmp_path / "b.json")]
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    compiled = [r for r in rows if r["impl"] == "torch.compile unfused"]
+    assert compiled and all(r["compile_s"] > 0 and r["vs_compile"] == 1.0 for r in compiled)
