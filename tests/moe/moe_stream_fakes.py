@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import pytest
@@ -113,7 +113,6 @@ class Call:
     hidden: torch.Tensor
     shared_out: torch.Tensor
     result: torch.Tensor
-    notes: List[str] = field(default_factory=list)
 
 
 def _index(log, entry) -> Optional[int]:

@@ -306,11 +306,16 @@ def section(quick: bool = False, preset: Optional[ModelPreset] = None) -> Dict[s
         reason = "no CUDA device (the overlap runs inline on CPU; tests/moe covers it there)"
         return {"section": SECTION, "pass": None, "skipped": reason, "table": f"== {SECTION} == skipped: {reason}"}
     device = torch.device("cuda", torch.cuda.current_device())
-    block = build_moe_block(preset, device)
+    block = None
     try:
+        block = build_moe_block(preset, device)
         result = _run(_CudaApi(device), block, preset, quick, SharedExpertOverlap(enabled=True))
-        result["device"] = torch.cuda.get_device_name(device)
-        return result
+    except Exception as exc:  # a device run is precious: report, do not take the other sections down
+        error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
+        result = {"section": SECTION, "pass": False, "skipped": None, "errors": [error],
+                  "table": f"== {SECTION} == FAIL\n{error}"}
     finally:
         del block
         torch.cuda.empty_cache()
+    result["device"] = torch.cuda.get_device_name(device)
+    return result
