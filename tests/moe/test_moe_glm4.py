@@ -243,14 +243,16 @@ def test_twin_blocks_patch_bitwise(module_name, block_name, config_name):
     assert ("wait", "main", "side0") in fake.log
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", ["off", "on", "fake streams"])
 def test_patched_block_traces_fullgraph(model_factory, overlap):
-    """The patched forward adds no graph break (GLM-4 MoE models declare full-graph compilability); on CPU
-    tensors Dynamo traces the inline path."""
+    """The patched forward adds no graph break (GLM-4 MoE models declare full-graph compilability): under
+    torch.compile the helper takes the inline path, even with a stream module at hand."""
     block = _blocks(model_factory(torch.float32))[0]
     x = torch.randn(2, 3, 64)
+    fake, runner = _fake_runner()
     torch._dynamo.reset()
     with torch.no_grad():
         original = block(x)
-        patch_glm4_moe(block, overlap=overlap)
+        patch_glm4_moe(block, overlap=overlap != "off", runner=runner if overlap == "fake streams" else None)
         assert_bitwise(torch.compile(block, backend="eager", fullgraph=True)(x), original)
+    assert fake.log == []

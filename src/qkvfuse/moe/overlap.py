@@ -9,7 +9,8 @@ When it helps
 When it does not
     At large T (prefill of thousands of tokens) both paths saturate the device on their own; the second stream
     only adds an event record/wait pair and can slow the routed GEMMs by competing for SMs and L2. On CPU there
-    are no streams: the helper runs both paths inline, so the switch changes nothing there.
+    are no streams: the helper runs both paths inline, so the switch changes nothing there. Under
+    ``torch.compile`` it also runs inline (see :meth:`SharedExpertOverlap.stream_module`).
 
 Synchronisation (the whole protocol, in order)
     1. ``side.wait_stream(current)``: the side stream sees every write to ``hidden`` made on the current stream.
@@ -121,7 +122,10 @@ class SharedExpertOverlap:
 
     def stream_module(self, device: torch.device):
         """The device module whose streams :meth:`run` uses for tensors on ``device``, or ``None`` (inline)."""
-        if not self.enabled:
+        # Under torch.compile the calls run inline: Dynamo's tracing of user streams is not something qkvfuse
+        # relies on, and a graph break per MoE layer would defeat full-graph compilation. For overlap inside a
+        # graph, capture the eager model with torch.cuda.graph (the protocol below is capture-safe).
+        if not self.enabled or torch.compiler.is_compiling():
             return None
         if self._device_module is not None:
             return self._device_module
