@@ -6,7 +6,8 @@ import math
 import pytest
 
 import qkvfuse.benchmarks as benchmarks
-from qkvfuse.benchmarks.harness import COPY, CPU
+from qkvfuse.benchmarks.harness import COPY, CPU, EAGER, Row
+from qkvfuse.benchmarks.report import summarize
 from qkvfuse.benchmarks.timing import Budget, Candidate, measure
 from qkvfuse.cli import main
 
@@ -76,3 +77,23 @@ def test_bench_with_torch_compile(tmp_path, capsys):
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     compiled = [r for r in rows if r["impl"] == "torch.compile unfused"]
     assert compiled and all(r["compile_s"] > 0 and r["vs_compile"] == 1.0 for r in compiled)
+
+
+def _row(T, data, impl, us, roofline, op="split_qkv_rmsnorm_rope", shape="Qwen3-8B", outputs="out="):
+    return Row(op=op, shape=shape, mode="", dtype="bf16", T=T, data=data, impl=impl, outputs=outputs, us=us, gbps=1.0,
+               roofline=roofline, vs_eager=None, vs_compile=None, copy_us=us * roofline, bytes=1, rounds=3,
+               calls_per_block=1)
+
+
+def test_summary_applies_the_issue_targets_to_cpu_out_rows():
+    rows = [_row(1, "hot", CPU, 3.0, 0.3), _row(1, "rotated x80", CPU, 6.0, 0.2),  # rotated is judged: missed
+            _row(16, "hot", CPU, 5.0, 0.5), _row(16, "rotated x8", CPU, 9.0, 0.34),  # 2.9x copy: met
+            _row(256, "1 set", CPU, 90.0, 0.39), _row(256, "1 set", EAGER, 900.0, 0.04),  # 39% < 40%: missed
+            _row(4096, "1 set", CPU, 3000.0, 0.72), _row(4096, "1 set", CPU, 9000.0, 0.2, outputs="fresh"),
+            _row(4096, "1 set", CPU, 1000.0, 0.69, op="add_rmsnorm", shape="hidden 4096")]
+    verdicts = {(s["target"].split()[0], s["target"].split()[1]): s["verdict"] for s in summarize(rows, "")}
+    assert verdicts == {("split", "T=1"): "MISSED", ("split", "T=16"): "MET", ("split", "T=256"): "MISSED",
+                        ("split", "T=4096"): "MET", ("add_rmsnorm", "T=4096"): "MISSED"}
+    unavailable = summarize([r for r in rows if r.impl != CPU] + [_row(4096, "1 set", EAGER, 1.0, 0.1)], "no compiler")
+    assert [(s["target"].split()[1], s["verdict"]) for s in unavailable] == [
+        ("T=256", "n/a: cpu backend unavailable"), ("T=4096", "n/a: cpu backend unavailable")]

@@ -18,8 +18,8 @@ import torch
 from ..backends import available_backends
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
-from .report import (TABLE_NOTE, busy_warning, print_compile_times, print_machine, print_summary, print_tables, summarize,
-                     write_json, write_plot)
+from .report import (TABLE_NOTE, busy_warning, print_compile_times, print_machine, print_summary, print_tables,
+                     summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, machine_info
 
 __all__ = ["run_bench", "config_from_args"]
@@ -105,8 +105,8 @@ def run_bench(args) -> int:
                 for T in cfg.tokens:
                     t0 = time.perf_counter()
                     rows += bench_split(cfg, preset, dtype, T)
-                    print(f"  measured split {preset.name} {dtype_name(dtype)} T={T} in {time.perf_counter() - t0:.1f} s",
-                          flush=True)
+                    print(f"  measured split {preset.name} {dtype_name(dtype)} T={T} in "
+                          f"{time.perf_counter() - t0:.1f} s", flush=True)
         for hidden in cfg.hidden_sizes:
             for dtype in cfg.dtypes:
                 for T in cfg.tokens:

@@ -33,10 +33,13 @@ from ..presets import ModelPreset
 from ..testing import SplitCase, make_norm_inputs, make_split_inputs, unfused_add_rmsnorm, unfused_split
 from .timing import Budget, Candidate, measure
 
-__all__ = ["BenchConfig", "Row", "bench_split", "bench_norm", "COPY", "EAGER", "COMPILED", "REFERENCE", "CPU"]
+__all__ = ["BenchConfig", "Row", "bench_split", "bench_norm", "COPY", "EAGER", "COMPILED", "REFERENCE", "CPU",
+           "CPU_RAW"]
 
 EAGER, COMPILED, REFERENCE, CPU, COPY = ("eager unfused", "torch.compile unfused", "reference", "qkvfuse cpu",
                                          "copy_ roofline")
+# The kernel the public op dispatches to, called directly: the difference is the Python wrapper's cost.
+CPU_RAW = "cpu kernel, no wrapper"
 ROTATE_MAX_T = 16  # token counts at which back-to-back calls keep the data in L1/L2: also time rotated buffers
 ROTATE_FOOTPRINT_L2 = 4  # rotated buffer sets total at least this many L2 sizes
 CACHE_ROWS = 8192  # rows of the cos/sin table: only T rows are read per call, so the table size is irrelevant
@@ -144,9 +147,30 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
     return rows
 
 
+def _cpu_kernel(op: str) -> Callable:
+    """What the public op calls for the cpu backend after validation (``torch.ops.qkvfuse.<op>`` when the
+    backend registers the CPU dispatch key)."""
+    from ..ops import _kernel
+
+    return _kernel("cpu", torch.device("cpu"), op)[1]
+
+
+def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
+    args = [kw[k] for k in ("qkv", "positions", "cos_sin_cache", "num_q_heads", "num_kv_heads", "head_dim")]
+    args += [kw.get(k) for k in ("q_weight", "k_weight", "q_bias", "k_bias")]
+    args += [kw["eps"], kw["is_neox"], list(kw["mrope_section"] or ()), kw["mrope_interleaved"], *out]
+    return functools.partial(_cpu_kernel("split_qkv_rmsnorm_rope_out"), *args)
+
+
+def _raw_norm_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
+    return functools.partial(_cpu_kernel("add_rmsnorm_out"), kw["x"], kw["residual"], kw["weight"], kw.get("bias"),
+                             kw["eps"], *out)
+
+
 def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable], public: Callable,
-                kws: Sequence[dict], outputs: Sequence[tuple]) -> List[Candidate]:
-    """The implementations of one op over buffer sets ``kws`` (keyword arguments) with their ``out=`` tuples."""
+                kws: Sequence[dict], outputs: Sequence[tuple], raw: Optional[Callable] = None) -> List[Candidate]:
+    """The implementations of one op over buffer sets ``kws`` (keyword arguments) with their ``out=`` tuples;
+    ``raw(kw, out)`` builds a direct call of the cpu kernel (given where dispatch cost matters: small T)."""
     cands = []
     if EAGER in cfg.impls:
         cands.append(Candidate(EAGER, "fresh", [functools.partial(unfused, **kw) for kw in kws]))
@@ -158,6 +182,8 @@ def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable
         cands.append(Candidate(impl, "out=", [functools.partial(public, **kw, out=o, backend=backend)
                                               for kw, o in zip(kws, outputs)]))
         cands.append(Candidate(impl, "fresh", [functools.partial(public, **kw, backend=backend) for kw in kws]))
+        if impl == CPU and raw is not None:
+            cands.append(Candidate(CPU_RAW, "out=", [raw(kw, o) for kw, o in zip(kws, outputs)]))
     return cands
 
 
@@ -191,7 +217,8 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
 
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
-        return _candidates(cfg, unfused_split, compiled, qkvfuse.split_qkv_rmsnorm_rope, sets[:n], outs[:n]), copies
+        return _candidates(cfg, unfused_split, compiled, qkvfuse.split_qkv_rmsnorm_rope, sets[:n], outs[:n],
+                           _raw_split_call if T <= ROTATE_MAX_T else None), copies
 
     return _rows(cfg, "split_qkv_rmsnorm_rope", preset.name, split_mode(preset), dtype, T, candidates_for, n_sets,
                  nbytes, 2 * _nbytes(first["qkv"]), compile_s)
@@ -217,7 +244,8 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
 
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
-        return _candidates(cfg, unfused_add_rmsnorm, compiled, qkvfuse.add_rmsnorm, sets[:n], outs[:n]), copies
+        return _candidates(cfg, unfused_add_rmsnorm, compiled, qkvfuse.add_rmsnorm, sets[:n], outs[:n],
+                           _raw_norm_call if T <= ROTATE_MAX_T else None), copies
 
     return _rows(cfg, "add_rmsnorm", shape, "residual, fp32 weight", dtype, T, candidates_for, n_sets, nbytes,
                  2 * _nbytes(copy_src[0]), compile_s)

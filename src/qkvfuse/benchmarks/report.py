@@ -7,10 +7,10 @@ import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..cli.verify import Section, print_section
-from .harness import COMPILED, COPY, CPU, EAGER, ROTATE_MAX_T, Row
+from .harness import COMPILED, COPY, CPU, CPU_RAW, EAGER, ROTATE_MAX_T, Row
 
-__all__ = ["busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize", "print_summary", "write_json",
-           "write_plot", "TABLE_NOTE"]
+__all__ = ["busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize", "print_summary",
+           "write_json", "write_plot", "TABLE_NOTE", "TARGETS"]
 
 TABLE_NOTE = (
     "us: median per call over the rounds. GB/s: bytes the op must read + write / us. roofline: copy_ time / "
@@ -111,64 +111,60 @@ def _pick(rows: Sequence[Row], op: str, shape: str, T: int, outputs: str = "out=
     return None
 
 
+def _judge_t1(rows: Sequence[Row], op: str, shape: str, T: int) -> Optional[Tuple[str, bool]]:
+    rot, hot = _pick(rows, op, shape, T, data="rotated"), _pick(rows, op, shape, T, data="hot")
+    if rot is None or hot is None:
+        return None
+    raw = _pick(rows, op, shape, T, data="rotated", impl=CPU_RAW)
+    unwrapped = f"; {_us(raw.us)} without the Python wrapper" if raw else ""
+    return f"{_us(rot.us)} us rotated ({_us(hot.us)} hot{unwrapped})", rot.us <= T1_MAX_US
+
+
+def _judge_t16(rows: Sequence[Row], op: str, shape: str, T: int) -> Optional[Tuple[str, bool]]:
+    rot, hot = _pick(rows, op, shape, T, data="rotated"), _pick(rows, op, shape, T, data="hot")
+    if rot is None or hot is None:
+        return None
+    copies = 1 / rot.roofline  # time / copy time, as a median of per-round ratios
+    return (f"{copies:.2f}x copy, {_us(rot.us)} us rotated ({1 / hot.roofline:.2f}x hot)",
+            copies <= T16_MAX_COPIES)
+
+
+def _judge_roofline(floor: float):
+    def judge(rows: Sequence[Row], op: str, shape: str, T: int) -> Optional[Tuple[str, bool]]:
+        r, fresh = _pick(rows, op, shape, T), _pick(rows, op, shape, T, outputs="fresh")
+        if r is None:
+            return None
+        return (f"{_pct(r.roofline)}, {_us(r.us)} us" + (f" (fresh {_pct(fresh.roofline)})" if fresh else ""),
+                r.roofline >= floor)
+
+    return judge
+
+
+_SPLIT, _NORM = "split_qkv_rmsnorm_rope", "add_rmsnorm"
+TARGETS = (  # (op, T, target text, judge) -- issue 3, bf16, qkvfuse cpu with out=
+    (_SPLIT, 1, f"split T=1 <= {T1_MAX_US:g} us incl. dispatch", _judge_t1),
+    (_SPLIT, 16, f"split T=16 <= {T16_MAX_COPIES:g}x copy", _judge_t16),
+    (_SPLIT, 256, f"split T=256 >= {T256_MIN_ROOFLINE:.0%} roofline", _judge_roofline(T256_MIN_ROOFLINE)),
+    (_SPLIT, 4096, f"split T=4096 >= {T4096_MIN_ROOFLINE:.0%} roofline", _judge_roofline(T4096_MIN_ROOFLINE)),
+    (_NORM, 4096, f"add_rmsnorm T=4096 >= {NORM_MIN_ROOFLINE:.0%} roofline", _judge_roofline(NORM_MIN_ROOFLINE)),
+)
+
+
 def summarize(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
     """Issue 3's targets against this run: bf16, ``qkvfuse cpu`` with ``out=``; rotated data at T <= 16."""
-    split = "split_qkv_rmsnorm_rope"
-    shapes = list(dict.fromkeys(r.shape for r in rows if r.op == split and r.dtype == "bf16"))
-    hiddens = list(dict.fromkeys(r.shape for r in rows if r.op == "add_rmsnorm" and r.dtype == "bf16"))
+    measured_cells = {(r.op, r.shape, r.T) for r in rows if r.dtype == "bf16"}
     out: List[Dict[str, object]] = []
-
-    def add(target: str, shape: str, T: int, check) -> None:
-        anchor = PUBLISHED_ANCHORS.get(_ANCHOR_OF.get(shape, ""), {}).get(T)
-        anchor_text = (f"{_us(anchor[0])} us (copy {_us(anchor[1])}) [{_ANCHOR_OF[shape]}]" if anchor else "")
-        if cpu_reason:
-            out.append({"target": target, "shape": shape, "measured": "", "verdict": "n/a: cpu backend unavailable",
-                        "published": anchor_text})
-            return
-        result = check()
-        if result is None:
-            return
-        measured, met = result
-        out.append({"target": target, "shape": shape, "measured": measured, "verdict": "MET" if met else "MISSED",
-                    "published": anchor_text})
-
-    for shape in shapes:
-        def t1(shape=shape):
-            rot, hot = _pick(rows, split, shape, 1, data="rotated"), _pick(rows, split, shape, 1, data="hot")
-            if rot is None:
-                return None
-            return f"{_us(rot.us)} us rotated ({_us(hot.us)} hot)", rot.us <= T1_MAX_US
-
-        def t16(shape=shape):
-            rot, hot = _pick(rows, split, shape, 16, data="rotated"), _pick(rows, split, shape, 16, data="hot")
-            if rot is None:
-                return None
-            return (f"{1 / rot.roofline:.2f}x copy, {_us(rot.us)} us rotated ({1 / hot.roofline:.2f}x hot)",
-                    1 / rot.roofline <= T16_MAX_COPIES)
-
-        def big(T, floor, shape=shape):
-            r = _pick(rows, split, shape, T)
-            if r is None:
-                return None
-            fresh = _pick(rows, split, shape, T, outputs="fresh")
-            return (f"{_pct(r.roofline)}, {_us(r.us)} us" + (f" (fresh {_pct(fresh.roofline)})" if fresh else ""),
-                    r.roofline >= floor)
-
-        add(f"split T=1 <= {T1_MAX_US:g} us incl. dispatch", shape, 1, t1)
-        add(f"split T=16 <= {T16_MAX_COPIES:g}x copy", shape, 16, t16)
-        add(f"split T=256 >= {T256_MIN_ROOFLINE:.0%} roofline", shape, 256, lambda s=shape: big(256, T256_MIN_ROOFLINE, s))
-        add(f"split T=4096 >= {T4096_MIN_ROOFLINE:.0%} roofline", shape, 4096,
-            lambda s=shape: big(4096, T4096_MIN_ROOFLINE, s))
-    for hidden in hiddens:
-        def norm(hidden=hidden):
-            r = _pick(rows, "add_rmsnorm", hidden, 4096)
-            if r is None:
-                return None
-            fresh = _pick(rows, "add_rmsnorm", hidden, 4096, outputs="fresh")
-            return (f"{_pct(r.roofline)}, {_us(r.us)} us" + (f" (fresh {_pct(fresh.roofline)})" if fresh else ""),
-                    r.roofline >= NORM_MIN_ROOFLINE)
-
-        add(f"add_rmsnorm T=4096 >= {NORM_MIN_ROOFLINE:.0%} roofline", hidden, 4096, norm)
+    for op, T, target, judge in TARGETS:
+        for shape in dict.fromkeys(r.shape for r in rows if r.op == op and r.dtype == "bf16"):
+            if (op, shape, T) not in measured_cells:
+                continue
+            anchor = PUBLISHED_ANCHORS.get(_ANCHOR_OF.get(shape, ""), {}).get(T) if op == _SPLIT else None
+            row = {"target": target, "shape": shape, "measured": "", "verdict": "n/a: cpu backend unavailable",
+                   "published": f"{_us(anchor[0])} us (copy {_us(anchor[1])}) [{_ANCHOR_OF[shape]}]" if anchor else ""}
+            result = None if cpu_reason else judge(rows, op, shape, T)
+            if result is not None:
+                row["measured"], row["verdict"] = result[0], "MET" if result[1] else "MISSED"
+            out.append(row)
     return out
 
 
@@ -209,7 +205,7 @@ def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plotted = [r for r in rows if not r.data.startswith("hot")]
+    plotted = [r for r in rows if not r.data.startswith("hot") and r.impl != CPU_RAW]
     panels = list(dict.fromkeys((r.op, r.shape, r.dtype) for r in plotted))
     if not panels:
         return
