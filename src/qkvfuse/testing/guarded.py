@@ -1,0 +1,268 @@
+"""Guard-page tensors: any out-of-bounds read or write by a kernel is a segmentation fault, not silent.
+
+:func:`guarded_empty` places a tensor in its own anonymous ``mmap`` so that its last byte is directly followed
+by an inaccessible (``PROT_NONE``) page (``align="end"``) or its first byte directly follows one
+(``align="start"``). :func:`guarded_copy` does the same for a copy of an existing tensor, keeping its strides.
+The mappings are never unmapped (a tensor may outlive any handle we could keep): use this in short-lived
+processes, as ``tests/test_memory_safety.py`` does through ``python -m qkvfuse.testing.guarded BACKEND``,
+which runs :data:`SPLIT_CASES` and :data:`NORM_CASES` with every input and output guarded and prints one JSON
+line per case (a ``start`` line first, so a crash names the case it happened in).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import mmap
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["guarded_empty", "guarded_copy", "PAGE", "SPLIT_CASES", "NORM_CASES", "run_cases"]
+
+PAGE = mmap.PAGESIZE
+_PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mprotect.restype = ctypes.c_int
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _span_elements(shape: Sequence[int], strides: Sequence[int]) -> int:
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(shape, strides))
+
+
+def guarded_empty(shape: Sequence[int], dtype: torch.dtype, strides: Optional[Sequence[int]] = None,
+                  align: str = "end") -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory touches an inaccessible page.
+
+    Parameters
+    ----------
+    shape, strides : sequence of int
+        Strides in elements (non-negative; default: contiguous). The memory spanned is exactly what these
+        strides reach, so a strided view ends at its last element, not at the end of a padded row.
+    dtype : torch.dtype
+    align : {"end", "start"}
+        ``"end"``: the byte after the last element is a guard page; ``"start"``: the byte before the first
+        element is. Both ends have a guard page; only one end can be flush unless the size is a page multiple.
+    """
+    shape = tuple(int(s) for s in shape)
+    if strides is None:
+        strides, acc = [], 1
+        for size in reversed(shape):
+            strides.insert(0, acc)
+            acc *= max(size, 1)
+    strides = tuple(int(s) for s in strides)
+    if any(s < 0 for s in strides):
+        raise ValueError(f"strides: expected non-negative strides, got {strides}")
+    if align not in ("end", "start"):
+        raise ValueError(f"align: expected 'end' or 'start', got {align!r}")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = _span_elements(shape, strides) * itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    data_pages = -(-nbytes // PAGE)
+    total = (data_pages + 2) * PAGE
+    base = _libc.mmap(None, total, _PROT_RW, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if base in (None, _MAP_FAILED):
+        raise OSError(ctypes.get_errno(), "mmap failed")
+    for guard in (base, base + (data_pages + 1) * PAGE):
+        if _libc.mprotect(guard, PAGE, _PROT_NONE) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect failed")
+    start = base + PAGE if align == "start" else base + (data_pages + 1) * PAGE - nbytes
+    buffer = (ctypes.c_char * nbytes).from_address(start)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
+    return flat.as_strided(shape, strides)
+
+
+def guarded_copy(t: torch.Tensor, align: str = "end", row_pad: int = 0) -> torch.Tensor:
+    """A guarded copy of ``t`` (same values and shape; 2-D tensors get rows ``row_pad`` elements apart
+    beyond their width, so the copy is a strided view whose last row ends at the guard page)."""
+    if t.dim() == 2 and t.shape[1] > 0:
+        strides = (t.shape[1] + row_pad if t.stride(0) != 0 else 0, 1)
+    else:
+        strides = None
+    out = guarded_empty(t.shape, t.dtype, strides, align)
+    if strides is not None and strides[0] == 0:
+        out[0].copy_(t[0])  # an expanded view: every row is the same memory
+    else:
+        out.copy_(t)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Edge cases run under the guard (subprocess entry point below).
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class GuardedSplit:
+    name: str
+    T: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    dtype: torch.dtype = torch.bfloat16
+    mrope: Optional[str] = None  # None, "contiguous" or "interleaved"
+    decode: bool = False  # mRoPE rows equal, as an expanded stride-0 view
+    norm: bool = True
+    bias: bool = False
+    is_neox: bool = True
+    row_pad: int = 0  # qkv and output rows further apart than their width
+    pos_dtype: torch.dtype = torch.int64
+    cache_dtype: torch.dtype = torch.float32
+    max_position: int = 64
+    inplace: bool = False
+
+
+SPLIT_CASES: Tuple[GuardedSplit, ...] = (
+    GuardedSplit("T=1, 1 head each", 1, 1, 1, 64, 64),
+    GuardedSplit("T=1, odd heads 3/1, D=80, partial R=40", 1, 3, 1, 80, 40, bias=True),
+    GuardedSplit("odd heads 7/3, D=96, R=32, GPT-J, fp16", 5, 7, 3, 96, 32, torch.float16, is_neox=False),
+    GuardedSplit("D=2, R=2", 3, 2, 1, 2, 2, torch.float32),
+    GuardedSplit("D=192 partial, mRoPE contiguous", 4, 5, 1, 192, 96, mrope="contiguous"),
+    GuardedSplit("D=512 full rotary, int32 positions", 2, 1, 1, 512, 512, torch.float32, pos_dtype=torch.int32),
+    GuardedSplit("GLM-like 12/1 x 128, R=64, strided rows, bf16 cache", 17, 12, 1, 128, 64, bias=True, row_pad=24,
+                 cache_dtype=torch.bfloat16),
+    GuardedSplit("Qwen3-VL-like mRoPE interleaved, strided rows", 9, 4, 1, 128, 128, mrope="interleaved", row_pad=8),
+    GuardedSplit("mRoPE decode (stride-0 rows), T=1", 1, 4, 2, 128, 128, mrope="interleaved", decode=True),
+    GuardedSplit("no QK-norm, fp16, int32", 6, 3, 3, 64, 32, torch.float16, norm=False, pos_dtype=torch.int32),
+    GuardedSplit("in place, odd heads, partial", 5, 3, 1, 80, 40, inplace=True, row_pad=16),
+    GuardedSplit("in place mRoPE, T=1", 1, 2, 1, 128, 64, mrope="contiguous", inplace=True),
+    GuardedSplit("T=33 many tokens, max_position 1", 33, 2, 1, 64, 64, max_position=1),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardedNorm:
+    name: str
+    T: int
+    H: int
+    dtype: torch.dtype = torch.bfloat16
+    residual: bool = True
+    bias: bool = False
+    row_pad: int = 0
+    inplace: bool = False
+
+
+NORM_CASES: Tuple[GuardedNorm, ...] = (
+    GuardedNorm("T=1, H=1", 1, 1),
+    GuardedNorm("T=1, H=3, no residual", 1, 3, torch.float32, residual=False),
+    GuardedNorm("H=80, bias", 7, 80, bias=True),
+    GuardedNorm("H=4096 residual+bias", 3, 4096, bias=True),
+    GuardedNorm("H=5120 fp16, strided rows", 5, 5120, torch.float16, row_pad=40),
+    GuardedNorm("H=17 fp32, strided, no residual", 2, 17, torch.float32, residual=False, row_pad=3),
+    GuardedNorm("in place, H=96", 4, 96, bias=True, inplace=True, row_pad=8),
+    GuardedNorm("in place, no residual, H=33", 3, 33, torch.float16, residual=False, inplace=True),
+)
+
+
+def _split_inputs(case: GuardedSplit):
+    """Plain inputs with positions at both ends of the table (rows 0 and max_position - 1)."""
+    from .inputs import SplitCase, make_split_inputs
+
+    sections = None
+    if case.mrope:
+        half = case.rotary_dim // 2
+        s = half * 5 // 16
+        sections = (half - 2 * s, s, s)
+    sc = SplitCase(T=case.T, num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                   rotary_dim=case.rotary_dim, dtype=case.dtype, norm=case.norm, bias=case.bias, is_neox=case.is_neox,
+                   mrope_section=sections, mrope_interleaved=case.mrope == "interleaved", image=not case.decode,
+                   pos_dtype=case.pos_dtype, cache_dtype=case.cache_dtype, max_position=max(case.max_position, 2))
+    kw = make_split_inputs(sc, seed=case.T)
+    last = case.max_position - 1
+    kw["cos_sin_cache"] = kw["cos_sin_cache"][: case.max_position]
+    ends = torch.tensor([last if i % 2 == 0 else 0 for i in range(case.T)], dtype=case.pos_dtype)
+    if case.mrope is None:
+        kw["positions"] = ends
+    elif case.decode:
+        kw["positions"] = ends.expand(3, case.T)
+    else:
+        kw["positions"] = torch.stack([ends, ends.flip(0), torch.full_like(ends, last)])
+    return kw
+
+
+def _guard_split(kw, align: str, row_pad: int):
+    out = dict(kw)
+    for name in ("qkv", "positions", "cos_sin_cache", "q_weight", "k_weight", "q_bias", "k_bias"):
+        t = kw.get(name)
+        if isinstance(t, torch.Tensor):
+            out[name] = guarded_copy(t, align, row_pad if name == "qkv" else 0)
+    return out
+
+
+def _run_split(case: GuardedSplit, backend: str, align: str) -> None:
+    import qkvfuse
+
+    kw = _split_inputs(case)
+    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kw, backend=backend)
+    guarded = _guard_split(kw, align, case.row_pad)
+    if case.inplace:
+        qkv = guarded.pop("qkv")
+        got = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **guarded, backend=backend)
+    else:
+        outs = tuple(guarded_empty((case.T, n * D), case.dtype, (n * D + case.row_pad, 1), align).fill_(float("nan"))
+                     for n in (hq, hkv, hkv))
+        got = qkvfuse.split_qkv_rmsnorm_rope(**guarded, out=outs, backend=backend)
+    for name, a, b in zip("qkv", got, expected):
+        assert torch.equal(a, b), f"{name}: guarded result differs from the same call on ordinary memory"
+
+
+def _run_norm(case: GuardedNorm, backend: str, align: str) -> None:
+    import qkvfuse
+
+    from .inputs import make_norm_inputs
+
+    kw = make_norm_inputs(case.T, case.H, case.dtype, residual=case.residual, bias=case.bias, seed=case.H)
+    expected = qkvfuse.add_rmsnorm(**kw, backend=backend)
+    x = guarded_copy(kw["x"], align, case.row_pad)
+    residual = guarded_copy(kw["residual"], align, case.row_pad) if case.residual else None
+    weight = guarded_copy(kw["weight"], align)
+    bias = guarded_copy(kw["bias"], align) if case.bias else None
+    if case.inplace:
+        out = (x, residual)
+    else:
+        out = tuple(guarded_empty((case.T, case.H), case.dtype, (case.H + case.row_pad, 1), align).fill_(float("nan"))
+                    for _ in range(2))
+    y, r = qkvfuse.add_rmsnorm(x, residual, weight, kw["eps"], bias=bias, out=out, backend=backend)
+    assert torch.equal(y, expected[0]), "y: guarded result differs from the same call on ordinary memory"
+    if case.residual:
+        assert torch.equal(r, expected[1]), "residual_out: guarded result differs from ordinary memory"
+
+
+def case_ids() -> List[str]:
+    """Names of every (op, alignment, case) run by :func:`run_cases`, in order."""
+    return [f"{op}/{align}/{c.name}" for align in ("end", "start")
+            for op, cases in (("split", SPLIT_CASES), ("add_rmsnorm", NORM_CASES)) for c in cases]
+
+
+def run_cases(backend: str) -> Dict[str, Tuple[bool, str]]:
+    """Run every guarded case for ``backend``, printing a JSON ``start`` line before and a result line after each."""
+    results = {}
+    for align in ("end", "start"):
+        for op, cases, runner in (("split", SPLIT_CASES, _run_split), ("add_rmsnorm", NORM_CASES, _run_norm)):
+            for case in cases:
+                name = f"{op}/{align}/{case.name}"
+                print(json.dumps({"start": name}), flush=True)
+                try:
+                    runner(case, backend, align)
+                    ok, detail = True, ""
+                except Exception as exc:  # noqa: BLE001 -- reported per case; a crash is what we are after
+                    ok, detail = False, f"{type(exc).__name__}: {exc}"
+                results[name] = (ok, detail)
+                print(json.dumps({"name": name, "ok": ok, "detail": detail}), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print("usage: python -m qkvfuse.testing.guarded BACKEND", file=sys.stderr)
+        sys.exit(2)
+    run_cases(sys.argv[1])

@@ -1,0 +1,70 @@
+"""Memory safety: every backend run with all inputs and outputs placed flush against inaccessible pages.
+
+``qkvfuse.testing.guarded`` puts each tensor in its own mapping, ending (or starting) exactly at a
+``PROT_NONE`` page, so one byte read or written out of bounds is a segmentation fault. The edge cases (T=1,
+odd head counts, head_dim 2/80/96/192/512, partial rotary, positions 0 and max_position - 1, strided rows,
+stride-0 mRoPE rows, in-place, both ops) run in one child process per backend; a crash fails the case it
+happened in, and every guarded result must equal the same call on ordinary memory.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from qkvfuse.testing import guarded
+
+_RESULTS = {}
+
+
+def _results(backend):
+    if backend not in _RESULTS:
+        proc = subprocess.run([sys.executable, "-m", "qkvfuse.testing.guarded", backend], capture_output=True,
+                              text=True, timeout=600)
+        results, running = {}, None
+        for line in proc.stdout.splitlines():
+            record = json.loads(line)
+            if "start" in record:
+                running = record["start"]
+            else:
+                results[record["name"]] = (record["ok"], record["detail"])
+                running = None
+        _RESULTS[backend] = (results, proc.returncode, running, proc.stderr[-3000:])
+    return _RESULTS[backend]
+
+
+def _describe(returncode):
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+@pytest.mark.parametrize("case", guarded.case_ids())
+def test_guarded_edge_case(backend, case):
+    results, returncode, running, stderr = _results(backend)
+    if case not in results:
+        where = f"while running {running!r}" if running else "before reaching this case"
+        pytest.fail(f"the child process died ({_describe(returncode)}) {where}:\n{stderr}")
+    ok, detail = results[case]
+    assert ok, detail
+
+
+@pytest.mark.parametrize("align,offset", [("end", 0), ("start", -1)])
+def test_guard_page_really_faults(align, offset):
+    """The harness itself: touching the byte just past the tensor (before it, for align=start) crashes."""
+    code = textwrap.dedent(f"""
+        import ctypes, torch
+        from qkvfuse.testing.guarded import guarded_copy
+        t = guarded_copy(torch.arange(12, dtype=torch.float32).view(3, 4), {align!r}, row_pad=5)
+        assert t.tolist() == torch.arange(12.0).view(3, 4).tolist() and t.stride() == (9, 1)
+        edge = t.data_ptr() + ((2 * 9 + 3 + 1) * 4 if {offset} == 0 else -1)
+        print("touching", flush=True)
+        ctypes.c_char.from_address(edge).value
+        print("survived", flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "touching" in proc.stdout, proc.stderr
+    assert "survived" not in proc.stdout and proc.returncode == -signal.SIGSEGV, (proc.returncode, proc.stderr)
