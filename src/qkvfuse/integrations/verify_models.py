@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..backends import resolve_backend
 from ..testing.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
 from .tiny_models import TINY_MODELS, build_tiny_model, clone_model, tiny_image_prompt, tiny_prompt
 
@@ -238,8 +239,9 @@ def section(args):
     backend = args.backend[0] if getattr(args, "backend", None) else None
     with single_thread():
         rows = [_row(name, dtype, backend) for name, dtype in _plan(getattr(args, "quick", False))]
+    resolved = resolve_backend(backend, "cpu")
     note = (f"tiny random-weight models (head_dim 128, published Hq/Hkv ratio, 2 layers); backend: "
-            f"{backend or 'auto'}\nfp32: max|patched - unpatched| / max|unpatched| <= {MODEL_FP32_LOGIT_RTOL:g} "
+            f"{resolved}{'' if backend else ' (auto)'}\nfp32: max|patched - unpatched| / max|unpatched| <= {MODEL_FP32_LOGIT_RTOL:g} "
             f"(generation: every step, greedy tokens identical); bf16: errors vs the same weights in float64, "
             f"RMS <= {MODEL_BF16_RMS_FACTOR} x and max <= {MODEL_BF16_MAX_FACTOR} x the unpatched bf16 model's")
     columns = ("family", "class", "dtype", "check", "max logit err", "unpatched err", "tokens identical", "pass", "s")
