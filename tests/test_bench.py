@@ -37,7 +37,7 @@ def test_bench_prints_table_and_writes_json_and_png(tmp_path, capsys):
 
 
 def test_unavailable_cpu_backend_is_reported_and_its_column_skipped(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(benchmarks, "available_backends", lambda: {"cpu": "no C++ compiler (test)"})
+    monkeypatch.setattr(benchmarks, "cpu_unavailable_reason", lambda: "no C++ compiler (test)")
     json_path = tmp_path / "bench.json"
     assert main(TINY + ["--op", "norm", "--json", str(json_path)]) == 0
     text = capsys.readouterr().out

@@ -15,14 +15,14 @@ from typing import List
 
 import torch
 
-from ..backends import available_backends
+from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
 from .report import (TABLE_NOTE, busy_warning, print_compile_times, print_machine, print_summary, print_tables,
                      summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, machine_info
 
-__all__ = ["run_bench", "config_from_args"]
+__all__ = ["run_bench", "config_from_args", "cpu_unavailable_reason"]
 
 PRESETS = ("Qwen3-8B", "Qwen3-VL-8B", "GLM-4.7", "GLM-4.5-Air")
 QUICK_PRESETS = ("Qwen3-8B", "GLM-4.7")
@@ -34,6 +34,15 @@ FULL_BUDGET = Budget()
 # `make run` budget: ~1 s per measurement and the reference backend left out (it is as slow as eager at
 # T = 4096, seconds per call for GLM shapes); torch.compile once, for one cell.
 QUICK_BUDGET = Budget(block_s=1e-3, cell_s=1.0, warm_s=0.02, min_rounds=3, max_rounds=9)
+
+
+def cpu_unavailable_reason() -> str:
+    """Why the native CPU backend cannot run here ("" when it can); loads (builds) it, and only it."""
+    try:
+        resolve_backend("cpu", "cpu")
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
 
 
 def config_from_args(args) -> BenchConfig:
@@ -60,7 +69,7 @@ def config_from_args(args) -> BenchConfig:
             raise ValueError(f"--seconds: expected a positive number, got {seconds}")
         budget = dataclasses.replace(budget, cell_s=seconds, block_s=min(budget.block_s, seconds / 10),
                                      warm_s=min(budget.warm_s, seconds / 10))
-    cpu_reason = available_backends()["cpu"] if CPU in impls else "not requested"
+    cpu_reason = cpu_unavailable_reason()
     return BenchConfig(presets=presets if "split" in ops else (), hidden_sizes=hidden if "norm" in ops else (),
                        dtypes=dtypes, tokens=tokens, impls=tuple(impls), compile_cells=compile_cells, budget=budget,
                        l2_bytes=cache_bytes(2, 1 << 20), cpu_reason=cpu_reason)
