@@ -39,6 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import ops
 from ..backends import resolve_backend
@@ -228,7 +229,11 @@ class _FusedAttention:
 
 def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                              past_key_values=None, **kwargs):
-    """Attention with one QKV GEMM and one fused split + QK-RMSNorm + RoPE/mRoPE (replaces ``forward``)."""
+    """Attention with one QKV GEMM and one fused split + QK-RMSNorm + RoPE/mRoPE (replaces ``forward``).
+
+    ``position_embeddings`` (transformers' cos/sin, rounded to the activation dtype) is not used: the fused op
+    reads the fp32 table at the positions the rotary module received.
+    """
     fused: _FusedAttention = self._qkvfuse
     rope = fused.rope
     input_shape = hidden_states.shape[:-1]
@@ -250,8 +255,6 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
 
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
-
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, fused.eager)
     extra = {"sliding_window": self.sliding_window} if fused.sliding_window else {}
