@@ -156,7 +156,7 @@ def test_tiny_glm47_model_concurrent_threads(model_factory, dtype):
     """Several threads run the patched model at once (fake streams are per thread, like CUDA's current stream;
     the side stream is shared); every result equals the sequential one bit for bit."""
     model = model_factory(dtype)
-    inputs = [torch.randint(0, 96, (1 + i % 2, 3 + i)) for i in range(6)]
+    inputs = [torch.randint(0, 96, (1 + i % 2, 3 + i)) for i in range(4)]
     with torch.no_grad():
         sequential = [model(ids).logits for ids in inputs]
         for ids, ref in zip(inputs, sequential):  # sequential runs are reproducible before any threading
@@ -171,7 +171,7 @@ def test_tiny_glm47_model_concurrent_threads(model_factory, dtype):
         try:
             barrier.wait()
             with torch.no_grad():
-                results[i] = [model(inputs[i]).logits for _ in range(3)]
+                results[i] = [model(inputs[i]).logits for _ in range(2)]
         except Exception as exc:  # reported below; a thread cannot fail the test by itself
             errors.append(exc)
 
@@ -186,7 +186,7 @@ def test_tiny_glm47_model_concurrent_threads(model_factory, dtype):
         for out in results[i]:
             assert_bitwise(out, ref)
     assert len(fake.created) == 1  # one side stream for all layers and threads
-    assert sum(e[:2] == ("wait", "main") for e in fake.log) == 2 * 3 * len(inputs)
+    assert sum(e[:2] == ("wait", "main") for e in fake.log) == 2 * 2 * len(inputs)
 
 
 def test_environment_switch_and_patch_api(model_factory, monkeypatch):
@@ -244,10 +244,12 @@ def test_twin_blocks_patch_bitwise(module_name, block_name, config_name):
 
 
 @pytest.mark.parametrize("overlap", ["off", "on", "fake streams"])
-def test_patched_block_traces_fullgraph(model_factory, overlap):
+def test_patched_block_traces_fullgraph(overlap):
     """The patched forward adds no graph break (GLM-4 MoE models declare full-graph compilability): under
     torch.compile the helper takes the inline path, even with a stream module at hand."""
-    block = _blocks(model_factory(torch.float32))[0]
+    # A fresh model: once a model ran with output_router_logits=True, transformers' output-recording hooks sit
+    # on the router and Dynamo cannot trace them (ContextVar.get), patched or not.
+    block = _blocks(_model.__wrapped__(torch.float32))[0]
     x = torch.randn(2, 3, 64)
     fake, runner = _fake_runner()
     torch._dynamo.reset()
