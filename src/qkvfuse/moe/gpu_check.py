@@ -319,3 +319,13 @@ def section(quick: bool = False, preset: Optional[ModelPreset] = None) -> Dict[s
         torch.cuda.empty_cache()
     result["device"] = torch.cuda.get_device_name(device)
     return result
+
+
+if __name__ == "__main__":  # python -m qkvfuse.moe.gpu_check [--quick]: the section alone, table then JSON
+    import json
+    import sys
+
+    outcome = section(quick="--quick" in sys.argv)
+    print(outcome["table"])
+    print(json.dumps({k: v for k, v in outcome.items() if k != "table"}, indent=1))
+    sys.exit(0 if outcome["pass"] in (True, None) else 1)
