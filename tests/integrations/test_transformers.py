@@ -277,6 +277,30 @@ def test_weight_changes_after_patching_are_used():
     assert vm.relative_error(patched, unpatched) <= MODEL_FP32_LOGIT_RTOL
 
 
+def test_model_cast_after_patching_refuses_weights():
+    """model.to(dtype) turns the q/k/v views into separate tensors; the next forward re-concatenates them.
+
+    (Build bf16 models with dtype= instead: the cast also rounds the GLM router bias and the rotary inv_freq.)
+    """
+    ids = {"input_ids": tiny_prompt(2, 6)}
+    late, early = build_tiny_model("Qwen3"), build_tiny_model("Qwen3")
+    hf.apply_qkvfuse(late).to(torch.bfloat16)
+    # A cast before patching also rounds transformers' inv_freq to bf16: qkvfuse keeps the fp32 frequencies.
+    with pytest.warns(RuntimeWarning, match="inv_freq is stored in torch.bfloat16"):
+        hf.apply_qkvfuse(early.to(torch.bfloat16))
+    with torch.no_grad():
+        assert torch.equal(late(**ids).logits, early(**ids).logits)
+    attn = late.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn._qkvfuse.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.5V"])
+def test_eager_attention_implementation(name):
+    model = build_tiny_model(name, attn_implementation="eager")
+    report = vm.check_prefill(name, model=model)
+    assert report, report.detail
+
+
 def test_patching_twice_is_harmless():
     model = build_tiny_model("Qwen3-VL")
     inputs = tiny_image_prompt(model)

@@ -34,6 +34,7 @@ import inspect
 import os
 import sys
 import types
+import warnings
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -105,12 +106,22 @@ class _Rope:
             inv_freq, scale = compute_inv_freq(self.rotary_dim, self.theta, self.rope_parameters, self.max_position)
         except ValueError as exc:
             raise NotImplementedError(f"apply_qkvfuse: the model's rope_parameters are not supported: {exc}") from None
-        model_inv_freq = rotary.original_inv_freq.detach().to("cpu", torch.float32)
+        model_inv_freq = rotary.original_inv_freq.detach().to("cpu")
         model_scale = float(getattr(rotary, "attention_scaling", 1.0))
-        if not torch.allclose(inv_freq, model_inv_freq, rtol=1e-6, atol=0) or abs(scale - model_scale) > 1e-6 * abs(model_scale):
+        # model.to(bf16) after construction also rounds the rotary module's inv_freq buffers; judge our fp32
+        # frequencies at the precision the model holds them.
+        rtol = max(1e-6, torch.finfo(model_inv_freq.dtype).eps)
+        if (not torch.allclose(inv_freq.to(model_inv_freq.dtype).float(), model_inv_freq.float(), rtol=rtol, atol=0)
+                or abs(scale - model_scale) > 1e-6 * abs(model_scale)):
             raise NotImplementedError(
                 f"apply_qkvfuse: the rotary table built from rope_parameters={self.rope_parameters} does not match "
                 f"the model's rotary embedding ({type(rotary).__name__}); refusing to patch")
+        if model_inv_freq.dtype != torch.float32:
+            warnings.warn(
+                f"apply_qkvfuse: {type(rotary).__name__}.inv_freq is stored in {model_inv_freq.dtype} (was the model "
+                f"cast with .to(dtype) after loading? load with dtype= instead); qkvfuse rotates with the fp32 "
+                f"frequencies, so the patched model differs from the unpatched one at large positions",
+                RuntimeWarning, stacklevel=4)
 
     def table(self, device: torch.device) -> torch.Tensor:
         """``[max_position, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use)."""
@@ -409,6 +420,12 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     NotImplementedError
         rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK), or shared-expert overlap requested while
         ``qkvfuse.moe.glm4`` is unavailable.
+
+    Warns
+    -----
+    RuntimeWarning
+        The rotary module's ``inv_freq`` is not fp32 (a model cast with ``.to(dtype)`` after loading): qkvfuse
+        still rotates with the exact fp32 frequencies.
     """
     family = _family_of(model)
     overlap = _overlap_requested(shared_expert_overlap)
