@@ -16,6 +16,7 @@ backend with one warning when the backend was chosen automatically.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -73,6 +74,12 @@ def load_library(verbose: bool = False) -> str:
     """Build (if needed) and load the native library; returns its path. Raises if it cannot be built."""
     from torch.utils import cpp_extension
 
+    # The two usual reasons a machine cannot build, said plainly before cpp_extension says them at length.
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise RuntimeError("ninja is not installed (pip install ninja)")
     cap = capability()
     here = Path(__file__).resolve().parent
     build_dir = build_directory(cap)
@@ -95,11 +102,11 @@ def load_library(verbose: bool = False) -> str:
 def _summary(exc: BaseException) -> str:
     """One line out of a build failure (cpp_extension puts the whole compiler log in the message)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    first = lines[0] if lines else ""
+    first = lines[0] if lines else type(exc).__name__
     error = next((line for line in lines[1:] if "error" in line.lower() or "not found" in line.lower()), "")
-    detail = first[:200] + (f" ... {error[:200]}" if error and error not in first else "")
-    return (f"the native CPU kernel could not be built ({type(exc).__name__}: {detail}); it needs a C++ "
-            f"compiler and ninja on first use (build folder {build_directory()})")
+    detail = first[:160] + (f" ... {error[:200]}" if error and error not in first else "")
+    return (f"the native CPU kernel could not be built: {detail} (build folder {build_directory()}; set "
+            f"QKVFUSE_BACKEND=reference to skip it)")
 
 
 def available() -> Tuple[bool, str]:

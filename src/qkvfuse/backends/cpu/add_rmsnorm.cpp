@@ -36,7 +36,7 @@ struct NormPlan {
 };
 
 template <typename T>
-void norm_row(const NormPlan& p, int64_t t) {
+QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
   const int64_t H = p.H;
   const T* x = static_cast<const T*>(p.x) + t * p.x_rs;
   const T* r = p.r != nullptr ? static_cast<const T*>(p.r) + t * p.r_rs : nullptr;

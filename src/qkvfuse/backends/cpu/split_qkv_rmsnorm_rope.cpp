@@ -117,7 +117,7 @@ void token_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
 // pass-through dims. The norm is (x * inv) * w (+ b) in the vector body and the scalar tail alike; the
 // rotation is fused multiply-adds in both, so an element's value never depends on which path computed it.
 template <typename T, int kNorm, bool kNeox>
-void qk_head(const T* src, T* dst, const float* w, const float* b, float eps, int64_t D, int64_t half,
+QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* b, float eps, int64_t D, int64_t half,
              const float* cos, const float* sin) {
   alignas(64) float x[kMaxHeadDim];
   fVec acc0(0.f), acc1(0.f);

@@ -18,6 +18,14 @@ namespace qkvfuse_cpu {
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kF = fVec::size();  // fp32 lanes per register (8 with AVX2, 16 with AVX-512)
 
+// On a per-row/per-head kernel: inline every call in it. GCC otherwise keeps ATen's fp32 -> bf16 converter
+// out of line, and the call spills the vectors to memory on every store (3x slower heads).
+#if defined(__GNUC__)
+#define QKVFUSE_FLATTEN __attribute__((flatten))
+#else
+#define QKVFUSE_FLATTEN
+#endif
+
 // Widest head a kernel's on-stack fp32 staging buffer holds (ops.MAX_HEAD_DIM).
 constexpr int64_t kMaxHeadDim = 512;
 
@@ -82,16 +90,23 @@ inline void vector_to_fp32(const at::Tensor& t, int64_t n, float* out) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.device().is_cpu(), "qkvfuse cpu kernel: bad weight/bias ",
               t.sizes());
   const int64_t s = t.stride(0);
+  // Typed pointers hoisted out of the loops: const_data_ptr<T>() checks the dtype on every call.
   switch (t.scalar_type()) {
-    case at::kFloat:
-      for (int64_t i = 0; i < n; ++i) out[i] = t.const_data_ptr<float>()[i * s];
+    case at::kFloat: {
+      const float* p = t.const_data_ptr<float>();
+      for (int64_t i = 0; i < n; ++i) out[i] = p[i * s];
       break;
-    case at::kBFloat16:
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(t.const_data_ptr<c10::BFloat16>()[i * s]);
+    }
+    case at::kBFloat16: {
+      const c10::BFloat16* p = t.const_data_ptr<c10::BFloat16>();
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i * s]);
       break;
-    case at::kHalf:
-      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(t.const_data_ptr<c10::Half>()[i * s]);
+    }
+    case at::kHalf: {
+      const c10::Half* p = t.const_data_ptr<c10::Half>();
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(p[i * s]);
       break;
+    }
     default:
       TORCH_CHECK(false, "qkvfuse cpu kernel: weight/bias dtype ", t.scalar_type());
   }

@@ -1,0 +1,232 @@
+"""Native CPU backend: what only this backend has (the shared suite in tests/test_ops.py covers the spec).
+
+* the kernel's copy of the mRoPE axis rule agrees with :func:`qkvfuse.rope.mrope_axis_map`;
+* bits do not depend on the thread count, on repeated calls, or on which side of the parallel grain a
+  batch falls;
+* the kernel's own position range check raises ``ValueError`` naming ``positions`` before writing anything;
+* the dispatcher reaches the C++ kernels for all five ops;
+* the vector-body / scalar-tail split of odd head and rotary dims;
+* a machine without a compiler falls back to the reference backend with one warning.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import qkvfuse
+from qkvfuse.backends import available_backends
+from qkvfuse.rope import mrope_axis_map
+from qkvfuse.testing import (SplitCase, check_split_outputs, make_norm_inputs, make_split_inputs, oracle_split,
+                             poisoned_like, unfused_split)
+
+REASON = available_backends()["cpu"]
+if REASON and "cpu" in os.environ.get("QKVFUSE_REQUIRE_BACKENDS", "").split(","):
+    pytest.fail(f"backend 'cpu' is required but unavailable: {REASON}", pytrace=False)
+pytestmark = pytest.mark.skipif(bool(REASON), reason=f"cpu backend unavailable: {REASON}")
+
+OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
+       "add_rmsnorm_out")
+
+
+def _raw_split_args(kwargs):
+    """Positional arguments of ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope*`` (no Python validation)."""
+    section = kwargs["mrope_section"]
+    return (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
+            kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
+            kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
+            list(section) if section else [], kwargs["mrope_interleaved"])
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _with_threads(n, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_all_ops_have_a_native_cpu_kernel():
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qkvfuse::{op}", "CPU"), op
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
+def test_kernel_mrope_axis_rule_matches_python(interleaved):
+    cases = [(half, (s_t, s_h, half - s_t - s_h)) for half in range(1, 25)
+             for s_t in range(half + 1) for s_h in range(half + 1 - s_t)]
+    cases += [(64, (24, 20, 20)), (64, (16, 24, 24)), (32, (8, 12, 12)), (256, (86, 85, 85)), (256, (0, 0, 256))]
+    for half, section in cases:
+        kernel = torch.ops.qkvfuse_cpu.mrope_axis_map(half, list(section), interleaved)
+        assert tuple(kernel) == mrope_axis_map(half, section, interleaved), (half, section)
+
+
+# Wide enough that the parallel path runs: T * (Hq + Hkv + 1) work items well above the grain.
+PARALLEL_CASES = [
+    SplitCase(T=96, num_q_heads=12, num_kv_heads=2, head_dim=128, rotary_dim=64, dtype=torch.bfloat16, bias=True),
+    SplitCase(T=80, num_q_heads=8, num_kv_heads=4, head_dim=80, rotary_dim=80, dtype=torch.float16, is_neox=False,
+              mrope_section=(16, 12, 12), mrope_interleaved=True, pos_dtype=torch.int32, row_pad=8),
+    SplitCase(T=70, num_q_heads=4, num_kv_heads=2, head_dim=256, rotary_dim=32, dtype=torch.float32, norm=False,
+              mrope_section=(6, 5, 5), cache_dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("case", PARALLEL_CASES, ids=["bf16-partial-bias", "fp16-gptj-mropeI", "fp32-nonorm-mropeC"])
+def test_split_bits_independent_of_threads_and_grain(case):
+    kwargs = make_split_inputs(case, seed=3)
+    per_token = case.num_q_heads + 2 * case.num_kv_heads  # Q/K heads + one V item, with margin
+    assert case.T * per_token > 2 * torch.ops.qkvfuse_cpu.grain_items(case.head_dim), "case too small to fork"
+    one = _with_threads(1, lambda: qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu"))
+    for _ in range(3):
+        two = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu"))
+        for a, b in zip(one, two):
+            assert torch.equal(_bits(a), _bits(b))
+    # Single tokens run below the grain (no fork): the same bits as inside the big parallel batch.
+    for t in (0, case.T // 2, case.T - 1):
+        part = dict(kwargs, qkv=kwargs["qkv"][t : t + 1], positions=kwargs["positions"][..., t : t + 1])
+        single = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope(**part, backend="cpu"))
+        for a, b in zip(one, single):
+            assert torch.equal(_bits(a[t : t + 1]), _bits(b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_rmsnorm_bits_independent_of_threads_and_grain(dtype):
+    kwargs = make_norm_inputs(64, 1536, dtype, residual=True, bias=True, row_pad=8, seed=5)
+    one = _with_threads(1, lambda: qkvfuse.add_rmsnorm(**kwargs, backend="cpu"))
+    two = _with_threads(2, lambda: qkvfuse.add_rmsnorm(**kwargs, backend="cpu"))
+    assert torch.equal(_bits(one[0]), _bits(two[0])) and torch.equal(_bits(one[1]), _bits(two[1]))
+    for t in (0, 33, 63):
+        part = dict(kwargs, x=kwargs["x"][t : t + 1], residual=kwargs["residual"][t : t + 1])
+        y, r = qkvfuse.add_rmsnorm(**part, backend="cpu")
+        assert torch.equal(_bits(one[0][t : t + 1]), _bits(y)) and torch.equal(_bits(one[1][t : t + 1]), _bits(r))
+
+
+@pytest.mark.parametrize("mrope", [False, True], ids=["rope", "mrope"])
+@pytest.mark.parametrize("bad", [-1, 4096, 10**12], ids=["negative", "max_position", "huge"])
+def test_kernel_range_check_raises_before_writing(mrope, bad):
+    """The raw op (no Python check in front) raises ValueError naming positions, outputs untouched."""
+    case = SplitCase(T=40, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=64, max_position=4096,
+                     mrope_section=(12, 10, 10) if mrope else None, pos_dtype=torch.int64)
+    kwargs = make_split_inputs(case)
+    positions = kwargs["positions"].clone()
+    positions[..., -1] = bad  # the last token: a kernel that writes before checking would have written the rest
+    kwargs["positions"] = positions
+    outs = tuple(poisoned_like(torch.empty(40, w, dtype=case.dtype)) for w in (256, 128, 128))
+    with pytest.raises(ValueError, match=r"^positions: expected values in \[0, 4096\)"):
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out(*_raw_split_args(kwargs), *outs)
+    assert all(torch.isnan(o.float()).all() for o in outs), "an output was written before the range check"
+    qkv = kwargs["qkv"].clone()
+    with pytest.raises(ValueError, match="positions"):
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace(qkv, *_raw_split_args(kwargs)[1:])
+    assert torch.equal(qkv, kwargs["qkv"])
+
+
+def test_range_check_message_matches_reference():
+    kwargs = make_split_inputs(SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32,
+                                         max_position=100))
+    kwargs["positions"] = torch.tensor([3, -7, 5, 120, 0], dtype=torch.int32)
+    messages = []
+    for backend in ("reference", "cpu"):
+        with pytest.raises(ValueError) as info:
+            qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+        messages.append(str(info.value).splitlines()[0])
+    assert messages[0] == messages[1] == "positions: expected values in [0, 100) (cos_sin_cache rows), got values in [-7, 120]"
+
+
+TAIL_CASES = [  # head_dim, rotary_dim, is_neox: every mix of 16-wide blocks, 8-wide steps and scalar tails
+    (2, 2, True), (6, 4, False), (18, 18, True), (18, 6, False), (24, 24, True), (40, 34, True), (48, 48, False),
+    (100, 62, True), (510, 510, False), (512, 512, True), (512, 2, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim,rotary_dim,is_neox", TAIL_CASES)
+def test_vector_body_and_scalar_tails(head_dim, rotary_dim, is_neox, dtype):
+    case = SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=head_dim, rotary_dim=rotary_dim, dtype=dtype,
+                     is_neox=is_neox, bias=True, weight_dtype=dtype, row_pad=2)
+    kwargs = make_split_inputs(case, seed=head_dim)
+    # Strided weight views: the kernel reads weights through their stride.
+    for name in ("q_weight", "k_bias"):
+        wide = torch.full((2 * head_dim,), float("nan"), dtype=kwargs[name].dtype)
+        wide[::2] = kwargs[name]
+        kwargs[name] = wide[::2]
+    outs = (poisoned_like(torch.empty(3, 2 * head_dim, dtype=dtype), 4),
+            poisoned_like(torch.empty(3, head_dim, dtype=dtype)), poisoned_like(torch.empty(3, head_dim, dtype=dtype)))
+    result = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=outs, backend="cpu")
+    report = check_split_outputs(result, oracle_split(**kwargs), unfused_split(**kwargs), kwargs["qkv"], 2, 1,
+                                 head_dim)
+    assert report.ok, report.detail
+
+
+def _run_child(script: str, env_changes, timeout=300):
+    env = dict(os.environ, **env_changes)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
+    script = """
+        import json, warnings, torch, qkvfuse
+        from qkvfuse.backends import available_backends
+        kw = dict(positions=torch.arange(2), cos_sin_cache=qkvfuse.build_cos_sin_cache(8, 4, 1e4), num_q_heads=1,
+                  num_kv_heads=1, head_dim=8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                q, k, v = qkvfuse.split_qkv_rmsnorm_rope(torch.randn(2, 24), **kw)
+                qkvfuse.add_rmsnorm(torch.randn(2, 8), None, torch.ones(8))
+        try:
+            qkvfuse.split_qkv_rmsnorm_rope(torch.randn(2, 24), **kw, backend="cpu")
+            explicit = "no error"
+        except RuntimeError as exc:
+            explicit = str(exc)
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "reason": available_backends()["cpu"],
+                          "explicit": explicit, "finite": bool(torch.isfinite(q).all())}))
+    """
+    env = {"CXX": str(tmp_path / "no-such-compiler"), "QKVFUSE_BUILD_DIR": str(tmp_path / "build"),
+           "QKVFUSE_BACKEND": ""}
+    result = _run_child(script, env)
+    assert len(result["warnings"]) == 1, result["warnings"]
+    warning = result["warnings"][0]
+    assert "'cpu' unavailable" in warning and "using the reference backend" in warning
+    assert "no C++ compiler" in warning and "\n" not in warning
+    assert result["reason"].startswith("the native CPU kernel could not be built: no C++ compiler")
+    assert "requested but is unavailable" in result["explicit"]
+    assert result["finite"]
+
+
+@pytest.mark.slow
+def test_portable_default_vectors_build_and_match_oracle(tmp_path):
+    """ATen's portable ``DEFAULT`` vectors (non-x86 machines) build and pass a few oracle cases (~1 min build)."""
+    script = """
+        import json, torch, qkvfuse
+        from qkvfuse.backends import available_backends
+        from qkvfuse.testing import (SplitCase, check_split_outputs, make_split_inputs, oracle_split,
+                                     unfused_split)
+        assert available_backends()["cpu"] == "", available_backends()["cpu"]
+        failures = []
+        for D, R, neox, dtype in ((128, 64, True, torch.bfloat16), (80, 80, False, torch.float16),
+                                  (18, 6, True, torch.float32)):
+            case = SplitCase(T=9, num_q_heads=3, num_kv_heads=1, head_dim=D, rotary_dim=R, dtype=dtype, is_neox=neox,
+                             bias=True, mrope_section=(R // 2 - 2 * (R // 6), R // 6, R // 6))
+            kw = make_split_inputs(case)
+            report = check_split_outputs(qkvfuse.split_qkv_rmsnorm_rope(**kw, backend="cpu"), oracle_split(**kw),
+                                         unfused_split(**kw), kw["qkv"], 3, 1, D)
+            if not report.ok:
+                failures.append(report.detail)
+        import qkvfuse.backends.cpu as cpu
+        print(json.dumps({"failures": failures, "capability": cpu.capability()}))
+    """
+    result = _run_child(script, {"QKVFUSE_CPU_CAPABILITY": "DEFAULT", "QKVFUSE_BUILD_DIR": str(tmp_path)}, 900)
+    assert result == {"failures": [], "capability": "DEFAULT"}
