@@ -6,7 +6,7 @@ import math
 import pytest
 
 import qkvfuse.benchmarks as benchmarks
-from qkvfuse.benchmarks.harness import COPY, CPU, EAGER, Row
+from qkvfuse.benchmarks.harness import COPY, CPU, CPU_RAW, EAGER, Row
 from qkvfuse.benchmarks.report import summarize
 from qkvfuse.benchmarks.timing import Budget, Candidate, measure
 from qkvfuse.cli import main
@@ -31,6 +31,7 @@ def test_bench_prints_table_and_writes_json_and_png(tmp_path, capsys):
     assert placements == {(op, d) for op in ("split_qkv_rmsnorm_rope", "add_rmsnorm") for d in ("hot", "rotated")}
     for r in rows:
         assert math.isfinite(r["us"]) and r["us"] > 0 and r["roofline"] > 0 and r["rounds"] >= 3
+        assert r["check"] == ("ok" if r["impl"] in (CPU, CPU_RAW) else "")  # the timed kernel met the accuracy rule
     # every placement has its own roofline row, measured in the same rounds as the kernels
     assert sum(r["impl"] == COPY for r in rows) == len(placements)
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -79,10 +80,10 @@ def test_bench_with_torch_compile(tmp_path, capsys):
     assert compiled and all(r["compile_s"] > 0 and r["vs_compile"] == 1.0 for r in compiled)
 
 
-def _row(T, data, impl, us, roofline, op="split_qkv_rmsnorm_rope", shape="Qwen3-8B", outputs="out="):
+def _row(T, data, impl, us, roofline, op="split_qkv_rmsnorm_rope", shape="Qwen3-8B", outputs="out=", check="ok"):
     return Row(op=op, shape=shape, mode="", dtype="bf16", T=T, data=data, impl=impl, outputs=outputs, us=us, gbps=1.0,
                roofline=roofline, vs_eager=None, vs_compile=None, copy_us=us * roofline, bytes=1, rounds=3,
-               calls_per_block=1)
+               calls_per_block=1, check=check if impl == CPU else "")
 
 
 def test_summary_applies_the_issue_targets_to_cpu_out_rows():
@@ -94,6 +95,8 @@ def test_summary_applies_the_issue_targets_to_cpu_out_rows():
     verdicts = {(s["target"].split()[0], s["target"].split()[1]): s["verdict"] for s in summarize(rows, "")}
     assert verdicts == {("split", "T=1"): "MISSED", ("split", "T=16"): "MET", ("split", "T=256"): "MISSED",
                         ("split", "T=4096"): "MET", ("add_rmsnorm", "T=4096"): "MISSED"}
+    wrong = summarize([_row(4096, "1 set", CPU, 1.0, 0.99, check="FAIL: q: NaN")], "")
+    assert [s["verdict"] for s in wrong] == ["WRONG RESULTS"]  # fast and wrong meets no target
     unavailable = summarize([r for r in rows if r.impl != CPU] + [_row(4096, "1 set", EAGER, 1.0, 0.1)], "no compiler")
     assert [(s["target"].split()[1], s["verdict"]) for s in unavailable] == [
         ("T=256", "n/a: cpu backend unavailable"), ("T=4096", "n/a: cpu backend unavailable")]

@@ -18,8 +18,8 @@ import torch
 from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
-from .report import (TABLE_NOTE, busy_warning, print_compile_times, print_machine, print_summary, print_tables,
-                     summarize, write_json, write_plot)
+from .report import (TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine, print_summary,
+                     print_tables, summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, machine_info
 
 __all__ = ["run_bench", "config_from_args", "cpu_unavailable_reason"]
@@ -85,7 +85,11 @@ def _config_json(cfg: BenchConfig) -> dict:
 
 
 def run_bench(args) -> int:
-    """Run the benchmark described by the CLI flags; print the tables and the summary last. Returns 0."""
+    """Run the benchmark described by the CLI flags; print the tables and the summary last.
+
+    Returns 0, or 1 when the cpu backend broke the accuracy rule on the benchmark's inputs (checked once per
+    cell, NaN-poisoned outputs, before timing), or 2 for bad flags.
+    """
     t_start = time.perf_counter()
     try:
         cfg = config_from_args(args)
@@ -137,8 +141,11 @@ def run_bench(args) -> int:
     busy = busy_warning(machine)
     if busy:
         print("\n" + busy)
+    failures = check_failures(rows)
+    for line in failures:
+        print(f"ACCURACY FAILURE (qkvfuse cpu vs the float64 oracle, accuracy rule): {line}")
     written = [p for p in (args.json, args.plot) if p]
     print(f"\nbench: {len(rows)} rows in {time.perf_counter() - t_start:.0f} s; load average "
           f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'] or [])} at the end"
           + (f"; wrote {', '.join(written)}" if written else ""))
-    return 0
+    return 1 if failures else 0

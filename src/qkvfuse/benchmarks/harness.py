@@ -9,6 +9,8 @@ For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_r
 * ``reference`` -- qkvfuse's reference backend through the public op (``out=`` and ``fresh``);
 * ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
   dispatch included; skipped, with the reason, where it is unavailable;
+* ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for the cpu backend, called
+  directly: its gap to ``qkvfuse cpu [out=]`` is the cost of the Python wrapper (validation, backend choice);
 * ``copy_ roofline`` -- ``dst.copy_(src)`` of the same bytes into a preallocated tensor (``qkv`` for the split;
   a ``[T, 2H]`` tensor for add_rmsnorm, whose op reads two and writes two ``[T, H]`` tensors).
 
@@ -28,9 +30,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-import qkvfuse
+from ..ops import _kernel, add_rmsnorm, split_qkv_rmsnorm_rope
 from ..presets import ModelPreset
-from ..testing import SplitCase, make_norm_inputs, make_split_inputs, unfused_add_rmsnorm, unfused_split
+from ..testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
+                       oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split)
 from .timing import Budget, Candidate, measure
 
 __all__ = ["BenchConfig", "Row", "bench_split", "bench_norm", "COPY", "EAGER", "COMPILED", "REFERENCE", "CPU",
@@ -85,6 +88,7 @@ class Row:
     rounds: int
     calls_per_block: int
     compile_s: Optional[float] = None
+    check: str = ""  # qkvfuse cpu rows: "ok" or "FAIL: ..." -- the accuracy rule on these very inputs
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -100,12 +104,16 @@ def _rotation(set_bytes: int, l2_bytes: int) -> int:
 
 
 def _more_sets(first: Dict[str, object], n_sets: int, shared: Sequence[str] = ()) -> List[Dict[str, object]]:
-    """``first`` and ``n_sets - 1`` copies in their own memory, like successive layers of one forward: new
-    activations and weights, the same positions and (``shared``) the same cos/sin table."""
+    """``first`` and ``n_sets - 1`` copies in their own memory, like successive layers of one forward: their own
+    activations and weights; the tensors named in ``shared`` (positions, the cos/sin table) are the same objects."""
     def copy(key, value):
         return value.clone() if isinstance(value, torch.Tensor) and key not in shared else value
 
     return [first] + [{k: copy(k, v) for k, v in first.items()} for _ in range(1, n_sets)]
+
+
+def _verdict(report) -> str:
+    return "ok" if report.ok else f"FAIL: {report.detail}"
 
 
 def _compile(fn: Callable, first_call: Callable[[Callable], object]) -> Tuple[Optional[Callable], float, str]:
@@ -122,7 +130,7 @@ def _compile(fn: Callable, first_call: Callable[[Callable], object]) -> Tuple[Op
 
 def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, T: int,
           candidates_for: Callable[[int], Tuple[List[Candidate], List[Callable]]], n_sets: int, nbytes: int,
-          copy_bytes: int, compile_s: Optional[float]) -> List[Row]:
+          copy_bytes: int, compile_s: Optional[float], check: str) -> List[Row]:
     """Measure hot (and, for small T, rotated) placements and turn the results into rows."""
     placements = [("hot", 1), (f"rotated x{n_sets}", n_sets)] if T <= ROTATE_MAX_T else [("1 set", 1)]
     rows = []
@@ -140,7 +148,8 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
             rows.append(Row(op, shape, mode, dtype_name(dtype), T, data, c.impl, c.outputs, m.us, nbytes / m.us / 1e3,
                             m.roofline, 1.0 if c.key == eager else m.vs.get(eager),
                             1.0 if c.key == compiled else m.vs.get(compiled), m.copy_us, nbytes, m.rounds,
-                            m.calls_per_block, compile_s if c.impl == COMPILED else None))
+                            m.calls_per_block, compile_s if c.impl == COMPILED else None,
+                            check if c.impl in (CPU, CPU_RAW) else ""))
         copy_median = statistics.median(copy_us)
         rows.append(Row(op, shape, mode, dtype_name(dtype), T, data, COPY, "out=", copy_median,
                         copy_bytes / copy_median / 1e3, 1.0, None, None, copy_median, copy_bytes, rows[-1].rounds, 0))
@@ -150,8 +159,6 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
 def _cpu_kernel(op: str) -> Callable:
     """What the public op calls for the cpu backend after validation (``torch.ops.qkvfuse.<op>`` when the
     backend registers the CPU dispatch key)."""
-    from ..ops import _kernel
-
     return _kernel("cpu", torch.device("cpu"), op)[1]
 
 
@@ -209,6 +216,14 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
     outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
     copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
 
+    check = ""
+    if CPU in cfg.impls and not cfg.cpu_reason:  # what is timed must be right, at the timed shapes
+        for t in outs[0]:
+            t.fill_(float("nan"))
+        got = split_qkv_rmsnorm_rope(**first, out=outs[0], backend="cpu")
+        check = _verdict(check_split_outputs(got, oracle_split(**first), unfused_split(**first), first["qkv"], hq,
+                                             hkv, D))
+
     compiled, compile_s = None, None
     if cfg.compiles(preset.name, dtype, T):
         compiled, compile_s, reason = _compile(unfused_split, lambda f: f(**first))
@@ -217,11 +232,11 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
 
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
-        return _candidates(cfg, unfused_split, compiled, qkvfuse.split_qkv_rmsnorm_rope, sets[:n], outs[:n],
+        return _candidates(cfg, unfused_split, compiled, split_qkv_rmsnorm_rope, sets[:n], outs[:n],
                            _raw_split_call if T <= ROTATE_MAX_T else None), copies
 
     return _rows(cfg, "split_qkv_rmsnorm_rope", preset.name, split_mode(preset), dtype, T, candidates_for, n_sets,
-                 nbytes, 2 * _nbytes(first["qkv"]), compile_s)
+                 nbytes, 2 * _nbytes(first["qkv"]), compile_s, check)
 
 
 def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> List[Row]:
@@ -236,6 +251,14 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
     copy_dst = [torch.empty_like(src) for src in copy_src]
     shape = f"hidden {hidden}"
 
+    check = ""
+    if CPU in cfg.impls and not cfg.cpu_reason:
+        for t in outs[0]:
+            t.fill_(float("nan"))
+        got = add_rmsnorm(**first, out=outs[0], backend="cpu")
+        check = _verdict(check_norm_outputs(got, oracle_add_rmsnorm(**first), unfused_add_rmsnorm(**first),
+                                            first["x"], first["residual"]))
+
     compiled, compile_s = None, None
     if cfg.compiles(shape, dtype, T):
         compiled, compile_s, reason = _compile(unfused_add_rmsnorm, lambda f: f(**first))
@@ -244,8 +267,8 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
 
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
-        return _candidates(cfg, unfused_add_rmsnorm, compiled, qkvfuse.add_rmsnorm, sets[:n], outs[:n],
+        return _candidates(cfg, unfused_add_rmsnorm, compiled, add_rmsnorm, sets[:n], outs[:n],
                            _raw_norm_call if T <= ROTATE_MAX_T else None), copies
 
     return _rows(cfg, "add_rmsnorm", shape, "residual, fp32 weight", dtype, T, candidates_for, n_sets, nbytes,
-                 2 * _nbytes(copy_src[0]), compile_s)
+                 2 * _nbytes(copy_src[0]), compile_s, check)

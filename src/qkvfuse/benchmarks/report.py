@@ -9,8 +9,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..cli.verify import Section, print_section
 from .harness import COMPILED, COPY, CPU, CPU_RAW, EAGER, ROTATE_MAX_T, Row
 
-__all__ = ["busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize", "print_summary",
-           "write_json", "write_plot", "TABLE_NOTE", "TARGETS"]
+__all__ = ["check_failures", "busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize",
+           "print_summary", "write_json", "write_plot", "TABLE_NOTE", "TARGETS"]
 
 TABLE_NOTE = (
     "us: median per call over the rounds. GB/s: bytes the op must read + write / us. roofline: copy_ time / "
@@ -79,11 +79,13 @@ def print_tables(rows: Sequence[Row]) -> None:
     groups: Dict[Tuple[str, str], List[Row]] = {}
     for r in rows:
         groups.setdefault((r.op, r.shape), []).append(r)
-    columns = ("dtype", "T", "data", "impl", "outputs", "us", "GB/s", "roofline", "vs eager", "vs compile", "rounds")
+    columns = ("dtype", "T", "data", "impl", "outputs", "us", "GB/s", "roofline", "vs eager", "vs compile", "rounds",
+               "check")
     for (op, shape), group in groups.items():
         cells = [{"dtype": r.dtype, "T": str(r.T), "data": r.data, "impl": r.impl, "outputs": r.outputs,
                   "us": _us(r.us), "GB/s": f"{r.gbps:.1f}", "roofline": _pct(r.roofline),
-                  "vs eager": _times(r.vs_eager), "vs compile": _times(r.vs_compile), "rounds": str(r.rounds)}
+                  "vs eager": _times(r.vs_eager), "vs compile": _times(r.vs_compile), "rounds": str(r.rounds),
+                  "check": r.check.split(":")[0]}
                  for r in group]
         print_section(Section(f"{op}: {shape} ({group[0].mode})", columns, cells))
 
@@ -164,8 +166,16 @@ def summarize(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
             result = None if cpu_reason else judge(rows, op, shape, T)
             if result is not None:
                 row["measured"], row["verdict"] = result[0], "MET" if result[1] else "MISSED"
+                if _pick(rows, op, shape, T).check != "ok":  # a fast wrong kernel meets nothing
+                    row["verdict"] = "WRONG RESULTS"
             out.append(row)
     return out
+
+
+def check_failures(rows: Sequence[Row]) -> List[str]:
+    """One line per cell where qkvfuse cpu broke the accuracy rule on the benchmark's own inputs."""
+    failed = {(r.op, r.shape, r.dtype, r.T): r.check for r in rows if r.check and r.check != "ok"}
+    return [f"{op} {shape} {dtype} T={T}: {check}" for (op, shape, dtype, T), check in failed.items()]
 
 
 def _speedup_line(rows: Sequence[Row], versus: str, attr: str) -> str:
