@@ -54,6 +54,8 @@ def config_from_args(args) -> BenchConfig:
     if any(t < 1 for t in tokens):
         raise ValueError(f"--tokens: expected positive token counts, got {list(tokens)}")
     hidden = tuple(dict.fromkeys(getattr(args, "hidden", None) or HIDDEN_SIZES))
+    if any(h < 1 for h in hidden):
+        raise ValueError(f"--hidden: expected positive hidden sizes, got {list(hidden)}")
     ops = tuple(getattr(args, "op", None) or ("split", "norm"))
     impls = [EAGER] + ([] if args.no_compile else [COMPILED]) + ([] if quick else [REFERENCE]) + [CPU]
     compile_cells = None

@@ -226,7 +226,7 @@ def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
     nrows = (len(panels) + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.4 * nrows + 1.0), squeeze=False)
     styles = {EAGER: ("tab:red", "o"), COMPILED: ("tab:orange", "s"), "reference": ("tab:purple", "^"),
-              CPU: ("tab:blue", "D"), COPY: ("black", "")}
+              CPU: ("tab:blue", "D"), COPY: ("black", "_")}
     handles = {}
     for ax, (op, shape, dtype) in zip(axes.flat, panels):
         mine = [r for r in plotted if (r.op, r.shape, r.dtype) == (op, shape, dtype)]
@@ -236,7 +236,7 @@ def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
             label = f"{impl} [{outputs}]" if impl != COPY else "copy_ (roofline)"
             (h,) = ax.plot([t for t, _ in line], [u for _, u in line], color=color, marker=marker or None,
                            linestyle="--" if outputs == "fresh" else "-", linewidth=2.2 if impl == COPY else 1.4,
-                           markersize=4, label=label)
+                           markersize=12 if impl == COPY else 4, label=label)
             handles.setdefault(label, h)
             if impl == CPU and outputs == "out=":  # the number the targets are about, at each point
                 for r in sorted(mine, key=lambda r: r.T):
