@@ -137,6 +137,10 @@ MUTATIONS = {
 }
 
 
+def _forget_resolved_kernels():
+    getattr(qkvfuse.ops, "_KERNELS", {}).clear()
+
+
 def run_mutation(name):
     """``(failing, total, first failure)`` of the mutation's test on the reference backend."""
     patches, test, params = MUTATIONS[name]
@@ -144,6 +148,10 @@ def run_mutation(name):
     for kwargs in params:
         torch.manual_seed(0)
         with contextlib.ExitStack() as stack:
+            # qkvfuse.ops memoises the resolved kernel functions: forget them on the way in and out so the
+            # patched reference is called, and nothing keeps calling it afterwards.
+            _forget_resolved_kernels()
+            stack.callback(_forget_resolved_kernels)
             for obj, attr, replacement in patches:
                 stack.enter_context(mock.patch.object(obj, attr, replacement))
             try:
