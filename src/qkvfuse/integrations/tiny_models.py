@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import torch
 
 from ..presets import ModelPreset, get_preset
 
 __all__ = ["TinyModelSpec", "TINY_MODELS", "tiny_config", "build_tiny_model", "clone_model", "tiny_prompt",
-           "tiny_image_prompt"]
+           "tiny_image_prompt", "image_token_count"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,8 +206,9 @@ def clone_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """A copy of ``model`` built with ``dtype=`` at construction, holding the same weights rounded to ``dtype``.
 
     ``dtype=torch.float64`` gives the high-precision reference model the bf16 checks compare against (its
-    MoE experts run transformers' per-expert loop, which has a float64 path). Buffers transformers keeps in fp32 (GLM's ``e_score_correction_bias``) stay fp32; ``top_k`` pins made by
-    :func:`build_tiny_model` are carried over.
+    MoE experts run transformers' per-expert loop, which has a float64 path). Buffers transformers keeps in
+    fp32 (GLM's ``e_score_correction_bias``) stay fp32; ``top_k`` pins made by :func:`build_tiny_model` are
+    carried over.
     """
     # _from_config writes dtype (and the experts implementation) into the config: give the twin its own.
     config = copy.deepcopy(model.config)
@@ -257,8 +258,3 @@ def image_token_count() -> int:
     t, h, w = IMAGE_GRID_THW
     return t * h * w // (_MERGE * _MERGE)
 
-
-def attention_geometry(model: torch.nn.Module) -> Tuple[int, int, int]:
-    """``(num_q_heads, num_kv_heads, head_dim)`` of a model's text decoder."""
-    config = model.config.get_text_config()
-    return config.num_attention_heads, config.num_key_value_heads, config.head_dim

@@ -232,7 +232,7 @@ def section(args):
     from ..cli.verify import Section
 
     try:
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401  (the section needs it; report its absence as a note)
     except ImportError as exc:
         return Section("models (transformers integration)", ("family", "pass"), [],
                        note=f"skipped: transformers is not installed ({exc})")
@@ -241,7 +241,8 @@ def section(args):
         rows = [_row(name, dtype, backend) for name, dtype in _plan(getattr(args, "quick", False))]
     resolved = resolve_backend(backend, "cpu")
     note = (f"tiny random-weight models (head_dim 128, published Hq/Hkv ratio, 2 layers); backend: "
-            f"{resolved}{'' if backend else ' (auto)'}\nfp32: max|patched - unpatched| / max|unpatched| <= {MODEL_FP32_LOGIT_RTOL:g} "
+            f"{resolved}{'' if backend else ' (auto)'}\n"
+            f"fp32: max|patched - unpatched| / max|unpatched| <= {MODEL_FP32_LOGIT_RTOL:g} "
             f"(generation: every step, greedy tokens identical); bf16: errors vs the same weights in float64, "
             f"RMS <= {MODEL_BF16_RMS_FACTOR} x and max <= {MODEL_BF16_MAX_FACTOR} x the unpatched bf16 model's")
     columns = ("family", "class", "dtype", "check", "max logit err", "unpatched err", "tokens identical", "pass", "s")
