@@ -13,8 +13,8 @@ machine without them still has the reference. Fake implementations let ``torch.c
 trace the ops. The raw ``torch.ops`` entry points assume validated input: call the Python functions below.
 
 Position range checks: positions outside ``[0, max_position)`` raise ``ValueError``. The check is done where
-it costs no host synchronisation -- in Python for CPU tensors on the reference backend, inside the native CPU
-kernel (before any output is written) -- and on accelerators in eager mode. Under ``torch.compile`` or
+it costs no host synchronisation -- in Python for CPU tensors on the reference and Triton-interpreter
+backends, inside the native CPU kernel (before any output is written) -- and on accelerators in eager mode. Under ``torch.compile`` or
 CUDA-graph capture on an accelerator the check would need a host sync, so it is skipped and the kernel clamps
 positions into the table instead: nothing outside the cache is ever read.
 """
@@ -22,10 +22,12 @@ positions into the table instead: nothing outside the cache is ever read.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence, Tuple
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import backends as _backends
 from . import reference
 from .backends import get_backend, resolve_backend
 
@@ -161,19 +163,23 @@ def _span(t: torch.Tensor) -> Tuple[int, int]:
     """Byte range ``[start, end)`` touched by a strided tensor (empty for numel 0)."""
     if t.numel() == 0:
         return (0, 0)
+    size_of = t.element_size()
     start = end = t.data_ptr()
     for size, stride in zip(t.shape, t.stride()):
-        reach = (size - 1) * stride * t.element_size()
+        reach = (size - 1) * stride * size_of
         if reach < 0:
             start += reach
         else:
             end += reach
-    return (start, end + t.element_size())
+    return (start, end + size_of)
+
+
+def _spans_overlap(a: Tuple[int, int], b: Tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
+    return _spans_overlap(_span(a), _span(b))
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -181,7 +187,10 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_outputs(names: Sequence[str], outs, expected_shapes, like: torch.Tensor, inputs, own_slices) -> None:
-    """``outs`` match shape/dtype/device/layout and overlap nothing except (exactly) their own input slice."""
+    """``outs`` match shape/dtype/device/layout and overlap nothing except (exactly) their own input slice.
+
+    ``own_slices`` holds, per output, ``(input name, the view it may alias)`` or None; it may be a callable
+    returning that list, called only when an output overlaps an input (slicing costs microseconds)."""
     if not isinstance(outs, (tuple, list)) or len(outs) != len(names):
         _fail("out", type(outs).__name__ if not isinstance(outs, (tuple, list)) else f"{len(outs)} tensors",
               f"a tuple of {len(names)} tensors ({', '.join(names)})", TypeError)
@@ -197,17 +206,22 @@ def _check_outputs(names: Sequence[str], outs, expected_shapes, like: torch.Tens
             _fail(name, f"strides {t.stride()}", "a contiguous last dim and non-overlapping rows")
     if torch.compiler.is_compiling():
         return  # data pointers are not traceable; overlap is checked in eager mode
-    present = [(n, t, own) for n, t, own in zip(names, outs, own_slices) if t is not None]
-    for i, (name, t, own) in enumerate(present):
-        for in_name, src in inputs:
-            if src is None or not _overlaps(t, src):
+    # Each tensor's byte range is computed once (this check runs on every decode step of an engine).
+    present = [(n, t, i, _span(t)) for i, (n, t) in enumerate(zip(names, outs)) if t is not None]
+    sources = [(in_name, _span(src)) for in_name, src in inputs if src is not None]
+    for k, (name, t, i, span) in enumerate(present):
+        for in_name, src_span in sources:
+            if not _spans_overlap(span, src_span):
                 continue
+            if callable(own_slices):
+                own_slices = own_slices()
+            own = own_slices[i]
             if own is not None and in_name == own[0] and _same_view(t, own[1]):
                 continue
             _fail(name, f"memory overlapping {in_name}",
                   "no overlap with an input other than exactly aliasing its own slice of it")
-        for other_name, other, _ in present[i + 1 :]:
-            if _overlaps(t, other):
+        for other_name, _, _, other_span in present[k + 1 :]:
+            if _spans_overlap(span, other_span):
                 _fail(name, f"memory overlapping {other_name}", "outputs that do not overlap each other")
 
 
@@ -324,17 +338,30 @@ def _validate_norm(x, residual, weight, bias, eps) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Public functions.
 # --------------------------------------------------------------------------------------------------------
+# (backend argument, device type, QKVFUSE_BACKEND, op) -> (name, kernel, backend module): resolving a backend
+# costs microseconds, a decode step's whole budget. An entry is dropped when its backend is re-registered.
+_KERNELS: Dict[Tuple[Optional[str], str, Optional[str], str], Tuple[str, object, object]] = {}
+
+
 def _kernel(backend: Optional[str], device: torch.device, op: str):
     """The callable that runs ``op`` (an ``*_out`` kernel name) for the resolved backend."""
+    key = (backend, device.type, os.environ.get("QKVFUSE_BACKEND") if backend is None else None, op)
+    hit = _KERNELS.get(key)
+    if hit is not None and _backends._loaded.get(hit[0]) is hit[2]:
+        return hit[0], hit[1]
     name = resolve_backend(backend, device.type)
     if name == "reference":
-        return name, getattr(reference, op)
-    module = get_backend(name)
-    # Backends reached through the dispatcher (native CPU, Triton on a device) go through ``torch.ops`` so
-    # torch.compile sees one opaque op; others (Triton under the CPU interpreter) are called directly.
-    if getattr(module, "DISPATCH_DEVICE_TYPES", ()) and device.type in module.DISPATCH_DEVICE_TYPES:
-        return name, getattr(torch.ops.qkvfuse, op)
-    return name, getattr(module, op)
+        kernel, module = getattr(reference, op), _backends._loaded.get(name)
+    else:
+        module = get_backend(name)
+        # Backends reached through the dispatcher (native CPU, Triton on a device) go through ``torch.ops`` so
+        # torch.compile sees one opaque op; others (Triton under the CPU interpreter) are called directly.
+        if getattr(module, "DISPATCH_DEVICE_TYPES", ()) and device.type in module.DISPATCH_DEVICE_TYPES:
+            kernel = getattr(torch.ops.qkvfuse, op)
+        else:
+            kernel = getattr(module, op)
+    _KERNELS[key] = (name, kernel, module)
+    return name, kernel
 
 
 def split_qkv_rmsnorm_rope(
@@ -405,17 +432,24 @@ def split_qkv_rmsnorm_rope(
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)
     name, kernel = _kernel(backend, qkv.device, "split_qkv_rmsnorm_rope_out")
+    if out is None and kernel is torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out:
+        if name != "cpu" or qkv.device.type != "cpu":  # the native CPU kernel checks inside
+            _check_positions_in_range(positions, cos_sin_cache.shape[0])
+        # The functional op allocates its outputs on the other side of the dispatcher (no Python allocations).
+        return torch.ops.qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
+                                                        head_dim, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
+                                                        sections, mrope_interleaved)
     if out is None:
         out = _split_outputs(qkv, num_q_heads, num_kv_heads, head_dim)
     else:
         kv = num_kv_heads * head_dim
-        views = _inplace_views(qkv, num_q_heads, num_kv_heads, head_dim)
         inputs = [("qkv", qkv), ("positions", positions), ("cos_sin_cache", cos_sin_cache), ("q_weight", q_weight),
                   ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)]
+        own_slices = lambda: [("qkv", view) for view in _inplace_views(qkv, num_q_heads, num_kv_heads, head_dim)]
         _check_outputs(("q_out", "k_out", "v_out"), out, ((T, num_q_heads * head_dim), (T, kv), (T, kv)), qkv,
-                       inputs, [("qkv", view) for view in views])
+                       inputs, own_slices)
         out = tuple(out)
-    if name == "reference" or qkv.device.type != "cpu":
+    if name != "cpu" or qkv.device.type != "cpu":  # the native CPU kernel checks inside
         _check_positions_in_range(positions, cos_sin_cache.shape[0])
     kernel(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
            k_bias, eps, is_neox, sections, mrope_interleaved, *out)
@@ -455,7 +489,7 @@ def split_qkv_rmsnorm_rope_(
             _fail("qkv", f"memory overlapping {name}", "an in-place target that overlaps no other input")
     views = _inplace_views(qkv, num_q_heads, num_kv_heads, head_dim)
     name, kernel = _kernel(backend, qkv.device, "split_qkv_rmsnorm_rope_out")
-    if name == "reference" or qkv.device.type != "cpu":
+    if name != "cpu" or qkv.device.type != "cpu":  # the native CPU kernel checks inside
         _check_positions_in_range(positions, cos_sin_cache.shape[0])
     if kernel is torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out:
         torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace(
@@ -505,6 +539,9 @@ def add_rmsnorm(
     """
     eps = _validate_norm(x, residual, weight, bias, eps)
     name, kernel = _kernel(backend, x.device, "add_rmsnorm_out")
+    if out is None and kernel is torch.ops.qkvfuse.add_rmsnorm_out:
+        y, residual_out = torch.ops.qkvfuse.add_rmsnorm(x, residual, weight, bias, eps)
+        return y, (residual_out if residual is not None else x)
     if out is None:
         y = torch.empty_like(x)
         residual_out = torch.empty_like(x) if residual is not None else None

@@ -1,0 +1,318 @@
+"""Triton-specific tests: the failure modes of peer kernels, under both block configurations.
+
+The shared suite (``tests/test_ops.py``) runs the Triton backend with the interpreter's block sizes (few, large
+programs). The failure modes below depend on how heads and tokens share a program, so each runs twice: with
+those block sizes and with the *device* block sizes (``launch.INTERPRET = False``: several heads per program,
+token blocks independent of T, a small tile so that head counts straddle blocks). Everything runs on CPU
+tensors under ``TRITON_INTERPRET=1`` (set in ``tests/conftest.py``); outputs are NaN-poisoned and judged by the
+accuracy rule with no interpreter allowance.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkvfuse
+from qkvfuse.backends import available_backends
+from qkvfuse.rope import mrope_axis_map
+from qkvfuse.testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
+                             make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
+                             unfused_add_rmsnorm, unfused_split)
+
+if available_backends()["triton"]:
+    pytest.skip(f"triton backend unavailable: {available_backends()['triton']}", allow_module_level=True)
+
+from qkvfuse.backends.triton import kernels, launch  # noqa: E402
+
+from test_ops import run_split_case  # noqa: E402  (tests/ is on sys.path through its conftest)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(params=["interpreter-blocks", "device-blocks"])
+def blocks(request, monkeypatch):
+    """Run with the interpreter's block sizes or with the device's (small tiles: heads straddle blocks).
+
+    Interpreted programs cost ~30 ms each, so tests using this fixture keep T small; large-T cases run with the
+    interpreter's blocks (many tokens per program) and, for the device blocks, in the slow tier.
+    """
+    if request.param == "device-blocks":
+        monkeypatch.setattr(launch, "INTERPRET", False)
+        monkeypatch.setattr(launch, "GPU_TILE", 256)
+        monkeypatch.setattr(launch, "GPU_MAX_ROW", 256)
+    return request.param
+
+
+def _outputs(case: SplitCase):
+    T, D = case.T, case.head_dim
+    return tuple(poisoned_like(torch.empty(T, n * D, dtype=case.dtype)) for n in
+                 (case.num_q_heads, case.num_kv_heads, case.num_kv_heads))
+
+
+def _launch(kwargs, out):
+    """The launcher called directly (no validation, no range check): what runs under graph capture."""
+    launch.split_qkv_rmsnorm_rope_out(
+        kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"], kwargs["num_kv_heads"],
+        kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"), kwargs.get("q_bias"),
+        kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"], list(kwargs["mrope_section"] or ()),
+        kwargs["mrope_interleaved"], *out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Failure modes of peer kernels.
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_partial_rotary_many_token_heads(is_neox):
+    """Partial rotary stays right far above 10 240 token x heads (vLLM #51049 broke there): 4096 x 5 = 20 480."""
+    case = SplitCase(T=4096, num_q_heads=4, num_kv_heads=1, head_dim=64, rotary_dim=32, is_neox=is_neox,
+                     bias=True)
+    run_split_case("triton", case)
+
+
+@pytest.mark.slow
+def test_partial_rotary_glm_geometry_device_blocks(monkeypatch):
+    """GLM-4.x geometry (96/8 x 128, rotary 64) with the device's block sizes: 128 x 104 = 13 312 token x heads."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    case = SplitCase(T=128, num_q_heads=96, num_kv_heads=8, head_dim=128, rotary_dim=64, bias=True, eps=1e-5)
+    run_split_case("triton", case)
+
+
+HEAD_RATIOS = [(1, 1), (2, 1), (3, 1), (8, 1), (32, 1), (64, 1), (4, 2), (6, 2), (12, 3), (16, 4), (40, 8),
+               (96, 8), (5, 5)]
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_RATIOS, ids=lambda v: str(v))
+def test_k_norm_every_head_ratio(blocks, num_q_heads, num_kv_heads):
+    """K heads are normalised for every Hq/Hkv (vllm-ascend #12642 computed a K variance of 0 for some)."""
+    case = SplitCase(T=2, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=64, rotary_dim=64,
+                     dtype=torch.float32)
+    kwargs = make_split_inputs(case)
+    kwargs["q_weight"] = torch.ones(64)
+    kwargs["k_weight"] = torch.ones(64)
+    out = _outputs(case)
+    qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend="triton")
+    # With unit weights a rotated head has mean square ms / (ms + eps), ms the input's (rotation keeps each
+    # pair's length); a variance computed as 0 would give ms / eps instead.
+    heads_in = kwargs["qkv"].double().reshape(case.T, -1, 64)
+    ms_in = heads_in.pow(2).mean(-1)
+    expected = ms_in / (ms_in + case.eps)
+    for t, first, heads in ((out[0], 0, num_q_heads), (out[1], num_q_heads, num_kv_heads)):
+        mean_sq = t.double().reshape(case.T, heads, 64).pow(2).mean(-1)
+        torch.testing.assert_close(mean_sq, expected[:, first:first + heads], rtol=1e-5, atol=0)
+    report = check_split_outputs(out, oracle_split(**kwargs), unfused_split(**kwargs), kwargs["qkv"],
+                                 num_q_heads, num_kv_heads, 64)
+    assert report.ok, report.detail
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "contiguous"])
+def test_mrope_height_width_rows_are_read(blocks, interleaved):
+    """Image tokens (three differing rows) match the oracle and differ from reading the temporal row only."""
+    sections = (24, 20, 20) if interleaved else (16, 24, 24)
+    case = SplitCase(T=9, num_q_heads=4, num_kv_heads=2, head_dim=128, rotary_dim=128, mrope_section=sections,
+                     mrope_interleaved=interleaved, image=True)
+    kwargs, result = run_split_case("triton", case)
+    positions = kwargs["positions"]
+    assert not torch.equal(positions[0], positions[1]) and not torch.equal(positions[0], positions[2])
+    temporal_only = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, positions=positions[0].expand(3, -1).clone()),
+                                                   backend="triton")
+    for rows in (result[0], result[1]):
+        assert not torch.equal(rows, temporal_only[0 if rows is result[0] else 1])
+    # Equal rows (text, decode) are plain RoPE, bit for bit.
+    text = dict(kwargs, positions=positions[1].expand(3, -1))
+    rope = dict(kwargs, positions=positions[1], mrope_section=None, mrope_interleaved=False)
+    for a, b in zip(qkvfuse.split_qkv_rmsnorm_rope(**text, backend="triton"),
+                    qkvfuse.split_qkv_rmsnorm_rope(**rope, backend="triton")):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("mode", ["rope", "mrope"])
+def test_out_of_range_positions_clamped_in_kernel(blocks, pos_dtype, mode):
+    """With the host check bypassed (graph capture), bad positions clamp into the table: nothing outside is read.
+
+    The table is a view into a larger buffer whose other rows are NaN, so any read outside it shows up as NaN.
+    """
+    sections = (8, 4, 4) if mode == "mrope" else None
+    case = SplitCase(T=9, num_q_heads=3, num_kv_heads=1, head_dim=64, rotary_dim=32, mrope_section=sections,
+                     pos_dtype=pos_dtype, max_position=64)
+    kwargs = make_split_inputs(case)
+    table = kwargs["cos_sin_cache"]
+    big = torch.full((table.shape[0] + 32, table.shape[1]), float("nan"))
+    big[16:16 + table.shape[0]] = table
+    kwargs["cos_sin_cache"] = big[16:16 + table.shape[0]]
+    info = torch.iinfo(pos_dtype)
+    bad = torch.tensor([-1, -16, 64, 64 + 15, info.min, info.max, 63, 0, 5], dtype=pos_dtype)
+    kwargs["positions"] = bad if mode == "rope" else torch.stack([bad, bad.flip(0), bad.roll(3)])
+    out = _outputs(case)
+    _launch(kwargs, out)
+    clamped = dict(kwargs, positions=kwargs["positions"].clamp(0, 63))
+    report = check_split_outputs(out, oracle_split(**clamped), unfused_split(**clamped), kwargs["qkv"], 3, 1, 64)
+    assert report.ok, report.detail
+    # Through the public function (eager, CPU) the same positions are an error naming the argument.
+    with pytest.raises(ValueError, match="positions"):
+        qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="triton")
+
+
+def test_no_intermediate_bf16_rounding():
+    """Norm and rotation stay in fp32 with one rounding at the store (peers rounding between them lost accuracy).
+
+    The check has teeth: the same computation with a bf16 rounding between norm and rotation fails the rule.
+    """
+    case = SplitCase(T=64, num_q_heads=8, num_kv_heads=2, head_dim=128, rotary_dim=128, dtype=torch.bfloat16)
+    kwargs, result = run_split_case("triton", case)
+    oracle, unfused = oracle_split(**kwargs), unfused_split(**kwargs)
+    qkv = kwargs["qkv"]
+    heads = qkv.float().reshape(case.T, 12, 128)
+    qk = heads[:, :10]
+    weight = torch.cat([kwargs["q_weight"].expand(8, 128), kwargs["k_weight"].expand(2, 128)])
+    qk = qk * torch.rsqrt(qk.pow(2).mean(-1, keepdim=True) + case.eps) * weight
+    normed = torch.cat([qk, heads[:, 10:]], 1).to(torch.bfloat16).reshape(case.T, -1)  # the extra rounding
+    twice = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, qkv=normed, q_weight=None, k_weight=None),
+                                           backend="reference")
+    assert not check_split_outputs(twice, oracle, unfused, qkv, 8, 2, 128).ok
+    assert check_split_outputs(result, oracle, unfused, qkv, 8, 2, 128).ok
+
+
+@pytest.mark.parametrize("head_dim", [2, 6, 80, 96, 192, 510, 512])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_any_even_head_dim(blocks, head_dim, partial):
+    """Non-power-of-two head_dim is masked, never skipped or asserted away (vLLM #53115, NPU pow2 asserts)."""
+    R = max(2, (head_dim // 4) * 2) if partial else head_dim
+    case = SplitCase(T=3, num_q_heads=3, num_kv_heads=1, head_dim=head_dim, rotary_dim=R, is_neox=head_dim % 4 == 0,
+                     bias=True, dtype=torch.bfloat16)
+    kwargs, result = run_split_case("triton", case)
+    assert not torch.equal(result[0], kwargs["qkv"][:, : 3 * head_dim])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel building blocks and launcher properties.
+# ---------------------------------------------------------------------------------------------------------
+def _kernel_axis_map(half, sections, interleaved):
+    out = torch.full((half,), -1, dtype=torch.int32)
+    kernels.mrope_axis_kernel[(1,)](out, half, *sections, INTERLEAVED=interleaved,
+                                    BLOCK=launch._pow2(half))
+    return tuple(out.tolist())
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "contiguous"])
+def test_in_kernel_mrope_axis_rule_matches_rope_module(interleaved):
+    """The kernel derives the mRoPE axis per lane; it must agree with rope.mrope_axis_map everywhere."""
+    splits = [(s_t, s_h, half - s_t - s_h) for half in (1, 3, 8, 17) for s_t in range(half + 1)
+              for s_h in range(half + 1 - s_t)]
+    splits += [(24, 20, 20), (8, 12, 12), (16, 8, 8), (22, 21, 21), (64, 0, 0), (0, 32, 32), (10, 30, 24)]
+    for sections in splits:
+        half = sum(sections)
+        assert _kernel_axis_map(half, sections, interleaved) == mrope_axis_map(half, sections, interleaved), sections
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # numpy, on the fp16 overflow case
+def test_round_to_nearest_even_matches_torch():
+    """The in-kernel bf16 rounding gives torch's bits: ties to even, NaN, inf, overflow, subnormals, -0."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + i, mask=i < n)
+        tl.store(out_ptr + i, kernels._round_for_store(x, out_ptr.dtype.element_ty), mask=i < n)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4000, generator=g) * torch.exp(torch.randn(4000, generator=g) * 20)
+    ties = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, -(2**-133), 1e-40])
+    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 3.3961e38, -0.0, 0.0])
+    x = torch.cat([x, ties, special])
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        out = torch.empty(x.shape, dtype=dtype)
+        cast_kernel[(1,)](x, out, x.numel(), BLOCK=8192)
+        expected = x.to(dtype)
+        same = (out.view(torch.uint8) == expected.view(torch.uint8)).view(x.numel(), -1).all(1)
+        assert bool((same | (out.isnan() & expected.isnan())).all()), dtype
+
+
+def test_device_block_sizes_do_not_depend_on_t():
+    """On a device the constexprs depend on the head geometry only: a new batch size never recompiles."""
+    for geometry in ((32, 8, 128), (96, 8, 128), (3, 1, 80), (1, 1, 512)):
+        configs = {str(launch.split_config(T, *geometry, interpret=False)) for T in (1, 2, 7, 64, 4097, 16384)}
+        assert len(configs) == 1, configs
+    for H in (1, 80, 4096, 5120, 20000):
+        assert len({str(launch.norm_config(T, H, interpret=False)) for T in (1, 3, 1000, 16384)}) == 1
+
+
+def test_in_place_skips_v_and_matches_out_of_place(blocks):
+    case = SplitCase(T=7, num_q_heads=6, num_kv_heads=2, head_dim=96, rotary_dim=48, bias=True, row_pad=8)
+    kwargs = make_split_inputs(case)
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="triton")
+    qkv = kwargs.pop("qkv").clone()
+    v_before = qkv[:, -2 * 96:].clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend="triton")
+    for view, exp in zip(views, expected):
+        assert torch.equal(view, exp)
+    assert torch.equal(qkv[:, -2 * 96:], v_before)
+
+
+@pytest.mark.parametrize("H", [1, 80, 300, 5120])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "plain"])
+def test_add_rmsnorm_blocks(blocks, H, residual):
+    """add_rmsnorm in one tile and (device blocks, H > 256) in two passes over chunks, in place too."""
+    kwargs = make_norm_inputs(6, H, torch.bfloat16, residual=residual, bias=True, row_pad=4)
+    x = kwargs["x"]
+    y, res_out = qkvfuse.add_rmsnorm(**kwargs, out=(poisoned_like(x, 4), poisoned_like(x, 4)), backend="triton")
+    report = check_norm_outputs((y, res_out), oracle_add_rmsnorm(**kwargs), unfused_add_rmsnorm(**kwargs), x,
+                                kwargs["residual"])
+    assert report.ok, report.detail
+    if residual:  # the engine's in-place form: y over x, residual_out over residual
+        x2, r2 = x.clone(), kwargs["residual"].clone()
+        qkvfuse.add_rmsnorm(x2, r2, kwargs["weight"], kwargs["eps"], bias=kwargs["bias"], out=(x2, r2),
+                            backend="triton")
+        assert torch.equal(x2, y) and torch.equal(r2, res_out)
+
+
+def test_dispatch_device_types():
+    from qkvfuse.backends import triton as backend
+
+    assert backend.DISPATCH_DEVICE_TYPES == ("cuda", "xpu", "npu")
+    assert backend.available() == (True, "")
+    assert qkvfuse.backends.resolve_backend(None, "cpu") != "triton"  # CPU tensors keep the CPU backend
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only, no-interpreter case")
+def test_unavailable_without_device_or_interpreter():
+    code = "import qkvfuse.backends.triton as t; ok, why = t.available(); print(ok); assert not ok and why"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_64bit_offsets():
+    """Row offsets above 2^31 elements (a sparse 4 GiB buffer: slow and memory-hungry, hence not in CI)."""
+    case = SplitCase(T=2, num_q_heads=1, num_kv_heads=1, head_dim=64, rotary_dim=64)
+    kwargs = make_split_inputs(case)
+    stride = 2**31 + 64
+    buf = torch.empty(stride + case.width, dtype=torch.bfloat16)
+    qkv = buf.as_strided((2, case.width), (stride, 1))
+    qkv.copy_(kwargs["qkv"])
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="reference")
+    got = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, qkv=qkv), backend="triton")
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=float(b.abs().max()) * 2**-7)
+
+
+def test_gpu_check_cpu_interpreter_mode(tmp_path):
+    """bench/gpu_check.py in its CPU-interpreter mode (small sizes) so the device script cannot rot."""
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-interpreter", "--json",
+                           str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["mode"] == "cpu-interpreter" and result["sections"]
+    assert all(row.get("pass", True) for s in result["sections"] for row in s["rows"])
