@@ -5,7 +5,8 @@ image) is checked with the harness of ``qkvfuse.integrations.verify_models`` (th
 prints) and the tolerances of ``qkvfuse.testing.accuracy``:
 
 * fp32 prefill logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched logits|;
-* fp32 greedy generation of 24 tokens with the KV cache: identical tokens, every step's logits within 1e-4;
+* fp32 greedy generation of 24 tokens with the KV cache: identical tokens, every step's logits within 1e-4
+  (dynamic cache for every family, static cache for Qwen3-VL and GLM-4.7);
 * bf16 prefill: against the same weights in float64, patched RMS error <= 1.10 x the unpatched bf16 model's
   and max error <= 2 x;
 * a left-padded batch of two prompts of lengths 9 and 5 matches each prompt run alone;
@@ -100,6 +101,12 @@ def test_prefill_fp32_matches_unpatched(name, op_calls):
 def test_greedy_generation_fp32_identical(name):
     report = vm.check_generation(name, new_tokens=24)
     assert report.tokens_identical, report.detail
+    assert report, report.detail
+
+
+@pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7"])
+def test_greedy_generation_with_static_cache(name):
+    report = vm.check_generation(name, new_tokens=12, cache_implementation="static")
     assert report, report.detail
 
 

@@ -24,7 +24,9 @@ Weights. q/k/v projection weights (and biases) are concatenated once, at patch t
 parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
 views are broken later (``model.to(...)``, a parameter replaced), the next forward re-concatenates.
 
-The patched model is for inference: the fused ops have no autograd formula.
+The patched model is for inference: the fused ops have no autograd formula. The captured positions live on
+the text model, so one patched model must not run two forwards concurrently from different threads (its
+transformers state, e.g. Qwen3-VL's ``rope_deltas``, has the same limit).
 """
 
 from __future__ import annotations

@@ -99,21 +99,26 @@ def check_prefill(name: str, *, backend: Optional[str] = None, seed: int = 0, mo
 
 
 @torch.no_grad()
-def _generate(model, inputs, new_tokens: int):
+def _generate(model, inputs, new_tokens: int, **kwargs):
     # min_new_tokens: an EOS drawn by a random model must not end one run early.
     return model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True)
+                          output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
 def check_generation(name: str, *, new_tokens: int = 24, backend: Optional[str] = None, seed: int = 0,
-                     model=None, inputs: Optional[Dict] = None) -> ModelReport:
-    """fp32 greedy generation with the KV cache: identical tokens, every step's logits within the fp32 rtol."""
+                     model=None, inputs: Optional[Dict] = None,
+                     cache_implementation: Optional[str] = None) -> ModelReport:
+    """fp32 greedy generation with the KV cache: identical tokens, every step's logits within the fp32 rtol.
+
+    ``cache_implementation``: transformers' cache (``None``: dynamic; ``"static"``: preallocated).
+    """
     model = model if model is not None else build_tiny_model(name, seed=seed)
     inputs = inputs if inputs is not None else model_inputs(model, name, batch=1, length=8, seed=seed)
-    ref = _generate(model, inputs, new_tokens)
+    cache = {"cache_implementation": cache_implementation} if cache_implementation else {}
+    ref = _generate(model, inputs, new_tokens, **cache)
     _patch(model, backend)
     try:
-        got = _generate(model, inputs, new_tokens)
+        got = _generate(model, inputs, new_tokens, **cache)
     finally:
         _unpatch(model)
     same = got.sequences.shape == ref.sequences.shape and torch.equal(got.sequences, ref.sequences)
