@@ -139,7 +139,8 @@ def test_range_check_message_matches_reference():
         with pytest.raises(ValueError) as info:
             qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
         messages.append(str(info.value).splitlines()[0])
-    assert messages[0] == messages[1] == "positions: expected values in [0, 100) (cos_sin_cache rows), got values in [-7, 120]"
+    expected = "positions: expected values in [0, 100) (cos_sin_cache rows), got values in [-7, 120]"
+    assert messages[0] == messages[1] == expected
 
 
 TAIL_CASES = [  # head_dim, rotary_dim, is_neox: every mix of 16-wide blocks, 8-wide steps and scalar tails
