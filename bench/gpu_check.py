@@ -5,8 +5,9 @@
     bench/gpu_check.sh --cpu-interpreter  # small sizes on CPU tensors under TRITON_INTERPRET=1 (CI runs it;
                                           # chosen automatically when there is no GPU)
 
-Every section prints its table when done and the JSON (``--json``, default ``$OUT/gpu_check.json`` when ``$OUT``
-is set, else ``./gpu_check.json``) is rewritten after each section, so a run cut short still leaves its results.
+Every section prints its table when done and the JSON (``--json``; default ``$OUT/gpu_check.json`` when ``$OUT``
+is set, else ``bench/results/gpu_check.json``) is rewritten after each section, so a run cut short still leaves
+its results.
 Exit status 1 if any correctness row fails; timing rows are informational (the copy-bandwidth target, >= 80 %
 for T >= 4096, is reported in the ``target`` column).
 
@@ -481,7 +482,8 @@ def parse_args(argv=None):
     tier.add_argument("--full", action="store_true", help="full tier (longer than the 5-minute quick tier)")
     tier.add_argument("--cpu-interpreter", action="store_true",
                       help="small sizes on CPU tensors under TRITON_INTERPRET=1 (automatic without a GPU)")
-    parser.add_argument("--json", default=None, help="output JSON path (default $OUT/gpu_check.json or ./)")
+    parser.add_argument("--json", default=None,
+                        help="output JSON path (default $OUT/gpu_check.json, else bench/results/gpu_check.json)")
     parser.add_argument("--section", action="append", help="run only these sections (repeatable)")
     return parser.parse_args(argv)
 
@@ -494,7 +496,9 @@ def main(argv=None) -> int:
     args.tier = "cpu" if args.cpu_interpreter else ("full" if args.full else "quick")
     args.device = torch.device("cpu") if args.cpu_interpreter else torch.device(
         "cuda" if torch.cuda.is_available() else "xpu")
-    json_path = Path(args.json or (Path(os.environ["OUT"]) if os.environ.get("OUT") else Path.cwd()) / "gpu_check.json")
+    json_path = Path(args.json or (Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results")
+                     / "gpu_check.json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
 
     import triton
 

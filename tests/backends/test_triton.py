@@ -8,7 +8,6 @@ tensors under ``TRITON_INTERPRET=1`` (set in ``tests/conftest.py``); outputs are
 accuracy rule with no interpreter allowance.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys

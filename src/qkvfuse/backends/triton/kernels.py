@@ -151,7 +151,7 @@ def split_qkv_rmsnorm_rope_kernel(
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, V_BLOCK: tl.constexpr, NORM: tl.constexpr, Q_BIAS: tl.constexpr,
     K_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, MROPE: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
 ):
-    """One program: ``BLOCK_T`` tokens x one block of Q heads (``Q_HEADS``), K heads or V heads (``KV_HEADS``).
+    """One program: ``BLOCK_T`` tokens x a block of ``Q_HEADS`` Q heads, ``KV_HEADS`` K heads or ``V_BLOCK`` V columns.
 
     Grid: ``(cdiv(T, BLOCK_T), cdiv(Hq, Q_HEADS) + cdiv(Hkv, KV_HEADS) + cdiv(Hkv * D, V_BLOCK))``, the V blocks
     left out when ``v_out`` is qkv's own V slice. T, eps, positions and the mRoPE sections are runtime values (no

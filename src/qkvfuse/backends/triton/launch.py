@@ -16,14 +16,13 @@ from typing import Dict, Optional, Sequence
 
 import torch
 import triton
-from triton.runtime.interpreter import InterpretedFunction
 
 from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
 
 __all__ = ["INTERPRET", "split_config", "norm_config", "split_qkv_rmsnorm_rope_out", "add_rmsnorm_out"]
 
 # Kernels were decorated under TRITON_INTERPRET=1 (decided by triton when this module was imported).
-INTERPRET = isinstance(split_qkv_rmsnorm_rope_kernel, InterpretedFunction)
+INTERPRET = type(split_qkv_rmsnorm_rope_kernel).__name__ == "InterpretedFunction"
 
 # Elements of fp32 work per program on a device (several heads of one token): large enough that each program
 # moves a few KiB, small enough that a decode batch of a few tokens still spreads over several programs.
