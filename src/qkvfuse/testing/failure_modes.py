@@ -24,7 +24,6 @@ import dataclasses
 import hashlib
 import inspect
 import json
-import math
 import os
 import random
 import sys
@@ -45,7 +44,8 @@ from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfus
 
 __all__ = [
     "FAILURE_MODES", "BAD_CALLS", "DETERMINISM", "concurrency_unsupported", "BadCall", "NormCase", "run_split",
-    "run_norm", "run_bad_call", "bits_equal", "draw_split_case", "draw_norm_case", "check_split_case", "check_norm_case", "check_nonfinite_propagates",
+    "run_norm", "run_bad_call", "bits_equal", "draw_split_case", "draw_norm_case", "check_split_case",
+    "check_norm_case", "check_nonfinite_propagates",
     "section",
 ]
 
@@ -54,7 +54,8 @@ PARTIAL_ROTARY_THRESHOLD = 10240
 
 
 def _extra_ulps(backend: str, dtype: torch.dtype) -> float:
-    """Triton's CPU interpreter truncates fp32 -> bf16 stores (see :mod:`qkvfuse.testing.accuracy`)."""
+    """The accuracy rule's one extra allowance, for Triton under the CPU interpreter (see
+    :mod:`qkvfuse.testing.accuracy`)."""
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     return INTERPRETER_BF16_ULPS if interpreted and dtype == torch.bfloat16 else 0.0
 
@@ -69,11 +70,12 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
 
 
-_ORACLE_CACHE: "Dict[bytes, object]" = {}
+_ORACLE_CACHE: Dict[bytes, object] = {}
 
 
 def _fingerprint(kwargs: Dict[str, object]) -> bytes:
-    """Content hash of split/norm arguments (tensor bytes, shapes, strides, dtypes, scalars)."""
+    """Content hash of split arguments (tensor values, shapes and dtypes, scalars; strides do not change the
+    oracle)."""
     h = hashlib.blake2b(digest_size=20)
     for name in sorted(kwargs):
         value = kwargs[name]
@@ -400,7 +402,7 @@ def check_nonfinite_propagates(backend: str, value: float = float("nan")) -> Non
     for name, g, o, c, x in zip("qk", got, oracle, clean, inputs):
         nonfinite = ~torch.isfinite(o)
         assert nonfinite.any(), f"{name}: test inputs produced no non-finite oracle value"
-        assert torch.equal(~torch.isfinite(g.double()), nonfinite), f"{name}: non-finite pattern differs from the oracle"
+        assert torch.equal(~torch.isfinite(g.double()), nonfinite), f"{name}: non-finite pattern differs from oracle"
         heads = x.shape[1] // D
         poisoned = ~torch.isfinite(x.reshape(T, heads, D)).all(-1, keepdim=True).expand(T, heads, D).reshape(T, -1)
         assert bits_equal(g[~poisoned], c[~poisoned]), f"{name}: heads without a non-finite input changed"
@@ -540,8 +542,10 @@ BAD_CALLS: List[BadCall] = [
     _B("cache 0 rows", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(0, 32))),
     _B("rotary_dim odd", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 31))),
     _B("rotary_dim > head_dim", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 66))),
-    _B("cache last dim not contiguous", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 64)[:, ::2])),
-    _B("cache on another device", "cos_sin_cache", lambda b: _split(b, cos_sin_cache=torch.zeros(64, 32, device=_META))),
+    _B("cache last dim not contiguous", "cos_sin_cache",
+       lambda b: _split(b, cos_sin_cache=torch.zeros(64, 64)[:, ::2])),
+    _B("cache on another device", "cos_sin_cache",
+       lambda b: _split(b, cos_sin_cache=torch.zeros(64, 32, device=_META))),
     # positions
     _B("positions float", "positions", lambda b: _split(b, positions=torch.zeros(3))),
     _B("positions wrong length", "positions", lambda b: _split(b, positions=torch.zeros(4, dtype=torch.int64))),
@@ -657,7 +661,8 @@ def draw_split_case(choose: Choose, small: bool = False) -> Tuple[SplitCase, int
         T=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=D, rotary_dim=R, dtype=dtype, norm=norm,
         bias=norm and choose((False, True)), is_neox=choose((True, False)), mrope_section=sections,
         mrope_interleaved=mode_rope == "mrope_interleaved", image=choose((True, False)),
-        pos_dtype=choose((torch.int64, torch.int32)), cache_dtype=choose((torch.float32, torch.bfloat16, torch.float16)),
+        pos_dtype=choose((torch.int64, torch.int32)),
+        cache_dtype=choose((torch.float32, torch.bfloat16, torch.float16)),
         weight_dtype=choose((None, dtype)), row_pad=choose((0, 8, 1)), max_position=choose((64, 2, 7, 4096)),
         eps=choose((1e-6, 1e-5, 0.1)),
     )
@@ -822,7 +827,8 @@ def section(args):
                for i in range(fuzz_n)],
             "determinism": [("repeated calls", lambda: check_repeatable(backend, 2 if quick else 5)),
                             ("4 concurrent threads vs serial", lambda: check_concurrent_threads(backend)),
-                            ("1 vs 2 intra-op threads", lambda: check_intra_op_threads(backend, 128 if quick else 512))],
+                            ("1 vs 2 intra-op threads",
+                             lambda: check_intra_op_threads(backend, 128 if quick else 512))],
         }
         if concurrency_unsupported(backend):
             categories["determinism"] = [(n, c) for n, c in categories["determinism"] if "concurrent" not in n]
