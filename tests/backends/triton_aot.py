@@ -36,14 +36,14 @@ def _compile(fn, pointers, constexprs, num_warps):
 
 
 def split_variant(hq, hkv, head_dim, rotary_dim, dtype="bf16", mrope=False, interleaved=False, norm=True,
-                  bias=False, neox=True, pos="i64", cache="fp32"):
+                  bias=False, neox=True, pos="i64", cache="fp32", in_place=False):
     cfg = launch.split_config(1, hq, hkv, head_dim, interpret=False)
     num_warps = cfg.pop("num_warps")
     pointers = dict(qkv_ptr=f"*{dtype}", pos_ptr=f"*{pos}", cache_ptr=f"*{cache}", q_w_ptr="*fp32",
                     k_w_ptr="*fp32", q_b_ptr="*fp32", k_b_ptr="*fp32", q_out_ptr=f"*{dtype}",
                     k_out_ptr=f"*{dtype}", v_out_ptr=f"*{dtype}")
     constexprs = dict(HEAD_DIM=head_dim, ROT_DIM=rotary_dim, NORM=norm, Q_BIAS=bias, K_BIAS=bias, IS_NEOX=neox,
-                      MROPE=mrope, MROPE_INTERLEAVED=interleaved, **cfg)
+                      MROPE=mrope, MROPE_INTERLEAVED=interleaved, IN_PLACE=in_place, **cfg)
     return _compile(kernels.split_qkv_rmsnorm_rope_kernel, pointers, constexprs, num_warps)
 
 
@@ -64,6 +64,7 @@ VARIANTS = {
     "fp16 80 GPT-J, int32 pos, bf16 cache": lambda: split_variant(8, 2, 80, 40, "fp16", neox=False, pos="i32",
                                                                   cache="bf16"),
     "fp32 512": lambda: split_variant(2, 1, 512, 512, "fp32"),
+    "GLM in place (barrier)": lambda: split_variant(96, 8, 128, 64, bias=True, in_place=True),
     "add_rmsnorm 5120": lambda: norm_variant(5120),
     "add_rmsnorm 20000 (two passes)": lambda: norm_variant(20000, residual=True, bias=False),
 }

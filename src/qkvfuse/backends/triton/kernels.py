@@ -5,8 +5,8 @@ even, done with integer bit operations so that the CPU interpreter rounds exactl
 :func:`_mrope_axis` (the mRoPE axis rule of :func:`qkvfuse.rope.mrope_axis_map`, evaluated per rotary lane;
 ``tests/backends/test_triton.py`` checks the two agree for every section split).
 
-Portability: only core ``tl`` operations (loads/stores with masks, ``where``, ``sum``, ``rsqrt``, bitcasts and
-scalar ``if``). No inline assembly, no ``tl.extra`` libdevice, no atomics, no warp shuffles, no
+Portability: only core ``tl`` operations (loads/stores with masks, ``where``, ``sum``, ``rsqrt``, bitcasts,
+scalar ``if`` and, for the in-place form only, ``debug_barrier``). No inline assembly, no ``tl.extra`` libdevice, no atomics, no warp shuffles, no
 ``tl.reshape``/``tl.split`` pair tricks: the rotation partner of each lane is loaded again from memory (it
 sits in the same cache lines), which works for any head_dim and any rotary_dim without lane exchanges. Kernels
 assume validated input (``qkvfuse.ops``) and never branch on user errors.
@@ -66,13 +66,18 @@ def mrope_axis_kernel(out_ptr, half, s_t, s_h, s_w, INTERLEAVED: tl.constexpr, B
 @triton.jit
 def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, tok, tok_mask, head0, num_heads,
                      cos, sin, eps, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HEADS: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr):
+                     HEADS: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr,
+                     IN_PLACE: tl.constexpr):
     """RMSNorm (optional) + rotation of heads ``head0 .. head0 + HEADS`` for the tokens ``tok`` ([BLOCK_T]).
 
     The tile is ``[BLOCK_T, HEADS, BLOCK_D]`` in fp32; ``cos``/``sin`` are ``[BLOCK_T, BLOCK_D]`` per lane.
     Every lane computes ``out_d = y_d * c + sign_d * y_partner(d) * s`` from its own value and its partner's,
     loaded again, so no lane exchange (shuffle, reshape) is needed and no lane sits idle in a branch: a
     partial-rotary head is the same code with ``where(d < ROT_DIM, rotated, y)``.
+
+    ``IN_PLACE`` (``dst`` is ``src``): a lane's partner may live in another thread or warp, so every thread must
+    have read its values before any thread overwrites them; one block-wide barrier (uniform: the whole program
+    takes the same branch) orders the reads before the writes.
     """
     HALF: tl.constexpr = ROT_DIM // 2
     d = tl.arange(0, BLOCK_D)
@@ -103,6 +108,8 @@ def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, tok
         y = x
         y_p = x_p
     out = tl.where(rotary[None, None, :], y * cos[:, None, :] + sign[None, None, :] * y_p * sin[:, None, :], y)
+    if IN_PLACE:
+        tl.debug_barrier()
     dst_row = tok[:, None, None] * dst_stride + h[None, :, None] * HEAD_DIM
     tl.store(dst_ptr + dst_row + d[None, None, :], _round_for_store(out, dst_ptr.dtype.element_ty), mask=mask)
 
@@ -150,6 +157,7 @@ def split_qkv_rmsnorm_rope_kernel(
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, V_BLOCK: tl.constexpr, NORM: tl.constexpr, Q_BIAS: tl.constexpr,
     K_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, MROPE: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
+    IN_PLACE: tl.constexpr,
 ):
     """One program: ``BLOCK_T`` tokens x a block of ``Q_HEADS`` Q heads, ``KV_HEADS`` K heads or ``V_BLOCK`` V columns.
 
@@ -168,11 +176,11 @@ def split_qkv_rmsnorm_rope_kernel(
         if block < q_blocks:
             _norm_rope_heads(qkv_ptr, qkv_stride, q_out_ptr, q_out_stride, q_w_ptr, q_b_ptr, tok, tok_mask,
                              block * Q_HEADS, num_q_heads, cos, sin, eps, HEAD_DIM, ROT_DIM, BLOCK_D, Q_HEADS,
-                             NORM, Q_BIAS, IS_NEOX)
+                             NORM, Q_BIAS, IS_NEOX, IN_PLACE)
         else:
             _norm_rope_heads(qkv_ptr + num_q_heads * HEAD_DIM, qkv_stride, k_out_ptr, k_out_stride, k_w_ptr,
                              k_b_ptr, tok, tok_mask, (block - q_blocks) * KV_HEADS, num_kv_heads, cos, sin, eps,
-                             HEAD_DIM, ROT_DIM, BLOCK_D, KV_HEADS, NORM, K_BIAS, IS_NEOX)
+                             HEAD_DIM, ROT_DIM, BLOCK_D, KV_HEADS, NORM, K_BIAS, IS_NEOX, IN_PLACE)
     else:  # V heads: a bit-exact copy (blocks only launched when v_out is not qkv's own V slice)
         v_width = num_kv_heads * HEAD_DIM
         col = (block - q_blocks - kv_blocks) * V_BLOCK + tl.arange(0, V_BLOCK)

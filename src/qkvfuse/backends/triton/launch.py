@@ -121,6 +121,9 @@ def split_qkv_rmsnorm_rope_out(
     mrope = bool(mrope_section)
     s_t, s_h, s_w = mrope_section if mrope else (0, 0, 0)
     pos_stride_axis, pos_stride_tok = (positions.stride(0), positions.stride(1)) if mrope else (0, positions.stride(0))
+    # Q/K written over their own input (the in-place form) need a barrier between reads and writes.
+    in_place = q_out.data_ptr() == qkv.data_ptr() or k_out.data_ptr() == qkv.data_ptr() + num_q_heads * head_dim * (
+        qkv.element_size())
     norm = q_weight is not None
     # Absent weights/biases are never read (constexpr flags); any pointer of the right device fills the slot.
     q_w, k_w = (q_weight, k_weight) if norm else (qkv, qkv)
@@ -134,7 +137,8 @@ def split_qkv_rmsnorm_rope_out(
             q_out.stride(0), k_out.stride(0), v_out.stride(0),
             HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
             K_BIAS=k_bias is not None,
-            IS_NEOX=bool(is_neox), MROPE=mrope, MROPE_INTERLEAVED=bool(mrope_interleaved), **cfg,
+            IS_NEOX=bool(is_neox), MROPE=mrope, MROPE_INTERLEAVED=bool(mrope_interleaved), IN_PLACE=in_place,
+            **cfg,
         )
 
 
