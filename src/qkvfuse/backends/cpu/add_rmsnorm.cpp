@@ -32,6 +32,7 @@ struct NormPlan {
   int64_t r_out_rs;
   const float* w;
   const float* b;  // nullptr without bias
+  bool weights_finite;
   float eps;
 };
 
@@ -45,7 +46,7 @@ QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
 
   // Pass 1: s (rounded to T exactly as the unfused add rounds it) and sum of s^2 in fp32.
   fVec acc0(0.f), acc1(0.f);
-  float tail = 0.f;
+  double tail = 0.0;
   int64_t d = 0;
   for (; d + 2 * kF <= H; d += 2 * kF) {
     fVec a, b;
@@ -68,8 +69,8 @@ QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
     }
     tail = std::fma(s, s, tail);
   }
-  const float ss = reduce_sum(acc0 + acc1) + tail;
-  const float inv = 1.f / std::sqrt(ss / static_cast<float>(H) + p.eps);
+  const double ss = sum_lanes(acc0, acc1, tail);
+  const float inv = inv_rms(ss, H, p.eps);
 
   // Pass 2: y = (s * inv) * w (+ b), rounded once. s is re-read from where pass 1 left it (exactly aliased
   // outputs are safe: every element is read before its own position is written).
@@ -79,10 +80,20 @@ QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
     fVec out = v * vinv * fVec::loadu(p.w + i);
     return p.b != nullptr ? out + fVec::loadu(p.b + i) : out;
   };
-  for (d = 0; d + 2 * kF <= H; d += 2 * kF) {
-    fVec a, b;
-    Io<T>::load2(s + d, a, b);
-    Io<T>::store2(y + d, norm(a, d), norm(b, d + kF));
+  // Finite row and weights: the bf16 stores may skip their NaN fix-up (see Io<BFloat16>::store2_finite).
+  auto body = [&](auto store2) {
+    int64_t i = 0;
+    for (; i + 2 * kF <= H; i += 2 * kF) {
+      fVec a, b;
+      Io<T>::load2(s + i, a, b);
+      store2(y + i, norm(a, i), norm(b, i + kF));
+    }
+    return i;
+  };
+  if (p.weights_finite && std::isfinite(ss)) {
+    d = body([](T* q, const fVec& u, const fVec& v) { Io<T>::store2_finite(q, u, v); });
+  } else {
+    d = body([](T* q, const fVec& u, const fVec& v) { Io<T>::store2(q, u, v); });
   }
   for (; d < H; ++d) {
     float v = static_cast<float>(s[d]) * inv * p.w[d];
@@ -136,6 +147,7 @@ void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& w
   }
   p.w = w.data();
   p.b = bias.has_value() ? b.data() : nullptr;
+  p.weights_finite = all_finite(w.data(), H) && all_finite(b.data(), static_cast<int64_t>(b.size()));
   p.eps = static_cast<float>(eps);
   switch (x.scalar_type()) {
     case at::kFloat: return run_norm<float>(p);

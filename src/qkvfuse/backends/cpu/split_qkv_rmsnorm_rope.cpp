@@ -58,6 +58,7 @@ struct SplitPlan {
   at::ScalarType cache_dtype;
   int64_t cache_rs;
   const float *wq, *wk, *bq, *bk;  // fp32 copies, nullptr when absent
+  bool weights_finite;
   float eps;
   bool neox;
 };
@@ -82,8 +83,9 @@ void check_positions(const SplitPlan& p) {
                     ") (cos_sin_cache rows), got values in [", lo, ", ", hi, "]");
 }
 
+// Returns whether every gathered value is finite (see qk_head).
 template <typename C>
-void gather_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
+bool gather_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
   const C* table = static_cast<const C*>(p.cache);
   auto row = [&](int64_t axis) {
     const int64_t pos = std::clamp<int64_t>(read_pos(p, axis, t), 0, p.max_pos - 1);
@@ -95,17 +97,18 @@ void gather_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
       cos[j] = static_cast<float>(r[j]);
       sin[j] = static_cast<float>(r[p.half + j]);
     }
-    return;
+  } else {
+    const C* rows[3] = {row(0), row(1), row(2)};
+    for (int64_t j = 0; j < p.half; ++j) {
+      const C* r = rows[p.axis[j]];
+      cos[j] = static_cast<float>(r[j]);
+      sin[j] = static_cast<float>(r[p.half + j]);
+    }
   }
-  const C* rows[3] = {row(0), row(1), row(2)};
-  for (int64_t j = 0; j < p.half; ++j) {
-    const C* r = rows[p.axis[j]];
-    cos[j] = static_cast<float>(r[j]);
-    sin[j] = static_cast<float>(r[p.half + j]);
-  }
+  return all_finite(cos, p.half) && all_finite(sin, p.half);
 }
 
-void token_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
+bool token_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
   switch (p.cache_dtype) {
     case at::kFloat: return gather_cos_sin<float>(p, t, cos, sin);
     case at::kBFloat16: return gather_cos_sin<c10::BFloat16>(p, t, cos, sin);
@@ -116,9 +119,11 @@ void token_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
 // kNorm: 0 no QK-norm, 1 weight, 2 weight and bias. One head: src -> dst, `half` rotary pairs then D - 2*half
 // pass-through dims. The norm is (x * inv) * w (+ b) in the vector body and the scalar tail alike; the
 // rotation is fused multiply-adds in both, so an element's value never depends on which path computed it.
+// `finite` says the weights and this token's cos/sin are finite; with a finite head on top (its sum of
+// squares is finite) the 16-wide stores may skip the NaN fix-up of the bf16 rounding (Io::store2_finite).
 template <typename T, int kNorm, bool kNeox>
-QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* b, float eps, int64_t D, int64_t half,
-             const float* cos, const float* sin) {
+QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* b, float eps, int64_t D,
+                             int64_t half, const float* cos, const float* sin, bool finite) {
   alignas(64) float x[kMaxHeadDim];
   fVec acc0(0.f), acc1(0.f);
   int64_t d = 0;
@@ -127,21 +132,17 @@ QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* 
     Io<T>::load2(src + d, a, c);
     a.store(x + d);
     c.store(x + d + kF);
-    if constexpr (kNorm > 0) {
-      acc0 = at::vec::fmadd(a, a, acc0);
-      acc1 = at::vec::fmadd(c, c, acc1);
-    }
+    acc0 = at::vec::fmadd(a, a, acc0);
+    acc1 = at::vec::fmadd(c, c, acc1);
   }
-  float tail = 0.f;
+  double tail = 0.0;
   for (; d < D; ++d) {
     x[d] = static_cast<float>(src[d]);
     tail = std::fma(x[d], x[d], tail);
   }
+  const double ss = sum_lanes(acc0, acc1, tail);
   float inv = 1.f;
-  if constexpr (kNorm > 0) {
-    const float ss = reduce_sum(acc0 + acc1) + tail;
-    inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
-  }
+  if constexpr (kNorm > 0) inv = inv_rms(ss, D, eps);
   const fVec vinv(inv);
   auto norm = [&](int64_t i) {
     fVec v = fVec::loadu(x + i);
@@ -161,40 +162,47 @@ QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* 
     dst[ib] = static_cast<T>(std::fma(yb, cos[j], ya * sin[j]));
   };
 
-  int64_t j = 0;
-  if constexpr (kNeox) {
-    for (; j + 2 * kF <= half; j += 2 * kF) {
-      const fVec a0 = norm(j), a1 = norm(j + kF), b0 = norm(half + j), b1 = norm(half + j + kF);
-      const fVec c0 = fVec::loadu(cos + j), c1 = fVec::loadu(cos + j + kF);
-      const fVec s0 = fVec::loadu(sin + j), s1 = fVec::loadu(sin + j + kF);
-      Io<T>::store2(dst + j, at::vec::fmsub(a0, c0, b0 * s0), at::vec::fmsub(a1, c1, b1 * s1));
-      Io<T>::store2(dst + half + j, at::vec::fmadd(b0, c0, a0 * s0), at::vec::fmadd(b1, c1, a1 * s1));
+  // The 16-wide loops, once per store flavour; 8-wide steps and scalar tails always use the plain stores.
+  auto body = [&](auto store2) {
+    int64_t j = 0;
+    if constexpr (kNeox) {
+      for (; j + 2 * kF <= half; j += 2 * kF) {
+        const fVec a0 = norm(j), a1 = norm(j + kF), b0 = norm(half + j), b1 = norm(half + j + kF);
+        const fVec c0 = fVec::loadu(cos + j), c1 = fVec::loadu(cos + j + kF);
+        const fVec s0 = fVec::loadu(sin + j), s1 = fVec::loadu(sin + j + kF);
+        store2(dst + j, at::vec::fmsub(a0, c0, b0 * s0), at::vec::fmsub(a1, c1, b1 * s1));
+        store2(dst + half + j, at::vec::fmadd(b0, c0, a0 * s0), at::vec::fmadd(b1, c1, a1 * s1));
+      }
+      for (; j + kF <= half; j += kF) {
+        const fVec a = norm(j), bb = norm(half + j), c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
+        Io<T>::store1(dst + j, at::vec::fmsub(a, c, bb * s));
+        Io<T>::store1(dst + half + j, at::vec::fmadd(bb, c, a * s));
+      }
+      for (; j < half; ++j) rot1(j, half + j, j);
+    } else {
+      for (; j + kF <= half; j += kF) {
+        const auto [a, bb] = at::vec::deinterleave2(norm(2 * j), norm(2 * j + kF));
+        const fVec c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
+        const auto [o0, o1] = at::vec::interleave2(at::vec::fmsub(a, c, bb * s), at::vec::fmadd(bb, c, a * s));
+        store2(dst + 2 * j, o0, o1);
+      }
+      for (; j < half; ++j) rot1(2 * j, 2 * j + 1, j);
     }
-    for (; j + kF <= half; j += kF) {
-      const fVec a = norm(j), bb = norm(half + j), c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
-      Io<T>::store1(dst + j, at::vec::fmsub(a, c, bb * s));
-      Io<T>::store1(dst + half + j, at::vec::fmadd(bb, c, a * s));
-    }
-    for (; j < half; ++j) rot1(j, half + j, j);
+    int64_t i = 2 * half;  // partial rotary: the rest is normalised but not rotated
+    for (; i + 2 * kF <= D; i += 2 * kF) store2(dst + i, norm(i), norm(i + kF));
+    for (; i + kF <= D; i += kF) Io<T>::store1(dst + i, norm(i));
+    for (; i < D; ++i) dst[i] = static_cast<T>(norm1(i));
+  };
+  if (finite && std::isfinite(ss)) {
+    body([](T* p, const fVec& u, const fVec& v) { Io<T>::store2_finite(p, u, v); });
   } else {
-    for (; j + kF <= half; j += kF) {
-      const auto [a, bb] = at::vec::deinterleave2(norm(2 * j), norm(2 * j + kF));
-      const fVec c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
-      const auto [o0, o1] = at::vec::interleave2(at::vec::fmsub(a, c, bb * s), at::vec::fmadd(bb, c, a * s));
-      Io<T>::store2(dst + 2 * j, o0, o1);
-    }
-    for (; j < half; ++j) rot1(2 * j, 2 * j + 1, j);
+    body([](T* p, const fVec& u, const fVec& v) { Io<T>::store2(p, u, v); });
   }
-
-  d = 2 * half;  // partial rotary: the rest is normalised but not rotated
-  for (; d + 2 * kF <= D; d += 2 * kF) Io<T>::store2(dst + d, norm(d), norm(d + kF));
-  for (; d + kF <= D; d += kF) Io<T>::store1(dst + d, norm(d));
-  for (; d < D; ++d) dst[d] = static_cast<T>(norm1(d));
 }
 
 template <typename T>
 using HeadFn = void (*)(const T*, T*, const float*, const float*, float, int64_t, int64_t, const float*,
-                        const float*);
+                        const float*, bool);
 
 template <typename T, int kNorm>
 HeadFn<T> pick_style(bool neox) {
@@ -217,17 +225,19 @@ void run_split(const SplitPlan& p) {
   at::parallel_for(0, p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
+    bool finite = false;
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
       if (h < qk_heads) {
         if (cos_sin_token != t) {  // once per token per thread: each thread gathers its own copy
-          token_cos_sin(p, t, cos, sin);
+          finite = token_cos_sin(p, t, cos, sin) && p.weights_finite;
           cos_sin_token = t;
         }
         if (h < p.hq) {
-          head(row + h * p.D, q + t * p.q_rs + h * p.D, p.wq, p.bq, p.eps, p.D, p.half, cos, sin);
+          head(row + h * p.D, q + t * p.q_rs + h * p.D, p.wq, p.bq, p.eps, p.D, p.half, cos, sin, finite);
         } else {
-          head(row + h * p.D, k + t * p.k_rs + (h - p.hq) * p.D, p.wk, p.bk, p.eps, p.D, p.half, cos, sin);
+          head(row + h * p.D, k + t * p.k_rs + (h - p.hq) * p.D, p.wk, p.bk, p.eps, p.D, p.half, cos, sin,
+               finite);
         }
       } else {
         std::memcpy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
@@ -312,6 +322,8 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
   p.wk = to_fp32(k_weight, D, weight_buffers + kMaxHeadDim);
   p.bq = to_fp32(q_bias, D, weight_buffers + 2 * kMaxHeadDim);
   p.bk = to_fp32(k_bias, D, weight_buffers + 3 * kMaxHeadDim);
+  p.weights_finite = true;
+  for (const float* v : {p.wq, p.wk, p.bq, p.bk}) p.weights_finite = p.weights_finite && (!v || all_finite(v, D));
   p.eps = static_cast<float>(eps);
   p.neox = is_neox;
   return p;

@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace qkvfuse_cpu {
@@ -37,9 +38,31 @@ inline int64_t grain_items(int64_t elems_per_item) {
   return elems_per_item >= kGrainElems ? 1 : (kGrainElems + elems_per_item - 1) / elems_per_item;
 }
 
-// Horizontal sum in a fixed lane order (so a row's sum never depends on threads or batch).
-inline float reduce_sum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
+// Sum of two accumulators' lanes plus a scalar tail, in double and a fixed tree order: the per-lane partial
+// sums are fp32, the cross-lane reduction (where most of an fp32 reduction's rounding happens) is not. The
+// order depends only on the row length, never on threads or batch.
+inline double sum_lanes(const fVec& a, const fVec& b, double tail) {
+  alignas(64) float v[2 * kF];
+  a.store(v);
+  b.store(v + kF);
+  double t[kF];
+  for (int64_t i = 0; i < kF; ++i) t[i] = static_cast<double>(v[i]) + static_cast<double>(v[i + kF]);
+  for (int64_t n = kF / 2; n >= 1; n /= 2) {
+    for (int64_t i = 0; i < n; ++i) t[i] += t[i + n];
+  }
+  return t[0] + tail;
+}
+
+// 1 / sqrt(mean of squares + eps), rounded once to fp32 (fp32 outputs are judged against the unfused path to
+// within one ulp, so the scale must not add the three roundings of a float evaluation).
+inline float inv_rms(double sum_sq, int64_t n, float eps) {
+  return static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps));
+}
+
+inline bool all_finite(const float* v, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok = ok && std::isfinite(v[i]);
+  return ok;
 }
 
 template <typename T>
@@ -57,6 +80,7 @@ struct Io<float> {
     b.store(p + kF);
   }
   static void store1(float* p, const fVec& a) { a.store(p); }
+  static void store2_finite(float* p, const fVec& a, const fVec& b) { store2(p, a, b); }
   // Store a, b and replace them by the stored (rounded) values: a no-op rounding for fp32.
   static void store2_rounded(float* p, fVec& a, fVec& b) { store2(p, a, b); }
 };
@@ -73,6 +97,8 @@ struct Io16 {
   }
   static void store2(T* p, const fVec& a, const fVec& b) { at::vec::convert_from_float<T>(a, b).store(p); }
   static void store1(T* p, const fVec& a) { at::vec::convert_from_float<T>(a, a).store(p, kF); }
+  // Store for outputs of finite inputs (see Io<BFloat16>); the plain store elsewhere.
+  static void store2_finite(T* p, const fVec& a, const fVec& b) { store2(p, a, b); }
   static void store2_rounded(T* p, fVec& a, fVec& b) {
     bVec rounded = at::vec::convert_from_float<T>(a, b);
     rounded.store(p);
@@ -81,7 +107,22 @@ struct Io16 {
 };
 
 template <>
-struct Io<c10::BFloat16> : Io16<c10::BFloat16> {};
+struct Io<c10::BFloat16> : Io16<c10::BFloat16> {
+#if defined(CPU_CAPABILITY_AVX2)
+  // Round to nearest even without ATen's NaN fix-up (two of the ~ten instructions per 8 values). Exact for
+  // every value a kernel computes from finite inputs: finite, +-inf, and the default NaN 0xffc00000 (which
+  // stays a NaN); only a NaN with a low payload could round into an infinity, and those come from inputs.
+  static __m256i round_bits(const fVec& v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  }
+  static void store2_finite(c10::BFloat16* p, const fVec& a, const fVec& b) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bits(a), round_bits(b)), 0xd8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+  }
+#endif
+};
 template <>
 struct Io<c10::Half> : Io16<c10::Half> {};
 
