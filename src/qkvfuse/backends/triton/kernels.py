@@ -149,7 +149,7 @@ def _cos_sin(pos_ptr, pos_stride_axis, pos_stride_tok, cache_ptr, cache_stride, 
     return cos, sin
 
 
-@triton.jit(do_not_specialize=["T", "eps", "max_position", "s_t", "s_h", "s_w"])
+@triton.jit(do_not_specialize=["T", "max_position", "s_t", "s_h", "s_w"])
 def split_qkv_rmsnorm_rope_kernel(
     qkv_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, q_b_ptr, k_b_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
     T, num_q_heads, num_kv_heads, eps, max_position, s_t, s_h, s_w,
@@ -189,7 +189,7 @@ def split_qkv_rmsnorm_rope_kernel(
         tl.store(v_out_ptr + tok[:, None] * v_out_stride + col[None, :], tl.load(src, mask=mask), mask=mask)
 
 
-@triton.jit(do_not_specialize=["T", "eps"])
+@triton.jit(do_not_specialize=["T"])
 def add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, T, H, eps,
     x_stride, res_stride, y_stride, res_out_stride,
