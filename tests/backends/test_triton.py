@@ -119,8 +119,8 @@ def test_mrope_height_width_rows_are_read(blocks, interleaved):
     assert not torch.equal(positions[0], positions[1]) and not torch.equal(positions[0], positions[2])
     temporal_only = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, positions=positions[0].expand(3, -1).clone()),
                                                    backend="triton")
-    for rows in (result[0], result[1]):
-        assert not torch.equal(rows, temporal_only[0 if rows is result[0] else 1])
+    for got, temporal in zip(result[:2], temporal_only[:2]):  # Q and K
+        assert not torch.equal(got, temporal)
     # Equal rows (text, decode) are plain RoPE, bit for bit.
     text = dict(kwargs, positions=positions[1].expand(3, -1))
     rope = dict(kwargs, positions=positions[1], mrope_section=None, mrope_interleaved=False)
