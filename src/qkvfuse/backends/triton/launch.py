@@ -39,7 +39,7 @@ def _pow2(n: int) -> int:
 
 
 def _num_warps(tile_elements: int) -> int:
-    return max(1, min(8, tile_elements // 256))
+    return max(1, min(16, tile_elements // 256))
 
 
 def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, interpret: Optional[bool] = None,
