@@ -54,6 +54,8 @@ def test_bad_call_raises_naming_the_argument(backend, name):
     assert ok, detail
 
 
+# Inf * 0 inside an Inf head is the expected NaN; the Triton interpreter's numpy warns about it.
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 def test_nonfinite_input_propagates_inside_its_head(backend, value):
     fm.check_nonfinite_propagates(backend, value)
