@@ -393,47 +393,60 @@ def timing_section(args):
     from qkvfuse import reference
     from qkvfuse.backends.triton import launch
     from qkvfuse.cli.verify import Section
-    from qkvfuse.testing import make_split_inputs
+    from qkvfuse.presets import get_preset
+    from qkvfuse.testing import make_norm_inputs, make_split_inputs
 
     device, rows = args.device, []
     bench = _timer(device)
     compiled = {}
+
+    def measure(op, label, T, triton_fn, reference_fn, call, nbytes, copy_src):
+        """One row: the Triton launcher, the eager and compiled reference on the same preallocated outputs."""
+        try:
+            ms_triton = bench(lambda: triton_fn(*call))
+            ms_eager = bench(lambda: reference_fn(*call))
+            ms_compiled = float("nan")
+            if device.type != "cpu":  # one dynamic-shape compile per (op, geometry), as serving engines compile
+                fn = compiled.setdefault((op, label), torch.compile(reference_fn, dynamic=True))
+                ms_compiled = bench(lambda: fn(*call))
+            dst = torch.empty_like(copy_src)
+            ms_copy = bench(lambda: dst.copy_(copy_src))
+            copy_gbs = 2 * copy_src.numel() * copy_src.element_size() / ms_copy / 1e6
+            fraction = nbytes / ms_triton / 1e6 / copy_gbs
+            target = ("met" if fraction >= BANDWIDTH_TARGET else "below") if T >= 4096 else "-"
+            rows.append(_row(op=op, shape=label, T=T, **{
+                "triton us": ms_triton * 1e3, "eager us": ms_eager * 1e3, "compile us": ms_compiled * 1e3,
+                "vs compile": ms_compiled / ms_triton, "GB/s": nbytes / ms_triton / 1e6, "copy GB/s": copy_gbs,
+                "of copy": fraction, "target": target}))
+        except Exception as exc:
+            rows.append(_row(op=op, shape=label, T=T, **{"pass": False, "detail": f"{type(exc).__name__}: {exc}"}))
+
     for preset_name in _tier(args, "timing"):
         for T in _tier(args, "timing_t"):
-            try:
-                case = _split_case(preset_name, T, torch.bfloat16)
-                kwargs = make_split_inputs(case, seed=T, device=device)
-                out = _poisoned_outputs(case, device)
-                call = (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
-                        kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
-                        kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
-                        list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"], *out)
-                ms_triton = bench(lambda: launch.split_qkv_rmsnorm_rope_out(*call))
-                ms_eager = bench(lambda: reference.split_qkv_rmsnorm_rope_out(*call))
-                ms_compiled = float("nan")
-                if device.type != "cpu":
-                    fn = compiled.setdefault(preset_name, torch.compile(reference.split_qkv_rmsnorm_rope_out,
-                                                                        dynamic=True))
-                    ms_compiled = bench(lambda: fn(*call))
-                src = kwargs["qkv"]
-                dst = torch.empty_like(src)
-                ms_copy = bench(lambda: dst.copy_(src))
-                copy_gbs = 2 * src.numel() * src.element_size() / ms_copy / 1e6
-                op_gbs = _split_bytes(case) / ms_triton / 1e6
-                fraction = op_gbs / copy_gbs
-                target = ("met" if fraction >= BANDWIDTH_TARGET else "below") if T >= 4096 else "-"
-                rows.append(_row(preset=preset_name, T=T, **{
-                    "triton us": ms_triton * 1e3, "eager us": ms_eager * 1e3, "compile us": ms_compiled * 1e3,
-                    "vs compile": ms_compiled / ms_triton, "GB/s": op_gbs, "copy GB/s": copy_gbs,
-                    "of copy": fraction, "target": target}))
-            except Exception as exc:
-                rows.append(_row(preset=preset_name, T=T, **{"pass": False, "detail": f"{type(exc).__name__}: {exc}"}))
+            case = _split_case(preset_name, T, torch.bfloat16)
+            kwargs = make_split_inputs(case, seed=T, device=device)
+            call = (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
+                    kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
+                    kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
+                    list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"],
+                    *_poisoned_outputs(case, device))
+            measure("split_qkv_rmsnorm_rope", preset_name, T, launch.split_qkv_rmsnorm_rope_out,
+                    reference.split_qkv_rmsnorm_rope_out, call, _split_bytes(case), kwargs["qkv"])
+            del kwargs, call
+        hidden = get_preset(preset_name).hidden_size
+        for T in _tier(args, "timing_t"):
+            kw = make_norm_inputs(T, hidden, torch.bfloat16, residual=True, device=device)
+            x = kw["x"]
+            call = (x, kw["residual"], kw["weight"], None, kw["eps"], torch.empty_like(x), torch.empty_like(x))
+            measure("add_rmsnorm", f"{preset_name} ({hidden})", T, launch.add_rmsnorm_out, reference.add_rmsnorm_out,
+                    call, 4 * x.numel() * x.element_size(), x)
     note = ("median of triton.testing.do_bench (ms -> us) on preallocated outputs; bytes = qkv read + q/k/v written "
-            f"+ positions + cos/sin; 'of copy' = op GB/s / same-size clone GB/s; target >= {BANDWIDTH_TARGET:.0%} "
-            "for T >= 4096; compile = torch.compile(reference, dynamic=True)")
+            "+ positions + cos/sin (add_rmsnorm: x, residual read, y, residual_out written); 'of copy' = op GB/s / "
+            f"GB/s of a same-size tensor copy; target >= {BANDWIDTH_TARGET:.0%} for T >= 4096; compile = "
+            "torch.compile(reference, dynamic=True)")
     if device.type == "cpu":
         note = "cpu-interpreter mode: wall-clock medians of the interpreter, not kernel timings; " + note
-    return Section("timing (bf16)", ("preset", "T", "triton us", "eager us", "compile us", "vs compile", "GB/s",
+    return Section("timing (bf16)", ("op", "shape", "T", "triton us", "eager us", "compile us", "vs compile", "GB/s",
                                      "copy GB/s", "of copy", "target"), rows, note)
 
 
