@@ -364,6 +364,46 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
     return name, kernel
 
 
+_FAST_SPLIT = None  # torch.ops.qkvfuse_cpu.split_checked, once the native CPU library is loaded
+
+
+def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
+                k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend):
+    """``(q, k, v)`` straight from the native CPU kernel, or None to take the validating path.
+
+    A decode step's budget is a few microseconds and :func:`_validate_split` alone costs about that. Here
+    Python checks only what C++ cannot see (the Python types of the scalar arguments); the kernel's predicate
+    (``plainly_valid`` in ``backends/cpu/split_qkv_rmsnorm_rope.cpp``, the tensor rules of ``_validate_split``
+    one for one) checks the rest. Any doubt returns None: the caller then validates as usual and raises the
+    usual errors. Out-of-range positions raise from the kernel, as on the ordinary path.
+    """
+    global _FAST_SPLIT
+    if (type(num_q_heads) is not int or type(num_kv_heads) is not int or type(head_dim) is not int
+            or type(eps) not in (float, int) or type(is_neox) is not bool or type(mrope_interleaved) is not bool):
+        return None
+    if mrope_section is None:
+        section, mrope = (), False
+    elif type(mrope_section) in (tuple, list) and len(mrope_section) == 3 and all(
+            type(s) is int for s in mrope_section):
+        section, mrope = mrope_section, True
+    else:
+        return None
+    try:
+        name, _ = _kernel(backend, qkv.device, "split_qkv_rmsnorm_rope_out")
+    except (ValueError, RuntimeError):
+        return None
+    if name != "cpu":
+        return None
+    if _FAST_SPLIT is None:
+        _FAST_SPLIT = torch.ops.qkvfuse_cpu.split_checked.default
+    try:
+        outs = _FAST_SPLIT(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                           q_bias, k_bias, eps, is_neox, section, mrope, mrope_interleaved)
+    except (TypeError, RuntimeError):  # an argument the schema cannot take (a list for a tensor, ...)
+        return None
+    return tuple(outs) if outs else None
+
+
 def split_qkv_rmsnorm_rope(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -428,6 +468,11 @@ def split_qkv_rmsnorm_rope(
         All arithmetic is fp32 with one rounding at the end. NaN/Inf inputs propagate (a NaN in a head makes
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
     """
+    if out is None and type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
+        fast = _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                           q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend)
+        if fast is not None:
+            return fast
     T, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)

@@ -231,3 +231,31 @@ def test_portable_default_vectors_build_and_match_oracle(tmp_path):
     """
     result = _run_child(script, {"QKVFUSE_CPU_CAPABILITY": "DEFAULT", "QKVFUSE_BUILD_DIR": str(tmp_path)}, 900)
     assert result == {"failures": [], "capability": "DEFAULT"}
+
+
+def test_functional_fast_path_skips_python_validation_only_for_valid_input(monkeypatch):
+    """Valid CPU input reaches the kernel without ``_validate_split`` (its C++ predicate checks the tensors);
+    anything the predicate doubts goes through the Python validator, which raises the documented error."""
+    from qkvfuse import ops
+
+    kwargs = make_split_inputs(SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32,
+                                         mrope_section=(6, 5, 5), mrope_interleaved=True))
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    seen = []
+    validate = ops._validate_split
+    monkeypatch.setattr(ops, "_validate_split", lambda *a: seen.append(a) or validate(*a))
+    fast = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    assert not seen and all(torch.equal(a, b) for a, b in zip(expected, fast))
+    bad_calls = {  # one per rule family of plainly_valid; each must raise through the Python validator
+        "q_weight": dict(kwargs, q_weight=kwargs["q_weight"].to(torch.float16)),
+        "positions": dict(kwargs, positions=kwargs["positions"][0]),
+        "mrope_section": dict(kwargs, mrope_section=(6, 5, 6)),
+        "cos_sin_cache": dict(kwargs, cos_sin_cache=kwargs["cos_sin_cache"][:, :31]),
+        "qkv": dict(kwargs, qkv=kwargs["qkv"][:, :-2]),
+        "eps": dict(kwargs, eps=float("nan")),
+        "head_dim": dict(kwargs, head_dim=True),
+    }
+    for arg, bad in bad_calls.items():
+        with pytest.raises((ValueError, TypeError), match=f"^{arg}"):
+            qkvfuse.split_qkv_rmsnorm_rope(**bad, backend="cpu")
+    assert len(seen) == len(bad_calls)

@@ -398,6 +398,62 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
   run(p, qkv.scalar_type());
 }
 
+bool float_dtype(const Tensor& t) { return is_float_type(t.scalar_type()); }
+
+bool valid_vector(const OptTensor& t, int64_t D, at::ScalarType io) {
+  return !t.has_value() || (t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == io) &&
+                            t->dim() == 1 && t->size(0) == D);
+}
+
+// The tensor half of qkvfuse.ops._validate_split as a predicate, rule for rule; the Python side has checked
+// the scalar arguments' types and values. False sends the caller to the Python validator, which raises the
+// user-facing error (or, should this predicate ever be stricter, runs the ordinary path).
+bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
+                   int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                   const OptTensor& k_bias, double eps, c10::IntArrayRef section, bool mrope) {
+  if (hq < 1 || hkv < 1 || D < 2 || D % 2 != 0 || D > kMaxHeadDim || !(eps >= 0.0 && eps < INFINITY)) return false;
+  const int64_t width = (hq + 2 * hkv) * D;
+  if (!qkv.device().is_cpu() || !float_dtype(qkv) || qkv.dim() != 2 || qkv.size(1) != width) return false;
+  if (qkv.numel() != 0 && (qkv.stride(1) != 1 || qkv.stride(0) < width)) return false;
+  const int64_t T = qkv.size(0);
+  if (!cache.device().is_cpu() || !float_dtype(cache) || cache.dim() != 2 || cache.size(0) < 1) return false;
+  const int64_t R = cache.size(1);
+  if (R < 2 || R % 2 != 0 || R > D || cache.stride(1) != 1 || cache.stride(0) < R) return false;
+  if (!positions.device().is_cpu() ||
+      (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong)) {
+    return false;
+  }
+  if (mrope) {
+    if (section.size() != 3 || section[0] < 0 || section[1] < 0 || section[2] < 0 ||
+        section[0] + section[1] + section[2] != R / 2 || positions.dim() != 2 || positions.size(0) != 3 ||
+        positions.size(1) != T) {
+      return false;
+    }
+  } else if (!section.empty() || positions.dim() != 1 || positions.size(0) != T) {
+    return false;
+  }
+  if (q_weight.has_value() != k_weight.has_value()) return false;
+  if (!q_weight.has_value() && (q_bias.has_value() || k_bias.has_value())) return false;
+  const at::ScalarType io = qkv.scalar_type();
+  return valid_vector(q_weight, D, io) && valid_vector(k_weight, D, io) && valid_vector(q_bias, D, io) &&
+         valid_vector(k_bias, D, io);
+}
+
+// The public functional op's fast path for CPU tensors: validate (predicate) and run, or return [] so the
+// caller validates in Python. A catch-all kernel: it must see meta/CUDA tensors to reject them.
+std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                  int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
+                                  const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                  c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
+  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
+                     mrope)) {
+    return {};
+  }
+  auto [q, k, v] = split_qkv_rmsnorm_rope(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias,
+                                          eps, is_neox, mrope_section, mrope_interleaved);
+  return {q, k, v};
+}
+
 std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool interleaved) {
   TORCH_CHECK(section.size() == 3, "mrope_axis_map: three sections expected");
   std::vector<int64_t> axes(half);
@@ -414,8 +470,13 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("split_qkv_rmsnorm_rope_inplace", &qkvfuse_cpu::split_qkv_rmsnorm_rope_inplace);
 }
 
-// Introspection for tests: the kernel's own copy of the mRoPE axis rule and its parallel grain.
+// Introspection for tests (the kernel's copy of the mRoPE axis rule, its parallel grain) and the validating
+// fast path of qkvfuse.ops.split_qkv_rmsnorm_rope.
 TORCH_LIBRARY(qkvfuse_cpu, m) {
   m.def("mrope_axis_map(int half, int[] mrope_section, bool interleaved) -> int[]", &qkvfuse_cpu::mrope_axis_map);
   m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
+  m.def("split_checked(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_q_heads, int num_kv_heads, "
+        "int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, float eps, "
+        "bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved) -> Tensor[]",
+        &qkvfuse_cpu::split_checked);
 }
