@@ -259,3 +259,22 @@ def test_functional_fast_path_skips_python_validation_only_for_valid_input(monke
         with pytest.raises((ValueError, TypeError), match=f"^{arg}"):
             qkvfuse.split_qkv_rmsnorm_rope(**bad, backend="cpu")
     assert len(seen) == len(bad_calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
+    """A token whose cos/sin row holds a NaN takes the NaN-safe stores (ATen's converter); the same token with a
+    finite row takes the finite stores. Every element the NaN does not reach must have the same bits."""
+    case = SplitCase(T=4, num_q_heads=8, num_kv_heads=2, head_dim=128, rotary_dim=128, dtype=dtype, bias=True)
+    kwargs = make_split_inputs(case, seed=11)
+    half = case.rotary_dim // 2
+    finite = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    cache = kwargs["cos_sin_cache"].clone()
+    cache[kwargs["positions"], half - 1] = float("nan")  # cos of the last pair, every token
+    poisoned = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, cos_sin_cache=cache), backend="cpu")
+    reached = torch.zeros(case.head_dim, dtype=torch.bool)
+    reached[[half - 1, 2 * half - 1]] = True
+    for a, b in zip(finite[:2], poisoned[:2]):
+        a, b = a.reshape(case.T, -1, case.head_dim), b.reshape(case.T, -1, case.head_dim)
+        assert torch.isnan(b[..., reached]).all()
+        assert torch.equal(_bits(a[..., ~reached].contiguous()), _bits(b[..., ~reached].contiguous()))
