@@ -364,20 +364,23 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
     return name, kernel
 
 
-_FAST_SPLIT = None  # torch.ops.qkvfuse_cpu.split_checked, once the native CPU library is loaded
+# torch.ops.qkvfuse_cpu.split_checked / split_checked_out, once the native CPU library is loaded.
+_FAST_SPLIT = None
+_FAST_SPLIT_OUT = None
 
 
 def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
-                k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend):
+                k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, out):
     """``(q, k, v)`` straight from the native CPU kernel, or None to take the validating path.
 
     A decode step's budget is a few microseconds and :func:`_validate_split` alone costs about that. Here
-    Python checks only what C++ cannot see (the Python types of the scalar arguments); the kernel's predicate
-    (``plainly_valid`` in ``backends/cpu/split_qkv_rmsnorm_rope.cpp``, the tensor rules of ``_validate_split``
-    one for one) checks the rest. Any doubt returns None: the caller then validates as usual and raises the
-    usual errors. Out-of-range positions raise from the kernel, as on the ordinary path.
+    Python checks only what C++ cannot see (the Python types of the scalar arguments); the kernel's predicates
+    (``plainly_valid`` and, with ``out``, ``plainly_valid_outputs`` in ``backends/cpu/split_qkv_rmsnorm_rope.cpp``:
+    the tensor rules of ``_validate_split`` and ``_check_outputs`` one for one) check the rest. Any doubt
+    returns None: the caller then validates as usual and raises the usual errors. Out-of-range positions
+    raise from the kernel, as on the ordinary path.
     """
-    global _FAST_SPLIT
+    global _FAST_SPLIT, _FAST_SPLIT_OUT
     if (type(num_q_heads) is not int or type(num_kv_heads) is not int or type(head_dim) is not int
             or type(eps) not in (float, int) or type(is_neox) is not bool or type(mrope_interleaved) is not bool):
         return None
@@ -396,12 +399,18 @@ def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_d
         return None
     if _FAST_SPLIT is None:
         _FAST_SPLIT = torch.ops.qkvfuse_cpu.split_checked.default
+        _FAST_SPLIT_OUT = torch.ops.qkvfuse_cpu.split_checked_out.default
+    args = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias, k_bias,
+            eps, is_neox, section, mrope, mrope_interleaved)
     try:
-        outs = _FAST_SPLIT(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
-                           q_bias, k_bias, eps, is_neox, section, mrope, mrope_interleaved)
+        if out is None:
+            outs = _FAST_SPLIT(*args)
+            return tuple(outs) if outs else None
+        if type(out) not in (tuple, list) or len(out) != 3 or any(type(t) is not torch.Tensor for t in out):
+            return None
+        return tuple(out) if _FAST_SPLIT_OUT(*args, *out) else None
     except (TypeError, RuntimeError):  # an argument the schema cannot take (a list for a tensor, ...)
         return None
-    return tuple(outs) if outs else None
 
 
 def split_qkv_rmsnorm_rope(
@@ -468,9 +477,9 @@ def split_qkv_rmsnorm_rope(
         All arithmetic is fp32 with one rounding at the end. NaN/Inf inputs propagate (a NaN in a head makes
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
     """
-    if out is None and type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
         fast = _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
-                           q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend)
+                           q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, out)
         if fast is not None:
             return fast
     T, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,

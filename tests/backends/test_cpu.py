@@ -260,6 +260,22 @@ def test_functional_fast_path_skips_python_validation_only_for_valid_input(monke
             qkvfuse.split_qkv_rmsnorm_rope(**bad, backend="cpu")
     assert len(seen) == len(bad_calls)
 
+    # out=: fresh buffers and an output exactly aliasing its own slice of qkv take the fast path too.
+    seen.clear()
+    qkv = kwargs["qkv"].clone()
+    own = (qkv[:, :128], poisoned_like(torch.empty(3, 64, dtype=qkv.dtype), 8),
+           poisoned_like(torch.empty(3, 64, dtype=qkv.dtype)))
+    result = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, qkv=qkv), out=own, backend="cpu")
+    assert not seen and all(r is o for r, o in zip(result, own))
+    assert all(torch.equal(a, b) for a, b in zip(expected, result))
+    fresh = [poisoned_like(torch.empty(3, n, dtype=qkv.dtype)) for n in (128, 64, 64)]
+    with pytest.raises(ValueError, match="^q_out: expected no overlap with an input"):
+        qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, qkv=qkv), out=(qkv[:, 64:192], *fresh[1:]), backend="cpu")
+    shared = poisoned_like(torch.empty(3, 128, dtype=qkv.dtype))
+    with pytest.raises(ValueError, match="^k_out: .*overlapping v_out"):
+        qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=(fresh[0], shared[:, :64], shared[:, 32:96]), backend="cpu")
+    assert len(seen) == 2
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):

@@ -18,6 +18,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace qkvfuse_cpu {
@@ -454,6 +455,75 @@ std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, co
   return {q, k, v};
 }
 
+// Byte range [first, last) a strided tensor touches; empty for numel 0 (qkvfuse.ops._span).
+std::pair<intptr_t, intptr_t> span(const Tensor& t) {
+  if (t.numel() == 0) return {0, 0};
+  const intptr_t size_of = t.element_size();
+  intptr_t first = reinterpret_cast<intptr_t>(t.const_data_ptr()), last = first;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const intptr_t reach = (t.size(d) - 1) * t.stride(d) * size_of;
+    (reach < 0 ? first : last) += reach;
+  }
+  return {first, last + size_of};
+}
+
+bool overlap(std::pair<intptr_t, intptr_t> a, std::pair<intptr_t, intptr_t> b) {
+  return a.first < b.second && b.first < a.second;
+}
+
+// The rules of qkvfuse.ops._check_outputs for (q_out, k_out, v_out), as a predicate: shape, dtype, device,
+// layout, and no overlap with any input or with each other, except an output that is exactly its own slice
+// of qkv (same pointer, shape and strides).
+bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                           const std::vector<const Tensor*>& norm, int64_t hq, int64_t hkv, int64_t D,
+                           const Tensor* outs[3]) {
+  const int64_t widths[3] = {hq * D, hkv * D, hkv * D}, offsets[3] = {0, hq * D, (hq + hkv) * D};
+  const int64_t T = qkv.size(0);
+  std::vector<std::pair<intptr_t, intptr_t>> inputs = {span(qkv), span(positions), span(cache)};
+  for (const Tensor* t : norm) inputs.push_back(span(*t));
+  std::pair<intptr_t, intptr_t> out_spans[3];
+  for (int i = 0; i < 3; ++i) {
+    const Tensor& o = *outs[i];
+    if (!o.device().is_cpu() || o.scalar_type() != qkv.scalar_type() || o.dim() != 2 || o.size(0) != T ||
+        o.size(1) != widths[i] || (o.numel() != 0 && (o.stride(1) != 1 || o.stride(0) < o.size(1)))) {
+      return false;
+    }
+    out_spans[i] = span(o);
+    for (size_t j = 0; j < inputs.size(); ++j) {
+      if (!overlap(out_spans[i], inputs[j])) continue;
+      const bool own_slice = j == 0 && o.const_data_ptr() == static_cast<const char*>(qkv.const_data_ptr()) +
+                                                               offsets[i] * qkv.element_size() &&
+                             o.stride(0) == qkv.stride(0) && o.stride(1) == qkv.stride(1);
+      if (!own_slice) return false;
+    }
+    for (int j = 0; j < i; ++j) {
+      if (overlap(out_spans[i], out_spans[j])) return false;
+    }
+  }
+  return true;
+}
+
+// The out= fast path: validate (predicates) and run, or return false so the caller validates in Python.
+bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
+                       int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                       const OptTensor& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
+                       bool mrope, bool mrope_interleaved, const Tensor& q_out, const Tensor& k_out,
+                       const Tensor& v_out) {
+  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
+                     mrope)) {
+    return false;
+  }
+  std::vector<const Tensor*> norm;
+  for (const OptTensor* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
+    if (t->has_value()) norm.push_back(&t->value());
+  }
+  const Tensor* outs[3] = {&q_out, &k_out, &v_out};
+  if (!plainly_valid_outputs(qkv, positions, cache, norm, hq, hkv, D, outs)) return false;
+  split_qkv_rmsnorm_rope_out(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
+                             mrope_section, mrope_interleaved, q_out, k_out, v_out);
+  return true;
+}
+
 std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool interleaved) {
   TORCH_CHECK(section.size() == 3, "mrope_axis_map: three sections expected");
   std::vector<int64_t> axes(half);
@@ -479,4 +549,9 @@ TORCH_LIBRARY(qkvfuse_cpu, m) {
         "int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, float eps, "
         "bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved) -> Tensor[]",
         &qkvfuse_cpu::split_checked);
+  m.def("split_checked_out(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_q_heads, "
+        "int num_kv_heads, int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, "
+        "float eps, bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved, Tensor(a!) q_out, "
+        "Tensor(b!) k_out, Tensor(c!) v_out) -> bool",
+        &qkvfuse_cpu::split_checked_out);
 }
