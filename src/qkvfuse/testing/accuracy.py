@@ -2,8 +2,12 @@
 
 A fused result is judged against the float64 oracle (which reads inputs and cos/sin *as stored*):
 
-1. **No worse than unfused**: ``max|out - oracle| <= max|unfused - oracle| + ulp(max|out|)``, where *unfused*
-   is the transformers-style path in the same dtype (a rounding after each op).
+1. **No worse than unfused**: ``max|out - oracle| <= max|unfused - oracle| + ulp(max|out|)
+   + FP32_REDUCTION_ULPS * ulp_fp32(max|oracle|)``, where *unfused* is the transformers-style path in the same
+   dtype (a rounding after each op). The last term is fp32 reduction-order noise: an fp32 sum of 4096 squares
+   differs between summation orders by about an fp32 ulp, which in fp32 outputs is the size of the one-ulp
+   margin itself (the fuzz suite found Triton fp32 cases 1.1-1.7 ulp off for that reason alone). In bf16/fp16
+   it is 1/32768 of an output ulp or less, so it does not hide an extra rounding there.
 2. **Elementwise**: every element within half an ulp of the oracle (in the output dtype, at the larger of
    ``|out|`` and ``|oracle|``) plus an fp32 allowance of ``FP32_ALLOWANCE * max|oracle|`` over the head. Rule 1
    alone would accept one extra intermediate rounding (unfused has several); this rule does not.
@@ -22,12 +26,14 @@ from typing import Dict, Optional
 
 import torch
 
-__all__ = ["FP32_ALLOWANCE", "AccuracyReport", "ulp", "check_split_outputs", "check_norm_outputs",
+__all__ = ["FP32_ALLOWANCE", "FP32_REDUCTION_ULPS", "AccuracyReport", "ulp", "check_split_outputs", "check_norm_outputs",
            "MODEL_FP32_LOGIT_RTOL", "MODEL_BF16_RMS_FACTOR", "MODEL_BF16_MAX_FACTOR"]
 
 # fp32 arithmetic error allowed on top of the final rounding, relative to the head's largest magnitude:
 # covers reduction order and rsqrt differences between backends (a few fp32 ulps), far below one bf16/fp16 ulp.
 FP32_ALLOWANCE = 4e-6
+# fp32 ulps (of the largest oracle magnitude) of summation-order noise added to rule 1; see the module docstring.
+FP32_REDUCTION_ULPS = 4.0
 # Extra ulps of the output dtype tolerated for kernels run under TRITON_INTERPRET=1. 0: the Triton kernels round
 # bf16 to nearest even themselves instead of relying on the interpreter's (truncating) conversion.
 INTERPRETER_BF16_ULPS = 0.0
@@ -90,7 +96,9 @@ def _check_tensor(name: str, out: torch.Tensor, oracle: torch.Tensor, unfused: t
         return AccuracyReport(False, max_err, max_unf,
                               f"{name}: element {idx} = {float(out64[idx]):.9g}, oracle {float(oracle[idx]):.9g}, "
                               f"error {float(err[idx]):.3g} > bound {float(bound[idx]):.3g} (half ulp + fp32 allowance)")
-    rule1 = max_unf + float(ulp(out64.abs().max().reshape(1), dtype)[0])
+    largest = oracle.nan_to_num(0.0).abs().max().reshape(1)
+    rule1 = (max_unf + float(ulp(out64.abs().max().reshape(1), dtype)[0])
+             + FP32_REDUCTION_ULPS * float(ulp(largest, torch.float32)[0]))
     if max_err > rule1:
         return AccuracyReport(False, max_err, max_unf,
                               f"{name}: max error {max_err:.3g} exceeds unfused error {max_unf:.3g} + 1 ulp")
