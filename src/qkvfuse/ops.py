@@ -364,14 +364,18 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
     return name, kernel
 
 
-# torch.ops.qkvfuse_cpu.split_checked / split_checked_out, once the native CPU library is loaded.
+# torch.ops.qkvfuse_cpu.split_checked{,_out,_inplace}, once the native CPU library is loaded.
 _FAST_SPLIT = None
 _FAST_SPLIT_OUT = None
+_FAST_SPLIT_INPLACE = None
+_INPLACE = object()  # the ``out`` of _fast_split for split_qkv_rmsnorm_rope_
 
 
 def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
                 k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, out):
     """``(q, k, v)`` straight from the native CPU kernel, or None to take the validating path.
+
+    ``out`` is None (functional), the ``out`` argument, or ``_INPLACE`` (:func:`split_qkv_rmsnorm_rope_`).
 
     A decode step's budget is a few microseconds and :func:`_validate_split` alone costs about that. Here
     Python checks only what C++ cannot see (the Python types of the scalar arguments); the kernel's predicates
@@ -380,7 +384,7 @@ def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_d
     returns None: the caller then validates as usual and raises the usual errors. Out-of-range positions
     raise from the kernel, as on the ordinary path.
     """
-    global _FAST_SPLIT, _FAST_SPLIT_OUT
+    global _FAST_SPLIT, _FAST_SPLIT_OUT, _FAST_SPLIT_INPLACE
     if (type(num_q_heads) is not int or type(num_kv_heads) is not int or type(head_dim) is not int
             or type(eps) not in (float, int) or type(is_neox) is not bool or type(mrope_interleaved) is not bool):
         return None
@@ -400,11 +404,12 @@ def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_d
     if _FAST_SPLIT is None:
         _FAST_SPLIT = torch.ops.qkvfuse_cpu.split_checked.default
         _FAST_SPLIT_OUT = torch.ops.qkvfuse_cpu.split_checked_out.default
+        _FAST_SPLIT_INPLACE = torch.ops.qkvfuse_cpu.split_checked_inplace.default
     args = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias, k_bias,
             eps, is_neox, section, mrope, mrope_interleaved)
     try:
-        if out is None:
-            outs = _FAST_SPLIT(*args)
+        if out is None or out is _INPLACE:
+            outs = (_FAST_SPLIT if out is None else _FAST_SPLIT_INPLACE)(*args)
             return tuple(outs) if outs else None
         if type(out) not in (tuple, list) or len(out) != 3 or any(type(t) is not torch.Tensor for t in out):
             return None
@@ -534,6 +539,11 @@ def split_qkv_rmsnorm_rope_(
     ``q = qkv[:, :Hq*D]``, ``k = qkv[:, Hq*D:(Hq+Hkv)*D]``, ``v = qkv[:, (Hq+Hkv)*D:]`` (row stride = qkv's);
     V is left untouched.
     """
+    if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
+        fast = _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                           q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, _INPLACE)
+        if fast is not None:
+            return fast
     _, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)

@@ -276,6 +276,18 @@ def test_functional_fast_path_skips_python_validation_only_for_valid_input(monke
         qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=(fresh[0], shared[:, :64], shared[:, 32:96]), backend="cpu")
     assert len(seen) == 2
 
+    # In place (split_qkv_rmsnorm_rope_): the views of qkv, rewritten, without the Python validator.
+    seen.clear()
+    rest = {k: v for k, v in kwargs.items() if k != "qkv"}
+    qkv = kwargs["qkv"].clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **rest, backend="cpu")
+    assert not seen and all(torch.equal(a, b) for a, b in zip(expected, views))
+    assert views[0].data_ptr() == qkv.data_ptr() and views[2].stride() == qkv.stride()
+    fp32 = kwargs["qkv"].float()
+    with pytest.raises(ValueError, match="^qkv: expected an in-place target that overlaps no other input"):
+        qkvfuse.split_qkv_rmsnorm_rope_(fp32, **dict(rest, positions=fp32.view(torch.int32)[:, :3].t()), backend="cpu")
+    assert len(seen) == 1
+
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):

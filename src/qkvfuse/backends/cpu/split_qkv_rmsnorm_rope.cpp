@@ -524,6 +524,27 @@ bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor&
   return true;
 }
 
+// The in-place fast path: validate (predicate: plainly_valid, and qkv overlaps no other input) and run,
+// returning the (q, k, v) views of qkv; or return [] so the caller validates in Python.
+std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                                          int64_t hq, int64_t hkv, int64_t D, const OptTensor& q_weight,
+                                          const OptTensor& k_weight, const OptTensor& q_bias,
+                                          const OptTensor& k_bias, double eps, bool is_neox,
+                                          c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
+  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
+                     mrope)) {
+    return {};
+  }
+  const auto target = span(qkv);
+  if (overlap(target, span(positions)) || overlap(target, span(cache))) return {};
+  for (const OptTensor* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
+    if (t->has_value() && overlap(target, span(t->value()))) return {};
+  }
+  split_qkv_rmsnorm_rope_inplace(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps,
+                                 is_neox, mrope_section, mrope_interleaved);
+  return {qkv.narrow(1, 0, hq * D), qkv.narrow(1, hq * D, hkv * D), qkv.narrow(1, (hq + hkv) * D, hkv * D)};
+}
+
 std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool interleaved) {
   TORCH_CHECK(section.size() == 3, "mrope_axis_map: three sections expected");
   std::vector<int64_t> axes(half);
@@ -554,4 +575,8 @@ TORCH_LIBRARY(qkvfuse_cpu, m) {
         "float eps, bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved, Tensor(a!) q_out, "
         "Tensor(b!) k_out, Tensor(c!) v_out) -> bool",
         &qkvfuse_cpu::split_checked_out);
+  m.def("split_checked_inplace(Tensor(a!) qkv, Tensor positions, Tensor cos_sin_cache, int num_q_heads, "
+        "int num_kv_heads, int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, "
+        "float eps, bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved) -> Tensor[]",
+        &qkvfuse_cpu::split_checked_inplace);
 }
