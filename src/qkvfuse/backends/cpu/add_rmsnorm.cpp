@@ -69,8 +69,8 @@ QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
     }
     tail = std::fma(s, s, tail);
   }
-  const double ss = sum_lanes(acc0, acc1, tail);
-  const float inv = inv_rms(ss, H, p.eps);
+  double ss = 0.0;
+  const float inv = inv_rms<T>(acc0, acc1, tail, H, p.eps, &ss);
 
   // Pass 2: y = (s * inv) * w (+ b), rounded once. s is re-read from where pass 1 left it (exactly aliased
   // outputs are safe: every element is read before its own position is written).

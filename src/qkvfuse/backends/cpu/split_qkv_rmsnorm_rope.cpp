@@ -141,9 +141,8 @@ QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* 
     x[d] = static_cast<float>(src[d]);
     tail = std::fma(x[d], x[d], tail);
   }
-  const double ss = sum_lanes(acc0, acc1, tail);
-  float inv = 1.f;
-  if constexpr (kNorm > 0) inv = inv_rms(ss, D, eps);
+  double ss = 0.0;
+  const float inv = inv_rms<T>(acc0, acc1, tail, D, eps, &ss);  // also the finiteness probe when kNorm == 0
   const fVec vinv(inv);
   auto norm = [&](int64_t i) {
     fVec v = fVec::loadu(x + i);
@@ -234,12 +233,9 @@ void run_split(const SplitPlan& p) {
           finite = token_cos_sin(p, t, cos, sin) && p.weights_finite;
           cos_sin_token = t;
         }
-        if (h < p.hq) {
-          head(row + h * p.D, q + t * p.q_rs + h * p.D, p.wq, p.bq, p.eps, p.D, p.half, cos, sin, finite);
-        } else {
-          head(row + h * p.D, k + t * p.k_rs + (h - p.hq) * p.D, p.wk, p.bk, p.eps, p.D, p.half, cos, sin,
-               finite);
-        }
+        T* dst = h < p.hq ? q + t * p.q_rs + h * p.D : k + t * p.k_rs + (h - p.hq) * p.D;
+        head(row + h * p.D, dst, h < p.hq ? p.wq : p.wk, h < p.hq ? p.bq : p.bk, p.eps, p.D, p.half, cos, sin,
+             finite);
       } else {
         std::memcpy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
       }

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace qkvfuse_cpu {
 
@@ -38,6 +39,10 @@ inline int64_t grain_items(int64_t elems_per_item) {
   return elems_per_item >= kGrainElems ? 1 : (kGrainElems + elems_per_item - 1) / elems_per_item;
 }
 
+inline float reduce_sum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& x, const fVec& y) { return x + y; }, v);
+}
+
 // Sum of two accumulators' lanes plus a scalar tail, in double and a fixed tree order: the per-lane partial
 // sums are fp32, the cross-lane reduction (where most of an fp32 reduction's rounding happens) is not. The
 // order depends only on the row length, never on threads or batch.
@@ -53,10 +58,19 @@ inline double sum_lanes(const fVec& a, const fVec& b, double tail) {
   return t[0] + tail;
 }
 
-// 1 / sqrt(mean of squares + eps), rounded once to fp32 (fp32 outputs are judged against the unfused path to
-// within one ulp, so the scale must not add the three roundings of a float evaluation).
-inline float inv_rms(double sum_sq, int64_t n, float eps) {
-  return static_cast<float>(1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps));
+// 1 / sqrt(mean of squares + eps). For fp32 outputs (judged against the unfused path to within an ulp) the
+// lanes are summed and the scale evaluated in double, rounded once; for bf16/fp16 outputs float is far
+// below their half ulp, and the double divide and square root would sit on every head's critical path.
+template <typename T>
+inline float inv_rms(const fVec& a, const fVec& b, double tail, int64_t n, float eps, double* sum_sq) {
+  if constexpr (std::is_same_v<T, float>) {
+    *sum_sq = sum_lanes(a, b, tail);
+    return static_cast<float>(1.0 / std::sqrt(*sum_sq / static_cast<double>(n) + eps));
+  } else {
+    const float ss = reduce_sum(a + b) + static_cast<float>(tail);
+    *sum_sq = ss;
+    return 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  }
 }
 
 inline bool all_finite(const float* v, int64_t n) {
