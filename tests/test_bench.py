@@ -100,3 +100,28 @@ def test_summary_applies_the_issue_targets_to_cpu_out_rows():
     unavailable = summarize([r for r in rows if r.impl != CPU] + [_row(4096, "1 set", EAGER, 1.0, 0.1)], "no compiler")
     assert [(s["target"].split()[1], s["verdict"]) for s in unavailable] == [
         ("T=256", "n/a: cpu backend unavailable"), ("T=4096", "n/a: cpu backend unavailable")]
+
+
+@pytest.mark.parametrize("mutation", ["unwritten", "wrong"])
+def test_cell_check_catches_a_wrong_kernel(monkeypatch, mutation):
+    import torch
+
+    import qkvfuse
+    from qkvfuse.benchmarks import harness
+    from qkvfuse.testing import SplitCase, make_split_inputs
+
+    def broken(*args, out, backend, **kw):
+        q, k, v = qkvfuse.split_qkv_rmsnorm_rope(*args, out=out, backend="reference", **kw)
+        if mutation == "unwritten":
+            k[1:2].fill_(float("nan"))  # a row the sample would not even look at
+        else:
+            q[-1, 5] += 0.5  # the last row is always sampled
+        return q, k, v
+
+    case = SplitCase.from_preset(qkvfuse.get_preset("Qwen3-8B"), 100, dtype=torch.bfloat16)
+    kw = make_split_inputs(case)
+    out = tuple(torch.empty(100, n * 128, dtype=torch.bfloat16) for n in (32, 8, 8))
+    if not benchmarks.cpu_unavailable_reason():
+        assert harness._check_split(kw, out) == "ok"  # the real kernel passes
+    monkeypatch.setattr(harness, "split_qkv_rmsnorm_rope", broken)
+    assert harness._check_split(kw, out).startswith("FAIL")
