@@ -22,11 +22,12 @@ def test_bench_prints_table_and_writes_json_and_png(tmp_path, capsys):
     assert "machine:" in text and "threads" in text
     assert "== split_qkv_rmsnorm_rope: Qwen3-8B" in text and "== add_rmsnorm: hidden 256" in text
     assert "summary against issue 3's targets" in text
-    assert text.rstrip().splitlines()[-1].startswith("bench:") or "WARNING" in text.rstrip().splitlines()[-1]
+    assert text.rstrip().splitlines()[-1].startswith("bench:")
 
     payload = json.loads(json_path.read_text())
     rows = payload["rows"]
     assert payload["machine"]["torch_threads"] >= 1 and payload["config"]["tokens"] == [1]
+    assert "others_cpu_share" in payload["machine"] and all("others" in r for r in rows)
     placements = {(r["op"], r["data"].split()[0]) for r in rows}
     assert placements == {(op, d) for op in ("split_qkv_rmsnorm_rope", "add_rmsnorm") for d in ("hot", "rotated")}
     for r in rows:

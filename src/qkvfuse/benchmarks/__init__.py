@@ -20,7 +20,7 @@ from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
 from .report import (TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine, print_summary,
                      print_tables, summarize, write_json, write_plot)
-from .timing import Budget, cache_bytes, machine_info
+from .timing import Budget, cache_bytes, cpu_snapshot, machine_info, others_share
 
 __all__ = ["run_bench", "config_from_args", "cpu_unavailable_reason"]
 
@@ -115,20 +115,21 @@ def run_bench(args) -> int:
     with warnings.catch_warnings():
         # dynamo traces through the lru_cache'd mRoPE axis map on purpose (its result is a constant)
         warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
-        for preset in cfg.presets:
-            for dtype in cfg.dtypes:
-                for T in cfg.tokens:
-                    t0 = time.perf_counter()
-                    rows += bench_split(cfg, preset, dtype, T)
-                    print(f"  measured split {preset.name} {dtype_name(dtype)} T={T} in "
-                          f"{time.perf_counter() - t0:.1f} s", flush=True)
-        for hidden in cfg.hidden_sizes:
-            for dtype in cfg.dtypes:
-                for T in cfg.tokens:
-                    t0 = time.perf_counter()
-                    rows += bench_norm(cfg, hidden, dtype, T)
-                    print(f"  measured add_rmsnorm hidden {hidden} {dtype_name(dtype)} T={T} in "
-                          f"{time.perf_counter() - t0:.1f} s", flush=True)
+        cells = [(bench_split, preset, "split " + preset.name, dtype, T)
+                 for preset in cfg.presets for dtype in cfg.dtypes for T in cfg.tokens]
+        cells += [(bench_norm, hidden, f"add_rmsnorm hidden {hidden}", dtype, T)
+                  for hidden in cfg.hidden_sizes for dtype in cfg.dtypes for T in cfg.tokens]
+        run_start = cpu_snapshot()
+        for bench, what, label, dtype, T in cells:
+            t0, before = time.perf_counter(), cpu_snapshot()
+            cell = bench(cfg, what, dtype, T)
+            share = others_share(before, cpu_snapshot())
+            for row in cell:
+                row.others = share
+            rows += cell
+            print(f"  measured {label} {dtype_name(dtype)} T={T} in {time.perf_counter() - t0:.1f} s"
+                  + (f" (other processes: {share:.0%} of the CPUs)" if share is not None else ""), flush=True)
+        machine["others_cpu_share"] = others_share(run_start, cpu_snapshot())
     machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     print("\n" + TABLE_NOTE)
     print_tables(rows)

@@ -90,6 +90,7 @@ class Row:
     calls_per_block: int
     compile_s: Optional[float] = None
     check: str = ""  # qkvfuse cpu rows: "ok" or "FAIL: ..." -- the accuracy rule on these very inputs
+    others: Optional[float] = None  # share of the CPUs other processes used while this cell ran (noise)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

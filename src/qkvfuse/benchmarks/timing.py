@@ -19,11 +19,12 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Candidate", "Measured", "Budget", "measure", "machine_info", "cache_bytes"]
+__all__ = ["Candidate", "Measured", "Budget", "measure", "machine_info", "cache_bytes", "cpu_snapshot",
+           "others_share"]
 
 Call = Callable[[], object]
 
@@ -190,3 +191,26 @@ def machine_info() -> Dict[str, object]:
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_") or k.startswith("GLIBC_TUN")},
         "loadavg_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def cpu_snapshot() -> Optional[Tuple[float, float, float]]:
+    """``(busy seconds of all CPUs, busy seconds of this process, wall seconds)`` or None without ``/proc``."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = [int(x) for x in fh.readline().split()[1:]]
+        with open("/proc/self/stat") as fh:
+            own = fh.read().rsplit(")", 1)[1].split()  # the command name may contain spaces
+    except (OSError, ValueError, IndexError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    # user nice system idle iowait irq softirq steal: steal is time the hypervisor gave to other guests
+    busy = sum(fields[i] for i in (0, 1, 2, 5, 6, 7) if i < len(fields))
+    return busy / tick, (int(own[11]) + int(own[12])) / tick, time.monotonic()
+
+
+def others_share(before, after) -> Optional[float]:
+    """Fraction of the machine's CPU time used by other processes (and other guests) between two snapshots."""
+    if before is None or after is None or after[2] <= before[2]:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / ((after[2] - before[2]) * (os.cpu_count() or 1)))
