@@ -5,6 +5,7 @@
 // squares on the way), then normalises, rotates and rounds it straight into the output. Each item's bits
 // depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
 // threads or on the other tokens in the batch.
+// bf16 heads of the published shape (128 dims, QK-norm weight, no bias) take a specialised path (fast_heads).
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -18,6 +19,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -209,6 +211,180 @@ HeadFn<T> pick_style(bool neox) {
   return neox ? &qk_head<T, kNorm, true> : &qk_head<T, kNorm, false>;
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// bf16, QK-norm with weight and no bias, head_dim 128, rotary half 64 or 32 (the published models): a head
+// specialised at compile time. A 16-value bf16 block is read as two fp32 vectors without a lane shuffle --
+// even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back with one word blend,
+// so every table is kept in that lane order. Per token the weights are folded into cos/sin:
+//   out_a = inv * (x_a * (w_a c) - x_b * (w_b s)),  out_b = inv * (x_b * (w_b c) + x_a * (w_a s)),
+// pass-through dims: out = (x * w) * inv. Every element of a head takes the same sequence whatever its
+// position, and the choice of this path depends only on the head's shape, its token's cos/sin and the
+// weights, so results stay independent of threads and batch.
+constexpr int kFastD = 128;
+constexpr int kFastMaxHalf = 64;
+
+struct FastTables {  // one per weight set (Q, K); lane order
+  alignas(32) float p[kFastMaxHalf], q[kFastMaxHalf], r[kFastMaxHalf], s[kFastMaxHalf];
+  alignas(32) float wa[kFastMaxHalf], wb[kFastMaxHalf];  // the pairs' weights (per call)
+  alignas(32) float pass[kFastD];                         // pass-through weights (per call)
+};
+
+// Lane order of 16 consecutive values: the 8 even ones, then the 8 odd ones.
+inline int64_t lane_src(int64_t i) { return (i & ~int64_t{15}) + 2 * (i & 7) + ((i >> 3) & 1); }
+
+inline void fast_weights(const float* w, int64_t half, bool neox, FastTables& t) {
+  for (int64_t j = 0; j < half; ++j) {
+    // NeoX pair j = (j, half + j), its tables in lane order; GPT-J pair j = (2j, 2j + 1) sits in one block's
+    // even/odd lanes, its tables in natural order.
+    const int64_t src = neox ? lane_src(j) : j;
+    t.wa[j] = neox ? w[src] : w[2 * src];
+    t.wb[j] = neox ? w[half + src] : w[2 * src + 1];
+  }
+  for (int64_t i = 2 * half; i < kFastD; ++i) t.pass[i] = w[2 * half + lane_src(i - 2 * half)];
+}
+
+// This token's tables for both weight sets (Q, K); half is a multiple of 16.
+inline void fast_token(const float* cos, const float* sin, int64_t half, bool neox, FastTables* t) {
+  alignas(32) float cs[2][kFastMaxHalf];
+  const float* c = cos;
+  const float* s = sin;
+  if (neox) {  // into lane order
+    for (int64_t j = 0; j < half; j += 16) {
+      const auto [ce, co] = at::vec::deinterleave2(fVec::loadu(cos + j), fVec::loadu(cos + j + kF));
+      const auto [se, so] = at::vec::deinterleave2(fVec::loadu(sin + j), fVec::loadu(sin + j + kF));
+      ce.store(cs[0] + j);
+      co.store(cs[0] + j + kF);
+      se.store(cs[1] + j);
+      so.store(cs[1] + j + kF);
+    }
+    c = cs[0];
+    s = cs[1];
+  }
+  for (int w = 0; w < 2; ++w) {
+    for (int64_t j = 0; j < half; j += kF) {
+      const fVec wa = fVec::loadu(t[w].wa + j), wb = fVec::loadu(t[w].wb + j);
+      const fVec cv = fVec::loadu(c + j), sv = fVec::loadu(s + j);
+      (wa * cv).store(t[w].p + j);
+      (wb * sv).store(t[w].q + j);
+      (wb * cv).store(t[w].r + j);
+      (wa * sv).store(t[w].s + j);
+    }
+  }
+}
+
+struct Bf16Block {
+  __m256 even, odd;
+  static Bf16Block load(const c10::BFloat16* p) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)),
+            _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+  // Round to nearest even as Io<BFloat16>::store2_finite (same argument for its exactness).
+  static __m256i rounded(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
+  }
+  static void store(c10::BFloat16* p, __m256 even, __m256 odd) {
+    const __m256i out = _mm256_blend_epi16(_mm256_srli_epi32(rounded(even), 16), rounded(odd), 0xaa);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+  }
+};
+
+constexpr int kFastBatch = 8;
+
+inline __m256 fast_sum_squares(const c10::BFloat16* src) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int c = 0; c < kFastD / 16; ++c) {
+    const Bf16Block x = Bf16Block::load(src + 16 * c);
+    acc0 = _mm256_fmadd_ps(x.even, x.even, acc0);
+    acc1 = _mm256_fmadd_ps(x.odd, x.odd, acc1);
+  }
+  return _mm256_add_ps(acc0, acc1);
+}
+
+// Lane k: the sum of v[k]'s lanes, ((0+1)+(2+3))+((4+5)+(6+7)) whatever k is.
+inline __m256 sum_lanes8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <int kHalf, bool kNeox>
+inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t, float inv_scalar) {
+  constexpr int kBlocks = kFastD / 16;
+  const __m256 inv = _mm256_set1_ps(inv_scalar);
+  auto rot = [&](__m256 xa, __m256 xb, int64_t j, __m256& oa, __m256& ob) {
+    oa = _mm256_mul_ps(_mm256_fmsub_ps(xa, _mm256_load_ps(t.p + j), _mm256_mul_ps(xb, _mm256_load_ps(t.q + j))), inv);
+    ob = _mm256_mul_ps(_mm256_fmadd_ps(xb, _mm256_load_ps(t.r + j), _mm256_mul_ps(xa, _mm256_load_ps(t.s + j))), inv);
+  };
+  if constexpr (kNeox) {
+    for (int c = 0; c < kHalf / 16; ++c) {
+      const Bf16Block a = Bf16Block::load(src + 16 * c), b = Bf16Block::load(src + kHalf + 16 * c);
+      __m256 ae, be, ao, bo;
+      rot(a.even, b.even, 16 * c, ae, be);
+      rot(a.odd, b.odd, 16 * c + 8, ao, bo);
+      Bf16Block::store(dst + 16 * c, ae, ao);
+      Bf16Block::store(dst + kHalf + 16 * c, be, bo);
+    }
+  } else {
+    for (int c = 0; c < kHalf / 8; ++c) {
+      const Bf16Block x = Bf16Block::load(src + 16 * c);
+      __m256 oa, ob;
+      rot(x.even, x.odd, 8 * c, oa, ob);
+      Bf16Block::store(dst + 16 * c, oa, ob);
+    }
+  }
+  for (int c = kHalf / 8; c < kBlocks; ++c) {
+    const Bf16Block x = Bf16Block::load(src + 16 * c);
+    const float* w = t.pass + 16 * c;
+    Bf16Block::store(dst + 16 * c, _mm256_mul_ps(_mm256_mul_ps(x.even, _mm256_load_ps(w)), inv),
+                     _mm256_mul_ps(_mm256_mul_ps(x.odd, _mm256_load_ps(w + 8)), inv));
+  }
+}
+
+// Up to kFastBatch heads at once (n >= 1; unused slots repeat head 0 and are not written): their sums of
+// squares are reduced and scaled together so that the per-head reduction, square root and division overlap.
+// Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
+// not finite (bit k for slot k), left unwritten for the generic path.
+template <int kHalf, bool kNeox>
+QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* const* dst,
+                               const FastTables* const* t, int n, float eps) {
+  __m256 sums[kFastBatch];
+  for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src[k < n ? k : 0]);
+  const __m256 ss = sum_lanes8(sums);
+  const __m256 inv = _mm256_div_ps(
+      _mm256_set1_ps(1.f),
+      _mm256_sqrt_ps(_mm256_add_ps(_mm256_div_ps(ss, _mm256_set1_ps(static_cast<float>(kFastD))),
+                                   _mm256_set1_ps(eps))));
+  // |ss| < inf, NaN compares false
+  const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), ss), _mm256_set1_ps(INFINITY),
+                                      _CMP_LT_OQ);
+  const int bad = ~_mm256_movemask_ps(finite) & ((1 << n) - 1);
+  alignas(32) float inv_k[kFastBatch];
+  _mm256_store_ps(inv_k, inv);
+  for (int k = 0; k < n; ++k) {
+    if (!(bad >> k & 1)) fast_body<kHalf, kNeox>(src[k], dst[k], *t[k], inv_k[k]);
+  }
+  return bad;
+}
+
+using FastFn = int (*)(const c10::BFloat16* const*, c10::BFloat16* const*, const FastTables* const*, int, float);
+
+// The specialised head for this call, or nullptr.
+template <typename T>
+FastFn pick_fast(const SplitPlan& p, int norm_mode) {
+  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
+    return nullptr;
+  } else {
+    if (norm_mode != 1 || p.D != kFastD) return nullptr;
+    if (p.half == 64) return p.neox ? &fast_heads<64, true> : &fast_heads<64, false>;
+    if (p.half == 32) return p.neox ? &fast_heads<32, true> : &fast_heads<32, false>;
+    return nullptr;
+  }
+}
+#endif
+
 template <typename T>
 void run_split(const SplitPlan& p) {
   const int norm_mode = p.wq == nullptr ? 0 : (p.bq == nullptr ? 1 : 2);
@@ -222,20 +398,62 @@ void run_split(const SplitPlan& p) {
   const int64_t qk_heads = p.hq + p.hkv;
   const int64_t per_token = qk_heads + (v != nullptr ? 1 : 0);
   const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
+#if defined(CPU_CAPABILITY_AVX2)
+  const FastFn fast = pick_fast<T>(p, norm_mode);
+  FastTables fast_base[2];
+  if (fast != nullptr) {
+    fast_weights(p.wq, p.half, p.neox, fast_base[0]);
+    fast_weights(p.wk, p.half, p.neox, fast_base[1]);
+  }
+#endif
   at::parallel_for(0, p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;
+#if defined(CPU_CAPABILITY_AVX2)
+    FastTables tables[2];
+    if (fast != nullptr) std::copy(fast_base, fast_base + 2, tables);
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
       if (h < qk_heads) {
         if (cos_sin_token != t) {  // once per token per thread: each thread gathers its own copy
           finite = token_cos_sin(p, t, cos, sin) && p.weights_finite;
           cos_sin_token = t;
+#if defined(CPU_CAPABILITY_AVX2)
+          if (fast != nullptr && finite) {
+            fast_token(cos, sin, p.half, p.neox, tables);
+          }
+#endif
         }
-        T* dst = h < p.hq ? q + t * p.q_rs + h * p.D : k + t * p.k_rs + (h - p.hq) * p.D;
-        head(row + h * p.D, dst, h < p.hq ? p.wq : p.wk, h < p.hq ? p.bq : p.bk, p.eps, p.D, p.half, cos, sin,
-             finite);
+        auto dst_of = [&](int64_t hh) {
+          return hh < p.hq ? q + t * p.q_rs + hh * p.D : k + t * p.k_rs + (hh - p.hq) * p.D;
+        };
+        auto generic = [&](int64_t hh) {
+          head(row + hh * p.D, dst_of(hh), hh < p.hq ? p.wq : p.wk, hh < p.hq ? p.bq : p.bk, p.eps, p.D, p.half,
+               cos, sin, finite);
+        };
+#if defined(CPU_CAPABILITY_AVX2)
+        if (fast != nullptr && finite) {
+          // This token's next Q/K heads within the range, in one batch.
+          const int n = static_cast<int>(std::min<int64_t>({kFastBatch, qk_heads - h, end - i}));
+          const c10::BFloat16* srcs[kFastBatch];
+          c10::BFloat16* dsts[kFastBatch];
+          const FastTables* tabs[kFastBatch];
+          for (int j = 0; j < n; ++j) {
+            srcs[j] = reinterpret_cast<const c10::BFloat16*>(row + (h + j) * p.D);
+            dsts[j] = reinterpret_cast<c10::BFloat16*>(dst_of(h + j));
+            tabs[j] = &tables[h + j < p.hq ? 0 : 1];
+          }
+          const int bad = fast(srcs, dsts, tabs, n, p.eps);
+          for (int j = 0; j < n; ++j) {
+            if (bad >> j & 1) generic(h + j);
+          }
+          i += n - 1;
+          h += n - 1;
+        } else
+#endif
+        generic(h);
       } else {
         std::memcpy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
       }
