@@ -1,5 +1,6 @@
 """Smoke tests of ``python -m qkvfuse bench`` on tiny configurations: it runs, prints, writes; no timing asserts."""
 
+import dataclasses
 import json
 import math
 
@@ -96,6 +97,8 @@ def test_summary_applies_the_issue_targets_to_cpu_out_rows():
     verdicts = {(s["target"].split()[0], s["target"].split()[1]): s["verdict"] for s in summarize(rows, "")}
     assert verdicts == {("split", "T=1"): "MISSED", ("split", "T=16"): "MET", ("split", "T=256"): "MISSED",
                         ("split", "T=4096"): "MET", ("add_rmsnorm", "T=4096"): "MISSED"}
+    noisy = summarize([dataclasses.replace(_row(4096, "1 set", CPU, 1.0, 0.99), others=0.5)], "")
+    assert [s["verdict"] for s in noisy] == ["MET (noisy: others 50%)"]
     wrong = summarize([_row(4096, "1 set", CPU, 1.0, 0.99, check="FAIL: q: NaN")], "")
     assert [s["verdict"] for s in wrong] == ["WRONG RESULTS"]  # fast and wrong meets no target
     unavailable = summarize([r for r in rows if r.impl != CPU] + [_row(4096, "1 set", EAGER, 1.0, 0.1)], "no compiler")

@@ -103,8 +103,11 @@ def print_compile_times(rows: Sequence[Row]) -> None:
             cells.append({"op": r.op, "shape": r.shape, "dtype": r.dtype, "T": str(r.T),
                           "compile s": f"{r.compile_s:.1f}"})
     if cells:
+        note = ("first call in this process after torch._dynamo.reset(); inductor's on-disk cache may hold earlier "
+                "compiles of the same graph\n(sub-second cells are cache hits). TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 "
+                "gives cold compile times.")
         print_section(Section("torch.compile of the unfused path: first call (compile) time, apart from the tables",
-                              ("op", "shape", "dtype", "T", "compile s"), cells))
+                              ("op", "shape", "dtype", "T", "compile s"), cells, note))
 
 
 def _pick(rows: Sequence[Row], op: str, shape: str, T: int, outputs: str = "out=", data: str = "",
@@ -168,9 +171,13 @@ def summarize(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
                    "published": f"{_us(anchor[0])} us (copy {_us(anchor[1])}) [{_ANCHOR_OF[shape]}]" if anchor else ""}
             result = None if cpu_reason else judge(rows, op, shape, T)
             if result is not None:
+                judged = _pick(rows, op, shape, T)
                 row["measured"], row["verdict"] = result[0], "MET" if result[1] else "MISSED"
-                if _pick(rows, op, shape, T).check != "ok":  # a fast wrong kernel meets nothing
+                if judged.check != "ok":  # a fast wrong kernel meets nothing
                     row["verdict"] = "WRONG RESULTS"
+                elif judged.others is not None and judged.others > BUSY_SHARE:
+                    # a stalled parallel region stalls the copy too, pushing the ratio to 1: a false MET
+                    row["verdict"] += f" (noisy: others {judged.others:.0%})"
             out.append(row)
     return out
 
@@ -182,11 +189,11 @@ def check_failures(rows: Sequence[Row]) -> List[str]:
 
 
 def _speedup_line(rows: Sequence[Row], versus: str, attr: str) -> str:
-    mine = [getattr(r, attr) for r in rows if r.impl == CPU and r.outputs == "out=" and getattr(r, attr)]
+    mine = sorted(getattr(r, attr) for r in rows if r.impl == CPU and r.outputs == "out=" and getattr(r, attr))
     if not mine:
         return ""
-    return (f"qkvfuse cpu [out=] vs {versus}: {min(mine):.2f}x .. {max(mine):.2f}x over {len(mine)} measurements "
-            f"(> 1: qkvfuse faster)")
+    return (f"qkvfuse cpu [out=] vs {versus}: median {mine[len(mine) // 2]:.2f}x, range {mine[0]:.2f}x .. "
+            f"{mine[-1]:.2f}x over {len(mine)} measurements (> 1: qkvfuse faster)")
 
 
 def print_summary(rows: Sequence[Row], summary: Sequence[Dict[str, object]], cpu_reason: str) -> None:
