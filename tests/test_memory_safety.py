@@ -7,39 +7,19 @@ stride-0 mRoPE rows, in-place, both ops) run in one child process per backend; a
 happened in, and every guarded result must equal the same call on ordinary memory.
 """
 
-import json
 import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from child_records import child_records, describe_exit
 
 from qkvfuse.testing import guarded
 
-_RESULTS = {}
-
-
 def _results(backend):
-    if backend not in _RESULTS:
-        proc = subprocess.run([sys.executable, "-m", "qkvfuse.testing.guarded", backend], capture_output=True,
-                              text=True, timeout=600)
-        results, running = {}, None
-        for line in proc.stdout.splitlines():
-            record = json.loads(line)
-            if "start" in record:
-                running = record["start"]
-            else:
-                results[record["name"]] = (record["ok"], record["detail"])
-                running = None
-        _RESULTS[backend] = (results, proc.returncode, running, proc.stderr[-3000:])
-    return _RESULTS[backend]
-
-
-def _describe(returncode):
-    if returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exit code {returncode}"
+    """``(results by call name, exit code, call that was running when the child died, stderr tail)``."""
+    return child_records("qkvfuse.testing.guarded", backend)
 
 
 @pytest.mark.parametrize("case", guarded.case_ids())
@@ -47,7 +27,7 @@ def test_guarded_edge_case(backend, case):
     results, returncode, running, stderr = _results(backend)
     if case not in results:
         where = f"while running {running!r}" if running else "before reaching this case"
-        pytest.fail(f"the child process died ({_describe(returncode)}) {where}:\n{stderr}")
+        pytest.fail(f"the child process died ({describe_exit(returncode)}) {where}:\n{stderr}")
     ok, detail = results[case]
     assert ok, detail
 

@@ -6,32 +6,15 @@ failure (naming the call it died in) instead of killing pytest. NaN/Inf inputs a
 propagate inside their head or row (documented in ``split_qkv_rmsnorm_rope``), tested below.
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
+from child_records import child_records, describe_exit
 
 import qkvfuse.testing.failure_modes as fm
-
-_RESULTS = {}
 
 
 def _results(backend):
     """``(results by call name, exit code, call that was running when the child died, stderr tail)``."""
-    if backend not in _RESULTS:
-        proc = subprocess.run([sys.executable, "-m", "qkvfuse.testing.failure_modes", "bad-input", backend],
-                              capture_output=True, text=True, timeout=600)
-        results, running = {}, None
-        for line in proc.stdout.splitlines():
-            record = json.loads(line)
-            if "start" in record:
-                running = record["start"]
-            else:
-                results[record["name"]] = (record["ok"], record["detail"])
-                running = None
-        _RESULTS[backend] = (results, proc.returncode, running, proc.stderr[-3000:])
-    return _RESULTS[backend]
+    return child_records("qkvfuse.testing.failure_modes", "bad-input", backend)
 
 
 def test_catalogue_covers_both_ops_and_the_cache_builder():
@@ -49,7 +32,7 @@ def test_bad_call_raises_naming_the_argument(backend, name):
     results, returncode, running, stderr = _results(backend)
     if name not in results:
         where = f"while running {running!r}" if running else "before reaching this call"
-        pytest.fail(f"the child process died (exit code {returncode}) {where}:\n{stderr}")
+        pytest.fail(f"the child process died ({describe_exit(returncode)}) {where}:\n{stderr}")
     ok, detail = results[name]
     assert ok, detail
 
