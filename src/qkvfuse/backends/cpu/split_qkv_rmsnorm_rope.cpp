@@ -285,9 +285,14 @@ struct Bf16Block {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     return _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb);
   }
+  template <bool kStream>
   static void store(c10::BFloat16* p, __m256 even, __m256 odd) {
     const __m256i out = _mm256_blend_epi16(_mm256_srli_epi32(rounded(even), 16), rounded(odd), 0xaa);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+    if constexpr (kStream) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), out);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
+    }
   }
 };
 
@@ -310,7 +315,7 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-template <int kHalf, bool kNeox>
+template <int kHalf, bool kNeox, bool kStream>
 inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t, float inv_scalar) {
   constexpr int kBlocks = kFastD / 16;
   const __m256 inv = _mm256_set1_ps(inv_scalar);
@@ -324,21 +329,21 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
       __m256 ae, be, ao, bo;
       rot(a.even, b.even, 16 * c, ae, be);
       rot(a.odd, b.odd, 16 * c + 8, ao, bo);
-      Bf16Block::store(dst + 16 * c, ae, ao);
-      Bf16Block::store(dst + kHalf + 16 * c, be, bo);
+      Bf16Block::store<kStream>(dst + 16 * c, ae, ao);
+      Bf16Block::store<kStream>(dst + kHalf + 16 * c, be, bo);
     }
   } else {
     for (int c = 0; c < kHalf / 8; ++c) {
       const Bf16Block x = Bf16Block::load(src + 16 * c);
       __m256 oa, ob;
       rot(x.even, x.odd, 8 * c, oa, ob);
-      Bf16Block::store(dst + 16 * c, oa, ob);
+      Bf16Block::store<kStream>(dst + 16 * c, oa, ob);
     }
   }
   for (int c = kHalf / 8; c < kBlocks; ++c) {
     const Bf16Block x = Bf16Block::load(src + 16 * c);
     const float* w = t.pass + 16 * c;
-    Bf16Block::store(dst + 16 * c, _mm256_mul_ps(_mm256_mul_ps(x.even, _mm256_load_ps(w)), inv),
+    Bf16Block::store<kStream>(dst + 16 * c, _mm256_mul_ps(_mm256_mul_ps(x.even, _mm256_load_ps(w)), inv),
                      _mm256_mul_ps(_mm256_mul_ps(x.odd, _mm256_load_ps(w + 8)), inv));
   }
 }
@@ -347,7 +352,7 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
 // squares are reduced and scaled together so that the per-head reduction, square root and division overlap.
 // Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
 // not finite (bit k for slot k), left unwritten for the generic path.
-template <int kHalf, bool kNeox>
+template <int kHalf, bool kNeox, bool kStream>
 QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* const* dst,
                                const FastTables* const* t, int n, float eps) {
   __m256 sums[kFastBatch];
@@ -364,7 +369,7 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* c
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
-    if (!(bad >> k & 1)) fast_body<kHalf, kNeox>(src[k], dst[k], *t[k], inv_k[k]);
+    if (!(bad >> k & 1)) fast_body<kHalf, kNeox, kStream>(src[k], dst[k], *t[k], inv_k[k]);
   }
   return bad;
 }
@@ -373,15 +378,42 @@ using FastFn = int (*)(const c10::BFloat16* const*, c10::BFloat16* const*, const
 
 // The specialised head for this call, or nullptr.
 template <typename T>
-FastFn pick_fast(const SplitPlan& p, int norm_mode) {
+FastFn pick_fast(const SplitPlan& p, int norm_mode, bool stream) {
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     return nullptr;
   } else {
-    if (norm_mode != 1 || p.D != kFastD) return nullptr;
-    if (p.half == 64) return p.neox ? &fast_heads<64, true> : &fast_heads<64, false>;
-    if (p.half == 32) return p.neox ? &fast_heads<32, true> : &fast_heads<32, false>;
-    return nullptr;
+    if (norm_mode != 1 || p.D != kFastD || (p.half != 64 && p.half != 32)) return nullptr;
+    const bool h64 = p.half == 64;
+    if (stream) {
+      return h64 ? (p.neox ? &fast_heads<64, true, true> : &fast_heads<64, false, true>)
+                 : (p.neox ? &fast_heads<32, true, true> : &fast_heads<32, false, true>);
+    }
+    return h64 ? (p.neox ? &fast_heads<64, true, false> : &fast_heads<64, false, false>)
+               : (p.neox ? &fast_heads<32, true, false> : &fast_heads<32, false, false>);
   }
+}
+
+// Outputs far larger than the caches (a prefill batch) are written with non-temporal stores, as a large
+// memcpy is: no read-for-ownership of lines that are only overwritten. Needs 32-byte aligned rows, and not
+// the in-place form (its lines are already cached by the read).
+constexpr int64_t kStreamBytes = int64_t{16} << 20;
+
+bool aligned32(const void* ptr, int64_t row_stride_bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % 32 == 0 && row_stride_bytes % 32 == 0;
+}
+
+template <typename T>
+bool stream_outputs(const SplitPlan& p) {
+  const int64_t e = sizeof(T);
+  return p.v != nullptr && p.T * (p.hq + 2 * p.hkv) * p.D * e >= kStreamBytes && aligned32(p.q, p.q_rs * e) &&
+         aligned32(p.k, p.k_rs * e) && aligned32(p.v, p.v_rs * e) && (p.hkv * p.D * e) % 32 == 0;
+}
+
+// V rows under the same policy (a row is hkv * D values, a multiple of 32 bytes when streaming).
+inline void stream_copy(void* dst, const void* src, size_t bytes) {
+  auto* d = static_cast<__m256i*>(dst);
+  const auto* s = static_cast<const __m256i*>(src);
+  for (size_t i = 0; i < bytes / 32; ++i) _mm256_stream_si256(d + i, _mm256_loadu_si256(s + i));
 }
 #endif
 
@@ -399,7 +431,8 @@ void run_split(const SplitPlan& p) {
   const int64_t per_token = qk_heads + (v != nullptr ? 1 : 0);
   const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
 #if defined(CPU_CAPABILITY_AVX2)
-  const FastFn fast = pick_fast<T>(p, norm_mode);
+  const bool stream = stream_outputs<T>(p);
+  const FastFn fast = pick_fast<T>(p, norm_mode, stream);
   FastTables fast_base[2];
   if (fast != nullptr) {
     fast_weights(p.wq, p.half, p.neox, fast_base[0]);
@@ -455,6 +488,11 @@ void run_split(const SplitPlan& p) {
 #endif
         generic(h);
       } else {
+#if defined(CPU_CAPABILITY_AVX2)
+        if (stream && fast != nullptr) {
+          stream_copy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
+        } else
+#endif
         std::memcpy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
       }
       if (++h == per_token) {
@@ -462,6 +500,9 @@ void run_split(const SplitPlan& p) {
         ++t;
       }
     }
+#if defined(CPU_CAPABILITY_AVX2)
+    if (stream) _mm_sfence();  // the streamed stores are visible before the join
+#endif
   });
 }
 
