@@ -74,8 +74,11 @@ inline float inv_rms(const fVec& a, const fVec& b, double tail, int64_t n, float
 }
 
 inline bool all_finite(const float* v, int64_t n) {
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok = ok && std::isfinite(v[i]);
+  fVec probe(0.f);  // x * 0 is 0 for finite x, NaN for an infinity or a NaN
+  int64_t i = 0;
+  for (; i + kF <= n; i += kF) probe = probe + fVec::loadu(v + i) * fVec(0.f);
+  bool ok = reduce_sum(probe) == 0.f;
+  for (; i < n; ++i) ok = ok && std::isfinite(v[i]);
   return ok;
 }
 
