@@ -306,3 +306,26 @@ def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
         a, b = a.reshape(case.T, -1, case.head_dim), b.reshape(case.T, -1, case.head_dim)
         assert torch.isnan(b[..., reached]).all()
         assert torch.equal(_bits(a[..., ~reached].contiguous()), _bits(b[..., ~reached].contiguous()))
+
+
+@pytest.mark.parametrize("is_neox,rotary_dim", [(True, 128), (False, 64)], ids=["qwen3-neox", "gptj-partial"])
+def test_specialised_and_streaming_store_paths_at_large_t(is_neox, rotary_dim):
+    """Outputs of 16 MB or more take the non-temporal-store path of the specialised bf16 D=128 kernel.
+
+    Small test shapes never reach it, so this case is large on purpose (T=2304, Qwen3-8B heads: an 18 MB Q
+    output): every element against the float64 oracle, NaN-poisoned out=, same bits with 1 and 2 threads
+    and in place.
+    """
+    case = SplitCase(T=2304, num_q_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=rotary_dim,
+                     dtype=torch.bfloat16, is_neox=is_neox)
+    kwargs = make_split_inputs(case, seed=11)
+    qkv = kwargs["qkv"]
+    out = tuple(poisoned_like(torch.empty(case.T, n * 128, dtype=torch.bfloat16)) for n in (32, 8, 8))
+    got = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend="cpu"))
+    report = check_split_outputs(got, oracle_split(**kwargs), unfused_split(**kwargs), qkv, 32, 8, 128)
+    assert report.ok, report.detail
+    one = _with_threads(1, lambda: qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu"))
+    work = qkv.clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, **{k: v for k, v in kwargs.items() if k != "qkv"}, backend="cpu")
+    for a, b, c in zip(got, one, views):
+        assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(a), _bits(c.contiguous()))
