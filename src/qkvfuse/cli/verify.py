@@ -107,7 +107,8 @@ def ops_section(args) -> Section:
                              "max err": report.max_err, "unfused err": report.unfused_err, "pass": report.ok,
                              "detail": report.detail})
     skipped = {b: r for b, r in available_backends().items() if r}
-    note = "rule: max err <= unfused err + 1 ulp, every element within 1/2 ulp of the float64 oracle (+fp32 allowance)"
+    note = ("rule (qkvfuse.testing.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every element "
+            "within 1/2 ulp of the float64 oracle (+ fp32 allowance), V / residual_out bit-exact")
     if skipped:
         note += "\nunavailable backends: " + "; ".join(f"{b} ({r})" for b, r in skipped.items())
     columns = ("op", "preset", "backend", "T", "dtype", "mode", "max err", "unfused err", "pass")
