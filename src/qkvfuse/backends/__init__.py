@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from typing import Callable, Dict, Tuple
+from typing import Dict
 
 __all__ = ["register_backend", "get_backend", "resolve_backend", "available_backends", "BACKEND_NAMES"]
 
@@ -96,6 +96,3 @@ def get_backend(name: str):
         raise RuntimeError(f"qkvfuse: backend {name!r} is unavailable: {reason}")
     return module
 
-
-KernelFn = Callable[..., None]
-BackendKernels = Tuple[KernelFn, KernelFn]
