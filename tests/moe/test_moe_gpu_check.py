@@ -41,7 +41,8 @@ def test_check_runs_on_host_with_fake_streams():
     assert result["errors"] == [] and result["pass"] is True, result["table"]
     assert result["race"]["mismatches"] == 0
     assert [r["T"] for r in result["rows"]] == [1, 5]
-    assert all(r["seq_repeat_equal"] and r["eager_on_us"] > 0 for r in result["rows"])
+    reported = [r["eager_on_us"] for r in result["rows"]]  # a time is reported; its value is not judged here
+    assert all(r["seq_repeat_equal"] for r in result["rows"]) and all(t > 0 for t in reported)
     assert sum(e[:2] == ("wait", "main") for e in fake.log) >= 6  # the race loop went through the streams
     json.dumps(result)
     print(result["table"])
