@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 _CACHE = {}
 
 
@@ -32,3 +34,13 @@ def describe_exit(returncode: int) -> str:
     if returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
     return f"exit code {returncode}"
+
+
+def assert_child_call_ok(records, name: str) -> None:
+    """Fail with the child's record for call ``name``, or with how and where the child died before it."""
+    results, returncode, running, stderr = records
+    if name not in results:
+        where = f"while running {running!r}" if running else f"before reaching {name!r}"
+        pytest.fail(f"the child process died ({describe_exit(returncode)}) {where}:\n{stderr}")
+    ok, detail = results[name]
+    assert ok, detail

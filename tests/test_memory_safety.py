@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from child_records import child_records, describe_exit
+from child_records import assert_child_call_ok, child_records
 
 from qkvfuse.testing import guarded
 
@@ -24,12 +24,7 @@ def _results(backend):
 
 @pytest.mark.parametrize("case", guarded.case_ids())
 def test_guarded_edge_case(backend, case):
-    results, returncode, running, stderr = _results(backend)
-    if case not in results:
-        where = f"while running {running!r}" if running else "before reaching this case"
-        pytest.fail(f"the child process died ({describe_exit(returncode)}) {where}:\n{stderr}")
-    ok, detail = results[case]
-    assert ok, detail
+    assert_child_call_ok(_results(backend), case)
 
 
 @pytest.mark.parametrize("align,offset", [("end", 0), ("start", -1)])

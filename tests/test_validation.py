@@ -7,7 +7,7 @@ propagate inside their head or row (documented in ``split_qkv_rmsnorm_rope``), t
 """
 
 import pytest
-from child_records import child_records, describe_exit
+from child_records import assert_child_call_ok, child_records
 
 import qkvfuse.testing.failure_modes as fm
 
@@ -29,12 +29,7 @@ def test_catalogue_covers_both_ops_and_the_cache_builder():
 
 @pytest.mark.parametrize("name", [bad.name for bad in fm.BAD_CALLS])
 def test_bad_call_raises_naming_the_argument(backend, name):
-    results, returncode, running, stderr = _results(backend)
-    if name not in results:
-        where = f"while running {running!r}" if running else "before reaching this call"
-        pytest.fail(f"the child process died ({describe_exit(returncode)}) {where}:\n{stderr}")
-    ok, detail = results[name]
-    assert ok, detail
+    assert_child_call_ok(_results(backend), name)
 
 
 # Inf * 0 inside an Inf head is the expected NaN; the Triton interpreter's numpy warns about it.
