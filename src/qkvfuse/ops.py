@@ -343,80 +343,65 @@ def _validate_norm(x, residual, weight, bias, eps) -> float:
 # costs microseconds, a decode step's whole budget. An entry is dropped when its backend is re-registered.
 _KERNELS: Dict[Tuple[Optional[str], str, Optional[str], str], Tuple[str, object, object]] = {}
 
+# ``os.environ.get`` of an unset name raises and catches a KeyError inside (1.7 us here, a third of a decode
+# step's budget); the encoded mapping behind ``os.environ`` answers the same question in ~50 ns.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey("QKVFUSE_BACKEND") if _ENV_DATA is not None else None
 
-def _kernel(backend: Optional[str], device: torch.device, op: str):
-    """The callable that runs ``op`` (an ``*_out`` kernel name) for the resolved backend."""
-    key = (backend, device.type, os.environ.get("QKVFUSE_BACKEND") if backend is None else None, op)
+
+def _env_backend() -> Optional[str]:
+    """``$QKVFUSE_BACKEND``, or None when unset."""
+    if _ENV_DATA is None:
+        return os.environ.get("QKVFUSE_BACKEND")
+    value = _ENV_DATA.get(_ENV_KEY)
+    return None if value is None else os.environ.decodevalue(value)
+
+
+def _resolved(backend: Optional[str], device_type: str, op: str) -> Tuple[str, object, object]:
+    """``(backend name, kernel, backend module)`` running ``op`` (an ``*_out`` kernel name) on ``device_type``."""
+    key = (backend, device_type, _env_backend() if backend is None else None, op)
     hit = _KERNELS.get(key)
     if hit is not None and _backends._loaded.get(hit[0]) is hit[2]:
-        return hit[0], hit[1]
-    name = resolve_backend(backend, device.type)
+        return hit
+    name = resolve_backend(backend, device_type)
     if name == "reference":
         kernel, module = getattr(reference, op), _backends._loaded.get(name)
     else:
         module = get_backend(name)
         # Backends reached through the dispatcher (native CPU, Triton on a device) go through ``torch.ops`` so
         # torch.compile sees one opaque op; others (Triton under the CPU interpreter) are called directly.
-        if getattr(module, "DISPATCH_DEVICE_TYPES", ()) and device.type in module.DISPATCH_DEVICE_TYPES:
+        if getattr(module, "DISPATCH_DEVICE_TYPES", ()) and device_type in module.DISPATCH_DEVICE_TYPES:
             kernel = getattr(torch.ops.qkvfuse, op)
         else:
             kernel = getattr(module, op)
-    _KERNELS[key] = (name, kernel, module)
+    hit = _KERNELS[key] = (name, kernel, module)
+    return hit
+
+
+def _kernel(backend: Optional[str], device: torch.device, op: str):
+    """``(backend name, the callable that runs op)`` for tensors on ``device``."""
+    name, kernel, _ = _resolved(backend, device.type, op)
     return name, kernel
 
 
-# torch.ops.qkvfuse_cpu.split_checked{,_out,_inplace}, once the native CPU library is loaded.
-_FAST_SPLIT = None
-_FAST_SPLIT_OUT = None
-_FAST_SPLIT_INPLACE = None
-_INPLACE = object()  # the ``out`` of _fast_split for split_qkv_rmsnorm_rope_
+def _cpu_entry(backend: Optional[str]):
+    """The native CPU library's Python entry (``backends/cpu/python_entry.cpp``) when ``backend`` resolves to the
+    cpu backend for CPU tensors, else None.
 
-
-def _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
-                k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, out):
-    """``(q, k, v)`` straight from the native CPU kernel, or None to take the validating path.
-
-    ``out`` is None (functional), the ``out`` argument, or ``_INPLACE`` (:func:`split_qkv_rmsnorm_rope_`).
-
-    A decode step's budget is a few microseconds and :func:`_validate_split` alone costs about that. Here
-    Python checks only what C++ cannot see (the Python types of the scalar arguments); the kernel's predicates
-    (``plainly_valid`` and, with ``out``, ``plainly_valid_outputs`` in ``backends/cpu/split_qkv_rmsnorm_rope.cpp``:
-    the tensor rules of ``_validate_split`` and ``_check_outputs`` one for one) check the rest. Any doubt
-    returns None: the caller then validates as usual and raises the usual errors. Out-of-range positions
+    A decode step's budget is a few microseconds: a ``torch.ops`` call with the split's 17 arguments costs about
+    5 us and :func:`_validate_split` about as much. The entry's ``split`` / ``split_inplace`` take the public
+    function's arguments as they are, check the scalars' Python types and the tensors with the kernel's
+    predicates (``plainly_valid`` and ``plainly_valid_outputs`` in ``backends/cpu/split_qkv_rmsnorm_rope.cpp``:
+    the rules of :func:`_validate_split` and :func:`_check_outputs` one for one) and run the kernel. Anything
+    they doubt -- and tensor subclasses, autograd, dispatch modes, profiler callbacks -- returns None with no
+    output touched: the caller then validates as usual and raises the usual errors. Out-of-range positions
     raise from the kernel, as on the ordinary path.
     """
-    global _FAST_SPLIT, _FAST_SPLIT_OUT, _FAST_SPLIT_INPLACE
-    if (type(num_q_heads) is not int or type(num_kv_heads) is not int or type(head_dim) is not int
-            or type(eps) not in (float, int) or type(is_neox) is not bool or type(mrope_interleaved) is not bool):
-        return None
-    if mrope_section is None:
-        section, mrope = (), False
-    elif type(mrope_section) in (tuple, list) and len(mrope_section) == 3 and all(
-            type(s) is int for s in mrope_section):
-        section, mrope = mrope_section, True
-    else:
-        return None
     try:
-        name, _ = _kernel(backend, qkv.device, "split_qkv_rmsnorm_rope_out")
+        name, _, module = _resolved(backend, "cpu", "split_qkv_rmsnorm_rope_out")
     except (ValueError, RuntimeError):
         return None
-    if name != "cpu":
-        return None
-    if _FAST_SPLIT is None:
-        _FAST_SPLIT = torch.ops.qkvfuse_cpu.split_checked.default
-        _FAST_SPLIT_OUT = torch.ops.qkvfuse_cpu.split_checked_out.default
-        _FAST_SPLIT_INPLACE = torch.ops.qkvfuse_cpu.split_checked_inplace.default
-    args = (qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias, k_bias,
-            eps, is_neox, section, mrope, mrope_interleaved)
-    try:
-        if out is None or out is _INPLACE:
-            outs = (_FAST_SPLIT if out is None else _FAST_SPLIT_INPLACE)(*args)
-            return tuple(outs) if outs else None
-        if type(out) not in (tuple, list) or len(out) != 3 or any(type(t) is not torch.Tensor for t in out):
-            return None
-        return tuple(out) if _FAST_SPLIT_OUT(*args, *out) else None
-    except (TypeError, RuntimeError):  # an argument the schema cannot take (a list for a tensor, ...)
-        return None
+    return getattr(module, "entry", None) if name == "cpu" else None
 
 
 def split_qkv_rmsnorm_rope(
@@ -484,10 +469,12 @@ def split_qkv_rmsnorm_rope(
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
     """
     if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
-        fast = _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
-                           q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, out)
-        if fast is not None:
-            return fast
+        entry = _cpu_entry(backend)
+        if entry is not None:
+            fast = entry.split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
+                               k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, out)
+            if fast is not None:
+                return fast
     T, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)
@@ -541,10 +528,13 @@ def split_qkv_rmsnorm_rope_(
     V is left untouched.
     """
     if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
-        fast = _fast_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
-                           q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, _INPLACE)
-        if fast is not None:
-            return fast
+        entry = _cpu_entry(backend)
+        if entry is not None:
+            fast = entry.split_inplace(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
+                                       q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
+                                       mrope_interleaved)
+            if fast is not None:
+                return fast
     _, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)

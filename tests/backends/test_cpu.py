@@ -289,6 +289,66 @@ def test_functional_fast_path_skips_python_validation_only_for_valid_input(monke
     assert len(seen) == 1
 
 
+def _entry_split(kwargs, out=None):
+    """``backends.cpu.entry.split`` with the public function's arguments, in its order."""
+    import qkvfuse.backends.cpu as cpu
+
+    k = kwargs
+    return cpu.entry.split(k["qkv"], k["positions"], k["cos_sin_cache"], k["num_q_heads"], k["num_kv_heads"],
+                           k["head_dim"], k.get("q_weight"), k.get("k_weight"), k.get("q_bias"), k.get("k_bias"),
+                           k["eps"], k["is_neox"], k["mrope_section"], k["mrope_interleaved"], out)
+
+
+def test_fast_entry_leaves_observed_and_unusual_calls_to_the_dispatcher():
+    """The Python entry (python_entry.cpp) runs the kernel only for plain calls. Under a profiler, a dispatch
+    mode or autograd, with a tensor subclass or a scalar of another Python type, it returns None and the public
+    function goes through ``torch.ops.qkvfuse`` -- where the profiler and the mode see the op -- with the same
+    result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kwargs = make_split_inputs(SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32))
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(expected, _entry_split(kwargs)))
+    with torch.inference_mode():  # inference tensors are plain tensors too
+        small = make_split_inputs(SplitCase(T=2, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64))
+        assert _entry_split(small) is not None
+
+    with torch.profiler.profile() as prof:
+        assert _entry_split(kwargs) is None
+        profiled = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    assert any(e.name == "qkvfuse::split_qkv_rmsnorm_rope" for e in prof.events())
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Log() as log:
+        assert _entry_split(kwargs) is None
+        logged = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    assert torch.ops.qkvfuse.split_qkv_rmsnorm_rope.default in log.seen
+
+    weight = kwargs["q_weight"].clone().requires_grad_()
+    with_grad = dict(kwargs, q_weight=weight)
+    assert _entry_split(with_grad) is None
+    with torch.no_grad():
+        assert _entry_split(with_grad) is not None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert _entry_split(dict(kwargs, qkv=kwargs["qkv"].as_subclass(Sub))) is None
+    assert _entry_split(dict(kwargs, num_q_heads=2.0)) is None
+    assert _entry_split(dict(kwargs, eps=torch.tensor(1e-6))) is None
+    assert _entry_split(dict(kwargs, mrope_section=(6, 5, 2**70))) is None
+    for result in (profiled, logged):
+        assert all(torch.equal(a, b) for a, b in zip(expected, result))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
     """A token whose cos/sin row holds a NaN takes the NaN-safe stores (ATen's converter); the same token with a

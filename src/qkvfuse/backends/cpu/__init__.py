@@ -32,8 +32,8 @@ __all__ = ["available", "build_directory", "load_library", "split_qkv_rmsnorm_ro
 # Python functions below.
 DISPATCH_DEVICE_TYPES = ("cpu",)
 
-_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp")
-_HEADERS = ("vec_io.h",)
+_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "python_entry.cpp")
+_HEADERS = ("vec_io.h", "split_entry.h")
 # ATen's vector headers pick their implementation from CPU_CAPABILITY*; the -m flags are the ones torch's
 # own build uses for the same capability. -ffp-contract=off keeps the scalar tails free of compiler-chosen
 # FMAs (the kernels place theirs explicitly). OpenMP pragmas inside at::parallel_for need -fopenmp at
@@ -46,6 +46,9 @@ _CAPABILITY_FLAGS = {
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall"]
 
 _state: Optional[Tuple[bool, str]] = None
+# The library as a Python module once loaded: its ``split`` / ``split_inplace`` are the fast path of
+# qkvfuse.ops for CPU tensors (python_entry.cpp).
+entry = None
 
 
 def capability() -> str:
@@ -72,6 +75,7 @@ def build_directory(cap: Optional[str] = None) -> Path:
 
 def load_library(verbose: bool = False) -> str:
     """Build (if needed) and load the native library; returns its path. Raises if it cannot be built."""
+    global entry
     from torch.utils import cpp_extension
 
     # The two usual reasons a machine cannot build, said plainly before cpp_extension says them at length.
@@ -87,13 +91,13 @@ def load_library(verbose: bool = False) -> str:
     flags: List[str] = _COMMON_FLAGS + _CAPABILITY_FLAGS[cap]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
-    cpp_extension.load(
+    entry = cpp_extension.load(
         name=f"qkvfuse_cpu_{cap.lower()}",
         sources=[str(here / s) for s in _SOURCES],
         extra_cflags=flags,
         extra_include_paths=[str(here)],
         build_directory=str(build_dir),
-        is_python_module=False,
+        is_python_module=True,
         verbose=verbose,
     )
     return str(build_dir)

@@ -6,6 +6,7 @@
 // depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
 // threads or on the other tokens in the batch.
 // bf16 heads of the published shape (128 dims, QK-norm weight, no bias) take a specialised path (fast_heads).
+#include "split_entry.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -700,21 +701,6 @@ bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cac
          valid_vector(k_bias, D, io);
 }
 
-// The public functional op's fast path for CPU tensors: validate (predicate) and run, or return [] so the
-// caller validates in Python. A catch-all kernel: it must see meta/CUDA tensors to reject them.
-std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                  int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
-                                  const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
-                                  c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
-  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
-                     mrope)) {
-    return {};
-  }
-  auto [q, k, v] = split_qkv_rmsnorm_rope(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias,
-                                          eps, is_neox, mrope_section, mrope_interleaved);
-  return {q, k, v};
-}
-
 // Byte range [first, last) a strided tensor touches; empty for numel 0 (qkvfuse.ops._span).
 std::pair<intptr_t, intptr_t> span(const Tensor& t) {
   if (t.numel() == 0) return {0, 0};
@@ -763,7 +749,22 @@ bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Ten
   return true;
 }
 
-// The out= fast path: validate (predicates) and run, or return false so the caller validates in Python.
+}  // namespace
+
+// The entry points of split_entry.h (declared there, with their contract).
+std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                  int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
+                                  const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                  c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
+  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
+                     mrope)) {
+    return {};
+  }
+  auto [q, k, v] = split_qkv_rmsnorm_rope(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias,
+                                          eps, is_neox, mrope_section, mrope_interleaved);
+  return {q, k, v};
+}
+
 bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
                        int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
                        const OptTensor& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
@@ -784,8 +785,6 @@ bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor&
   return true;
 }
 
-// The in-place fast path: validate (predicate: plainly_valid, and qkv overlaps no other input) and run,
-// returning the (q, k, v) views of qkv; or return [] so the caller validates in Python.
 std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
                                           int64_t hq, int64_t hkv, int64_t D, const OptTensor& q_weight,
                                           const OptTensor& k_weight, const OptTensor& q_bias,
@@ -805,6 +804,8 @@ std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& posit
   return qkv.split_with_sizes({hq * D, hkv * D, hkv * D}, 1);  // one op for the three views (each op ~2 us)
 }
 
+namespace {
+
 std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool interleaved) {
   TORCH_CHECK(section.size() == 3, "mrope_axis_map: three sections expected");
   std::vector<int64_t> axes(half);
@@ -821,22 +822,8 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("split_qkv_rmsnorm_rope_inplace", &qkvfuse_cpu::split_qkv_rmsnorm_rope_inplace);
 }
 
-// Introspection for tests (the kernel's copy of the mRoPE axis rule, its parallel grain) and the validating
-// fast path of qkvfuse.ops.split_qkv_rmsnorm_rope.
+// Introspection for tests: the kernel's copy of the mRoPE axis rule and its parallel grain.
 TORCH_LIBRARY(qkvfuse_cpu, m) {
   m.def("mrope_axis_map(int half, int[] mrope_section, bool interleaved) -> int[]", &qkvfuse_cpu::mrope_axis_map);
   m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
-  m.def("split_checked(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_q_heads, int num_kv_heads, "
-        "int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, float eps, "
-        "bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved) -> Tensor[]",
-        &qkvfuse_cpu::split_checked);
-  m.def("split_checked_out(Tensor qkv, Tensor positions, Tensor cos_sin_cache, int num_q_heads, "
-        "int num_kv_heads, int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, "
-        "float eps, bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved, Tensor(a!) q_out, "
-        "Tensor(b!) k_out, Tensor(c!) v_out) -> bool",
-        &qkvfuse_cpu::split_checked_out);
-  m.def("split_checked_inplace(Tensor(a!) qkv, Tensor positions, Tensor cos_sin_cache, int num_q_heads, "
-        "int num_kv_heads, int head_dim, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, "
-        "float eps, bool is_neox, int[] mrope_section, bool mrope, bool mrope_interleaved) -> Tensor[]",
-        &qkvfuse_cpu::split_checked_inplace);
 }
