@@ -35,5 +35,8 @@ def test_bad_call_raises_naming_the_argument(backend, name):
 # Inf * 0 inside an Inf head is the expected NaN; the Triton interpreter's numpy warns about it.
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
-def test_nonfinite_input_propagates_inside_its_head(backend, value):
-    fm.check_nonfinite_propagates(backend, value)
+@pytest.mark.parametrize("geometry", [(64, 32, True), (128, 128, True), (128, 64, False)],
+                         ids=["d64-partial", "d128-qwen3", "d128-partial-no-norm"])
+def test_nonfinite_input_propagates_inside_its_head(backend, value, geometry):
+    head_dim, rotary_dim, norm = geometry
+    fm.check_nonfinite_propagates(backend, value, head_dim, rotary_dim, norm)

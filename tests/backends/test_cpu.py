@@ -368,8 +368,9 @@ def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
         assert torch.equal(_bits(a[..., ~reached].contiguous()), _bits(b[..., ~reached].contiguous()))
 
 
-@pytest.mark.parametrize("is_neox,rotary_dim", [(True, 128), (False, 64)], ids=["qwen3-neox", "gptj-partial"])
-def test_specialised_and_streaming_store_paths_at_large_t(is_neox, rotary_dim):
+@pytest.mark.parametrize("is_neox,rotary_dim,norm", [(True, 128, True), (False, 64, True), (True, 64, False)],
+                         ids=["qwen3-neox", "gptj-partial", "glm-air-no-norm"])
+def test_specialised_and_streaming_store_paths_at_large_t(is_neox, rotary_dim, norm):
     """Outputs of 16 MB or more take the non-temporal-store path of the specialised bf16 D=128 kernel.
 
     Small test shapes never reach it, so this case is large on purpose (T=2304, Qwen3-8B heads: an 18 MB Q
@@ -377,7 +378,7 @@ def test_specialised_and_streaming_store_paths_at_large_t(is_neox, rotary_dim):
     and in place.
     """
     case = SplitCase(T=2304, num_q_heads=32, num_kv_heads=8, head_dim=128, rotary_dim=rotary_dim,
-                     dtype=torch.bfloat16, is_neox=is_neox)
+                     dtype=torch.bfloat16, is_neox=is_neox, norm=norm)
     kwargs = make_split_inputs(case, seed=11)
     qkv = kwargs["qkv"]
     out = tuple(poisoned_like(torch.empty(case.T, n * 128, dtype=torch.bfloat16)) for n in (32, 8, 8))

@@ -379,20 +379,22 @@ FAILURE_MODES: Dict[str, Callable[[str], None]] = {
 }
 
 
-def check_nonfinite_propagates(backend: str, value: float = float("nan")) -> None:
+def check_nonfinite_propagates(backend: str, value: float = float("nan"), head_dim: int = 64, rotary_dim: int = 32,
+                               norm: bool = True) -> None:
     """NaN/Inf inputs propagate and stay in their head / row (documented behaviour; not an error).
 
     A non-finite value in one Q head, one K head, one V element and one add_rmsnorm row: the affected head
     (row) becomes non-finite exactly where the float64 oracle does, everything else keeps its clean bits.
+    The geometry is a parameter so that specialised kernels (bf16, head_dim 128) are reached too.
     """
-    case = SplitCase(T=4, num_q_heads=3, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
-                     max_position=256)
+    case = SplitCase(T=4, num_q_heads=3, num_kv_heads=2, head_dim=head_dim, rotary_dim=rotary_dim,
+                     dtype=torch.bfloat16, norm=norm, max_position=256)
     kwargs = make_split_inputs(case, seed=1)
     clean = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
     D = case.head_dim
     dirty = kwargs["qkv"].clone()
     dirty[1, 1 * D + 5] = value  # Q head 1 of token 1
-    dirty[2, 3 * D + 40] = value  # K head 0 of token 2, a pass-through dim
+    dirty[2, 3 * D + min(rotary_dim + 8, D - 1)] = value  # K head 0 of token 2, a pass-through dim if any
     dirty[3, 5 * D + 7] = value  # V head 0 of token 3
     dkw = dict(kwargs, qkv=dirty)
     got = qkvfuse.split_qkv_rmsnorm_rope(**dkw, backend=backend)

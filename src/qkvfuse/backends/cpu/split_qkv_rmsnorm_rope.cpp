@@ -5,7 +5,8 @@
 // squares on the way), then normalises, rotates and rounds it straight into the output. Each item's bits
 // depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
 // threads or on the other tokens in the batch.
-// bf16 heads of the published shape (128 dims, QK-norm weight, no bias) take a specialised path (fast_heads).
+// bf16 heads of the published shapes (128 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
+// specialised path (fast_heads).
 #include "split_entry.h"
 #include "vec_io.h"
 
@@ -218,10 +219,10 @@ HeadFn<T> pick_style(bool neox) {
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
-// bf16, QK-norm with weight and no bias, head_dim 128, rotary half 64 or 32 (the published models): a head
-// specialised at compile time. A 16-value bf16 block is read as two fp32 vectors without a lane shuffle --
-// even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back with one word blend,
-// so every table is kept in that lane order. Per token the weights are folded into cos/sin:
+// bf16, head_dim 128, rotary half 64 or 32, QK-norm with a weight and no bias or no QK-norm (the published
+// models): a head specialised at compile time. A 16-value bf16 block is read as two fp32 vectors without a
+// lane shuffle -- even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back with one
+// word blend, so every table is kept in that lane order. Per token the weights are folded into cos/sin:
 //   out_a = inv * (x_a * (w_a c) - x_b * (w_b s)),  out_b = inv * (x_b * (w_b c) + x_a * (w_a s)),
 // pass-through dims: out = (x * w) * inv. Every element of a head takes the same sequence whatever its
 // position, and the choice of this path depends only on the head's shape, its token's cos/sin and the
@@ -229,51 +230,69 @@ HeadFn<T> pick_style(bool neox) {
 constexpr int kFastD = 128;
 constexpr int kFastMaxHalf = 64;
 
-struct FastTables {  // one per weight set (Q, K); lane order
+struct FastWeights {  // one per weight set (Q, K), per call, shared by the threads; lane order
+  alignas(32) float wa[kFastMaxHalf], wb[kFastMaxHalf];  // the pairs' weights
+  alignas(32) float pass[kFastD];                         // pass-through weights (from index 2 * half)
+};
+
+struct FastTables {  // one per weight set (Q, K), per token, per thread; lane order
   alignas(32) float p[kFastMaxHalf], q[kFastMaxHalf], r[kFastMaxHalf], s[kFastMaxHalf];
-  alignas(32) float wa[kFastMaxHalf], wb[kFastMaxHalf];  // the pairs' weights (per call)
-  alignas(32) float pass[kFastD];                         // pass-through weights (per call)
+  const float* pass;  // FastWeights::pass
 };
 
 // Lane order of 16 consecutive values: the 8 even ones, then the 8 odd ones.
-inline int64_t lane_src(int64_t i) { return (i & ~int64_t{15}) + 2 * (i & 7) + ((i >> 3) & 1); }
-
-inline void fast_weights(const float* w, int64_t half, bool neox, FastTables& t) {
-  for (int64_t j = 0; j < half; ++j) {
-    // NeoX pair j = (j, half + j), its tables in lane order; GPT-J pair j = (2j, 2j + 1) sits in one block's
-    // even/odd lanes, its tables in natural order.
-    const int64_t src = neox ? lane_src(j) : j;
-    t.wa[j] = neox ? w[src] : w[2 * src];
-    t.wb[j] = neox ? w[half + src] : w[2 * src + 1];
+inline void to_lane_order(const float* src, float* dst, int64_t n) {  // n: a multiple of 16
+  for (int64_t i = 0; i < n; i += 16) {
+    const auto [even, odd] = at::vec::deinterleave2(fVec::loadu(src + i), fVec::loadu(src + i + kF));
+    even.store(dst + i);
+    odd.store(dst + i + kF);
   }
-  for (int64_t i = 2 * half; i < kFastD; ++i) t.pass[i] = w[2 * half + lane_src(i - 2 * half)];
 }
 
-// This token's tables for both weight sets (Q, K); half is a multiple of 16.
-inline void fast_token(const float* cos, const float* sin, int64_t half, bool neox, FastTables* t) {
+inline void fast_weights(const float* w, int64_t half, bool neox, FastWeights& t) {
+  if (neox) {  // NeoX pair j = (j, half + j): its tables in lane order
+    to_lane_order(w, t.wa, half);
+    to_lane_order(w + half, t.wb, half);
+  } else {  // GPT-J pair j = (2j, 2j + 1) sits in one block's even/odd lanes: its tables in natural order
+    for (int64_t j = 0; j < half; j += kF) {
+      const auto [even, odd] = at::vec::deinterleave2(fVec::loadu(w + 2 * j), fVec::loadu(w + 2 * j + kF));
+      even.store(t.wa + j);
+      odd.store(t.wb + j);
+    }
+  }
+  to_lane_order(w + 2 * half, t.pass + 2 * half, kFastD - 2 * half);
+}
+
+// This token's tables for both weight sets (Q, K); half is a multiple of 16. Without weights (no QK-norm)
+// the tables are cos and sin as they are.
+inline void fast_token(const float* cos, const float* sin, int64_t half, bool neox, const FastWeights* w,
+                       FastTables* t) {
   alignas(32) float cs[2][kFastMaxHalf];
   const float* c = cos;
   const float* s = sin;
   if (neox) {  // into lane order
-    for (int64_t j = 0; j < half; j += 16) {
-      const auto [ce, co] = at::vec::deinterleave2(fVec::loadu(cos + j), fVec::loadu(cos + j + kF));
-      const auto [se, so] = at::vec::deinterleave2(fVec::loadu(sin + j), fVec::loadu(sin + j + kF));
-      ce.store(cs[0] + j);
-      co.store(cs[0] + j + kF);
-      se.store(cs[1] + j);
-      so.store(cs[1] + j + kF);
-    }
+    to_lane_order(cos, cs[0], half);
+    to_lane_order(sin, cs[1], half);
     c = cs[0];
     s = cs[1];
   }
-  for (int w = 0; w < 2; ++w) {
+  if (w == nullptr) {
+    for (int k = 0; k < 2; ++k) {
+      std::copy(c, c + half, t[k].p);
+      std::copy(c, c + half, t[k].r);
+      std::copy(s, s + half, t[k].q);
+      std::copy(s, s + half, t[k].s);
+    }
+    return;
+  }
+  for (int k = 0; k < 2; ++k) {
     for (int64_t j = 0; j < half; j += kF) {
-      const fVec wa = fVec::loadu(t[w].wa + j), wb = fVec::loadu(t[w].wb + j);
+      const fVec wa = fVec::loadu(w[k].wa + j), wb = fVec::loadu(w[k].wb + j);
       const fVec cv = fVec::loadu(c + j), sv = fVec::loadu(s + j);
-      (wa * cv).store(t[w].p + j);
-      (wb * sv).store(t[w].q + j);
-      (wb * cv).store(t[w].r + j);
-      (wa * sv).store(t[w].s + j);
+      (wa * cv).store(t[k].p + j);
+      (wb * sv).store(t[k].q + j);
+      (wb * cv).store(t[k].r + j);
+      (wa * sv).store(t[k].s + j);
     }
   }
 }
@@ -321,13 +340,16 @@ inline __m256 sum_lanes8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-template <int kHalf, bool kNeox, bool kStream>
+// kNorm false (no QK-norm): the tables are cos/sin themselves and inv is not applied, so a rotated element is
+// fmsub(x_a, c, x_b * s) -- the generic path's own sequence, bit for bit -- and pass-through dims are copied.
+template <int kHalf, bool kNeox, bool kStream, bool kNorm>
 inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t, float inv_scalar) {
   constexpr int kBlocks = kFastD / 16;
   const __m256 inv = _mm256_set1_ps(inv_scalar);
+  auto scale = [&](__m256 v) { return kNorm ? _mm256_mul_ps(v, inv) : v; };
   auto rot = [&](__m256 xa, __m256 xb, int64_t j, __m256& oa, __m256& ob) {
-    oa = _mm256_mul_ps(_mm256_fmsub_ps(xa, _mm256_load_ps(t.p + j), _mm256_mul_ps(xb, _mm256_load_ps(t.q + j))), inv);
-    ob = _mm256_mul_ps(_mm256_fmadd_ps(xb, _mm256_load_ps(t.r + j), _mm256_mul_ps(xa, _mm256_load_ps(t.s + j))), inv);
+    oa = scale(_mm256_fmsub_ps(xa, _mm256_load_ps(t.p + j), _mm256_mul_ps(xb, _mm256_load_ps(t.q + j))));
+    ob = scale(_mm256_fmadd_ps(xb, _mm256_load_ps(t.r + j), _mm256_mul_ps(xa, _mm256_load_ps(t.s + j))));
   };
   if constexpr (kNeox) {
     for (int c = 0; c < kHalf / 16; ++c) {
@@ -347,6 +369,15 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
     }
   }
   for (int c = kHalf / 8; c < kBlocks; ++c) {
+    if constexpr (!kNorm) {  // widening and rounding back is the identity on bf16 values, NaN payloads included
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * c));
+      if constexpr (kStream) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 16 * c), x);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), x);
+      }
+      continue;
+    }
     const Bf16Block x = Bf16Block::load(src + 16 * c);
     const float* w = t.pass + 16 * c;
     Bf16Block::store<kStream>(dst + 16 * c, _mm256_mul_ps(_mm256_mul_ps(x.even, _mm256_load_ps(w)), inv),
@@ -357,10 +388,16 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
 // Up to kFastBatch heads at once (n >= 1; unused slots repeat head 0 and are not written): their sums of
 // squares are reduced and scaled together so that the per-head reduction, square root and division overlap.
 // Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
-// not finite (bit k for slot k), left unwritten for the generic path.
-template <int kHalf, bool kNeox, bool kStream>
+// not finite (bit k for slot k), left unwritten for the generic path. Without QK-norm there is no sum and
+// every head is written: the rounding of Bf16Block::store is exact for any value a rotation computes (its
+// NaNs are quiet, so none rounds into an infinity).
+template <int kHalf, bool kNeox, bool kStream, bool kNorm>
 QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* const* dst,
                                const FastTables* const* t, int n, float eps) {
+  if constexpr (!kNorm) {
+    for (int k = 0; k < n; ++k) fast_body<kHalf, kNeox, kStream, false>(src[k], dst[k], *t[k], 1.f);
+    return 0;
+  }
   __m256 sums[kFastBatch];
   for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src[k < n ? k : 0]);
   const __m256 ss = sum_lanes8(sums);
@@ -375,12 +412,23 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* c
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
-    if (!(bad >> k & 1)) fast_body<kHalf, kNeox, kStream>(src[k], dst[k], *t[k], inv_k[k]);
+    if (!(bad >> k & 1)) fast_body<kHalf, kNeox, kStream, true>(src[k], dst[k], *t[k], inv_k[k]);
   }
   return bad;
 }
 
 using FastFn = int (*)(const c10::BFloat16* const*, c10::BFloat16* const*, const FastTables* const*, int, float);
+
+template <bool kNorm>
+FastFn pick_fast_variant(const SplitPlan& p, bool stream) {
+  const bool h64 = p.half == 64;
+  if (stream) {
+    return h64 ? (p.neox ? &fast_heads<64, true, true, kNorm> : &fast_heads<64, false, true, kNorm>)
+               : (p.neox ? &fast_heads<32, true, true, kNorm> : &fast_heads<32, false, true, kNorm>);
+  }
+  return h64 ? (p.neox ? &fast_heads<64, true, false, kNorm> : &fast_heads<64, false, false, kNorm>)
+             : (p.neox ? &fast_heads<32, true, false, kNorm> : &fast_heads<32, false, false, kNorm>);
+}
 
 // The specialised head for this call, or nullptr.
 template <typename T>
@@ -388,14 +436,8 @@ FastFn pick_fast(const SplitPlan& p, int norm_mode, bool stream) {
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     return nullptr;
   } else {
-    if (norm_mode != 1 || p.D != kFastD || (p.half != 64 && p.half != 32)) return nullptr;
-    const bool h64 = p.half == 64;
-    if (stream) {
-      return h64 ? (p.neox ? &fast_heads<64, true, true> : &fast_heads<64, false, true>)
-                 : (p.neox ? &fast_heads<32, true, true> : &fast_heads<32, false, true>);
-    }
-    return h64 ? (p.neox ? &fast_heads<64, true, false> : &fast_heads<64, false, false>)
-               : (p.neox ? &fast_heads<32, true, false> : &fast_heads<32, false, false>);
+    if (norm_mode > 1 || p.D != kFastD || (p.half != 64 && p.half != 32)) return nullptr;
+    return norm_mode == 1 ? pick_fast_variant<true>(p, stream) : pick_fast_variant<false>(p, stream);
   }
 }
 
@@ -439,10 +481,10 @@ void run_split(const SplitPlan& p) {
 #if defined(CPU_CAPABILITY_AVX2)
   const bool stream = stream_outputs<T>(p);
   const FastFn fast = pick_fast<T>(p, norm_mode, stream);
-  FastTables fast_base[2];
-  if (fast != nullptr) {
-    fast_weights(p.wq, p.half, p.neox, fast_base[0]);
-    fast_weights(p.wk, p.half, p.neox, fast_base[1]);
+  FastWeights fast_w[2];
+  if (fast != nullptr && norm_mode == 1) {
+    fast_weights(p.wq, p.half, p.neox, fast_w[0]);
+    fast_weights(p.wk, p.half, p.neox, fast_w[1]);
   }
 #endif
   at::parallel_for(0, p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
@@ -451,7 +493,8 @@ void run_split(const SplitPlan& p) {
     bool finite = false;
 #if defined(CPU_CAPABILITY_AVX2)
     FastTables tables[2];
-    if (fast != nullptr) std::copy(fast_base, fast_base + 2, tables);
+    tables[0].pass = fast_w[0].pass;
+    tables[1].pass = fast_w[1].pass;
 #endif
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
@@ -461,7 +504,7 @@ void run_split(const SplitPlan& p) {
           cos_sin_token = t;
 #if defined(CPU_CAPABILITY_AVX2)
           if (fast != nullptr && finite) {
-            fast_token(cos, sin, p.half, p.neox, tables);
+            fast_token(cos, sin, p.half, p.neox, norm_mode == 1 ? fast_w : nullptr, tables);
           }
 #endif
         }
