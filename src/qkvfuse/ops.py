@@ -344,17 +344,25 @@ def _validate_norm(x, residual, weight, bias, eps) -> float:
 _KERNELS: Dict[Tuple[Optional[str], str, Optional[str], str], Tuple[str, object, object]] = {}
 
 # ``os.environ.get`` of an unset name raises and catches a KeyError inside (1.7 us here, a third of a decode
-# step's budget); the encoded mapping behind ``os.environ`` answers the same question in ~50 ns.
+# step's budget); the encoded mapping behind ``os.environ`` (CPython's ``os._Environ``) answers in ~50 ns.
+class _EnvLookup:
+    """``get(key)`` of the raw ``$QKVFUSE_BACKEND`` (None when unset), wherever ``os.environ`` keeps it."""
+
+    def get(self, _key):
+        return os.environ.get("QKVFUSE_BACKEND")
+
+
 _ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEY = os.environ.encodekey("QKVFUSE_BACKEND") if _ENV_DATA is not None else None
+if isinstance(_ENV_DATA, dict) and hasattr(os.environ, "encodekey"):
+    _ENV_KEY = os.environ.encodekey("QKVFUSE_BACKEND")
+else:
+    _ENV_DATA, _ENV_KEY = _EnvLookup(), None
 
 
 def _env_backend() -> Optional[str]:
     """``$QKVFUSE_BACKEND``, or None when unset."""
-    if _ENV_DATA is None:
-        return os.environ.get("QKVFUSE_BACKEND")
     value = _ENV_DATA.get(_ENV_KEY)
-    return None if value is None else os.environ.decodevalue(value)
+    return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
 
 
 def _resolved(backend: Optional[str], device_type: str, op: str) -> Tuple[str, object, object]:
@@ -384,6 +392,10 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
     return name, kernel
 
 
+# (backend argument, raw $QKVFUSE_BACKEND) -> (resolved name, its module, the cpu entry or None).
+_ENTRIES: Dict[Tuple[Optional[str], object], Tuple[str, object, object]] = {}
+
+
 def _cpu_entry(backend: Optional[str]):
     """The native CPU library's Python entry (``backends/cpu/python_entry.cpp``) when ``backend`` resolves to the
     cpu backend for CPU tensors, else None.
@@ -397,11 +409,17 @@ def _cpu_entry(backend: Optional[str]):
     output touched: the caller then validates as usual and raises the usual errors. Out-of-range positions
     raise from the kernel, as on the ordinary path.
     """
+    key = (backend, _ENV_DATA.get(_ENV_KEY))
     try:
+        hit = _ENTRIES.get(key)
+        if hit is not None and _backends._loaded.get(hit[0]) is hit[1]:
+            return hit[2]
         name, _, module = _resolved(backend, "cpu", "split_qkv_rmsnorm_rope_out")
-    except (ValueError, RuntimeError):
+    except (TypeError, ValueError, RuntimeError):  # a bad backend argument: the validating path says why
         return None
-    return getattr(module, "entry", None) if name == "cpu" else None
+    entry = getattr(module, "entry", None) if name == "cpu" else None
+    _ENTRIES[key] = (name, module, entry)
+    return entry
 
 
 def split_qkv_rmsnorm_rope(

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -59,6 +60,7 @@ struct SplitPlan {
   int64_t pos_s_axis, pos_s_t;
   bool mrope;
   uint8_t axis[kMaxHalf];
+  alignas(64) float on_h[kMaxHalf], on_w[kMaxHalf];  // axis == 1 / axis == 2 as all-ones lane masks
   const void* cache;
   at::ScalarType cache_dtype;
   int64_t cache_rs;
@@ -107,9 +109,19 @@ bool gather_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
       cos[j] = static_cast<float>(r[j]);
       sin[j] = static_cast<float>(r[p.half + j]);
     }
-  } else {
+  } else {  // each slot from its axis' row: the three rows' values blended under the axis masks
     const C* rows[3] = {row(0), row(1), row(2)};
-    for (int64_t j = 0; j < p.half; ++j) {
+    int64_t j = 0;
+    auto pick = [&](int64_t off) {
+      const fVec h = fVec::loadu(p.on_h + j), w = fVec::loadu(p.on_w + j);
+      const fVec th = fVec::blendv(Io<C>::load1(rows[0] + off), Io<C>::load1(rows[1] + off), h);
+      return fVec::blendv(th, Io<C>::load1(rows[2] + off), w);
+    };
+    for (; j + kF <= p.half; j += kF) {
+      pick(j).store(cos + j);
+      pick(p.half + j).store(sin + j);
+    }
+    for (; j < p.half; ++j) {
       const C* r = rows[p.axis[j]];
       cos[j] = static_cast<float>(r[j]);
       sin[j] = static_cast<float>(r[p.half + j]);
@@ -615,9 +627,12 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
   if (mrope) {
     TORCH_CHECK(mrope_section.size() == 3 && mrope_section[0] + mrope_section[1] + mrope_section[2] == p.half,
                 "qkvfuse cpu kernel: mrope_section must be three sizes summing to rotary_dim // 2");
+    const float on = c10::bit_cast<float>(~uint32_t{0});
     for (int64_t j = 0; j < p.half; ++j) {
       p.axis[j] = static_cast<uint8_t>(
           mrope_axis(j, mrope_section[0], mrope_section[1], mrope_section[2], mrope_interleaved));
+      p.on_h[j] = p.axis[j] == 1 ? on : 0.f;
+      p.on_w[j] = p.axis[j] == 2 ? on : 0.f;
     }
   }
   p.cache = cache.const_data_ptr();
