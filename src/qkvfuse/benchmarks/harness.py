@@ -10,7 +10,8 @@ For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_r
 * ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
   dispatch included; skipped, with the reason, where it is unavailable;
 * ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for the cpu backend, called
-  directly: its gap to ``qkvfuse cpu [out=]`` is the cost of the Python wrapper (validation, backend choice);
+  directly (for the split, the native library's Python entry; for add_rmsnorm, ``torch.ops.qkvfuse``): its gap
+  to ``qkvfuse cpu [out=]`` is the cost of the Python wrapper (validation, backend choice);
 * ``copy_ roofline`` -- ``dst.copy_(src)`` of the same bytes into a preallocated tensor (``qkv`` for the split;
   a ``[T, 2H]`` tensor for add_rmsnorm, whose op reads two and writes two ``[T, H]`` tensors).
 
@@ -30,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..ops import _kernel, add_rmsnorm, split_qkv_rmsnorm_rope
+from ..ops import _cpu_entry, _kernel, add_rmsnorm, split_qkv_rmsnorm_rope
 from ..presets import ModelPreset
 from ..testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
                        oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split)
@@ -204,10 +205,12 @@ def _cpu_kernel(op: str) -> Callable:
 
 
 def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
+    """The native library's own entry (``backends/cpu/python_entry.cpp``), which the public op calls for plain
+    CPU tensors: checks and kernel, without the Python function around them."""
     args = [kw[k] for k in ("qkv", "positions", "cos_sin_cache", "num_q_heads", "num_kv_heads", "head_dim")]
     args += [kw.get(k) for k in ("q_weight", "k_weight", "q_bias", "k_bias")]
-    args += [kw["eps"], kw["is_neox"], list(kw["mrope_section"] or ()), kw["mrope_interleaved"], *out]
-    return functools.partial(_cpu_kernel("split_qkv_rmsnorm_rope_out"), *args)
+    args += [kw["eps"], kw["is_neox"], kw["mrope_section"], kw["mrope_interleaved"], tuple(out)]
+    return functools.partial(_cpu_entry("cpu").split, *args)
 
 
 def _raw_norm_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:

@@ -1,6 +1,6 @@
 // split_qkv_rmsnorm_rope on CPU: one pass over packed QKV (semantics: qkvfuse/reference.py).
 //
-// Work items are (token, head) pairs, token-major, split over threads by at::parallel_for; a token's V heads
+// Work items are (token, head) pairs, token-major, split over threads by parallel_chunks; a token's V heads
 // form one more item (a row memcpy). A Q/K item reads its head once into an fp32 stack buffer (summing
 // squares on the way), then normalises, rotates and rounds it straight into the output. Each item's bits
 // depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
@@ -499,7 +499,7 @@ void run_split(const SplitPlan& p) {
     fast_weights(p.wk, p.half, p.neox, fast_w[1]);
   }
 #endif
-  at::parallel_for(0, p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
+  parallel_chunks(p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;

@@ -5,12 +5,15 @@
 // vector path (ATen's converters) and in the scalar tails (c10::BFloat16 / c10::Half constructors) alike.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -37,6 +40,31 @@ constexpr int64_t kGrainElems = 16384;
 
 inline int64_t grain_items(int64_t elems_per_item) {
   return elems_per_item >= kGrainElems ? 1 : (kGrainElems + elems_per_item - 1) / elems_per_item;
+}
+
+// Chunks handed out per thread by parallel_chunks: enough that a thread slowed down by a busy sibling core
+// (a shared VM, another process) leaves its share to the others instead of holding up the join.
+constexpr int64_t kChunksPerThread = 8;
+
+// f(begin, end) over [0, n): on one thread when n is within `grain` items (or inside a parallel region),
+// otherwise on up to torch.get_num_threads() threads of at::parallel_for that take chunks of at least `grain`
+// items from a shared counter until none are left. Callers compute every item independently of the others,
+// so the bits never depend on which thread ran which chunk.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t grain, const F& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  if (threads <= 1 || at::in_parallel_region()) {
+    if (n > 0) f(0, n);
+    return;
+  }
+  const int64_t chunk = std::max(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(chunk, std::memory_order_relaxed); b < n;
+         b = next.fetch_add(chunk, std::memory_order_relaxed)) {
+      f(b, std::min(n, b + chunk));
+    }
+  });
 }
 
 inline float reduce_sum(const fVec& v) {
