@@ -349,6 +349,33 @@ def test_fast_entry_leaves_observed_and_unusual_calls_to_the_dispatcher():
         assert all(torch.equal(a, b) for a, b in zip(expected, result))
 
 
+def test_specialised_bf16_rounding_is_round_to_nearest_even():
+    """The specialised path's bf16 packing (Bf16Block::pack_rne, 16-bit word arithmetic) against torch's
+    ``.to(torch.bfloat16)``: every tie and near-tie pattern of the dropped half with both parities of the kept
+    one, carries into the exponent, the largest finite values, infinities and zeros of both signs, and 2^22
+    random bit patterns. NaNs must stay NaN (payload unspecified) where the path can meet them: a NaN reaching
+    it comes from a bf16 input (its dropped half is zero) or is the default NaN; a NaN with a non-zero dropped
+    half (an fp32 table or weight) sends the token to the generic path, whose stores are NaN-safe."""
+    if not hasattr(torch.ops.qkvfuse_cpu, "pack_rne_blocks"):
+        pytest.skip("the specialised path is built for AVX2 only")
+    g = torch.Generator().manual_seed(5)
+    high = torch.randint(0, 1 << 16, (4096,), generator=g, dtype=torch.int64)
+    high = torch.cat([high, torch.tensor([0x0000, 0x0001, 0x007F, 0x0080, 0x3F7F, 0x3F80, 0x7F7F, 0x7F7E, 0x7F80,
+                                          0x8000, 0x8001, 0xFF7F, 0xFF80])])
+    low = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0xC000, 0x4000])
+    patterns = (high[:, None] << 16 | low[None, :]).reshape(-1)
+    patterns = torch.cat([patterns, torch.randint(0, 1 << 32, (1 << 22,), generator=g, dtype=torch.int64)])
+    patterns = patterns[: patterns.numel() // 16 * 16]
+    x = patterns.to(torch.int32).view(torch.float32)  # wraps into int32's range: the same 32 bits
+    got = torch.ops.qkvfuse_cpu.pack_rne_blocks(x)
+    blocks = x.reshape(-1, 2, 8)
+    expected = blocks.transpose(1, 2).reshape(-1).to(torch.bfloat16)  # out[16c + 2j + h] = x[16c + 8h + j]
+    nan = torch.isnan(expected)
+    dropped = blocks.transpose(1, 2).reshape(-1).view(torch.int32) & 0xFFFF
+    assert torch.isnan(got[nan & (dropped == 0)]).all()
+    assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
     """A token whose cos/sin row holds a NaN takes the NaN-safe stores (ATen's converter); the same token with a
