@@ -353,10 +353,13 @@ struct Bf16Block {
 
 constexpr int kFastBatch = 8;
 
-inline __m256 fast_sum_squares(const c10::BFloat16* src) {
+// The head's sum of squares (per lane); its widened values are kept in `staged` (lane order) for fast_body.
+inline __m256 fast_sum_squares(const c10::BFloat16* src, float* staged) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int c = 0; c < kFastD / 16; ++c) {
     const Bf16Block x = Bf16Block::load(src + 16 * c);
+    _mm256_store_ps(staged + 16 * c, x.even);
+    _mm256_store_ps(staged + 16 * c + 8, x.odd);
     acc0 = _mm256_fmadd_ps(x.even, x.even, acc0);
     acc1 = _mm256_fmadd_ps(x.odd, x.odd, acc1);
   }
@@ -372,9 +375,18 @@ inline __m256 sum_lanes8(const __m256* v) {
 
 // kNorm false (no QK-norm): the tables are cos/sin themselves and inv is not applied, so a rotated element is
 // fmsub(x_a, c, x_b * s) -- the generic path's own sequence, bit for bit -- and pass-through dims are copied.
+// With QK-norm the head is read from `staged` (fast_sum_squares widened it already), without from src.
 template <int kHalf, bool kNeox, bool kStream, bool kNorm>
-inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t, float inv_scalar) {
+inline void fast_body(const c10::BFloat16* src, const float* staged, c10::BFloat16* dst, const FastTables& t,
+                      float inv_scalar) {
   constexpr int kBlocks = kFastD / 16;
+  auto load = [&](int off) {
+    if constexpr (kNorm) {
+      return Bf16Block{_mm256_load_ps(staged + off), _mm256_load_ps(staged + off + 8)};
+    } else {
+      return Bf16Block::load(src + off);
+    }
+  };
   const __m256 inv = _mm256_set1_ps(inv_scalar);
   auto scale = [&](__m256 v) { return kNorm ? _mm256_mul_ps(v, inv) : v; };
   auto rot = [&](__m256 xa, __m256 xb, int64_t j, __m256& oa, __m256& ob) {
@@ -383,7 +395,7 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
   };
   if constexpr (kNeox) {
     for (int c = 0; c < kHalf / 16; ++c) {
-      const Bf16Block a = Bf16Block::load(src + 16 * c), b = Bf16Block::load(src + kHalf + 16 * c);
+      const Bf16Block a = load(16 * c), b = load(kHalf + 16 * c);
       __m256 ae, be, ao, bo;
       rot(a.even, b.even, 16 * c, ae, be);
       rot(a.odd, b.odd, 16 * c + 8, ao, bo);
@@ -392,7 +404,7 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
     }
   } else {
     for (int c = 0; c < kHalf / 8; ++c) {
-      const Bf16Block x = Bf16Block::load(src + 16 * c);
+      const Bf16Block x = load(16 * c);
       __m256 oa, ob;
       rot(x.even, x.odd, 8 * c, oa, ob);
       Bf16Block::store<kStream>(dst + 16 * c, oa, ob);
@@ -408,7 +420,7 @@ inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTa
       }
       continue;
     }
-    const Bf16Block x = Bf16Block::load(src + 16 * c);
+    const Bf16Block x = load(16 * c);
     const float* w = t.pass + 16 * c;
     Bf16Block::store<kStream>(dst + 16 * c, _mm256_mul_ps(_mm256_mul_ps(x.even, _mm256_load_ps(w)), inv),
                      _mm256_mul_ps(_mm256_mul_ps(x.odd, _mm256_load_ps(w + 8)), inv));
@@ -425,11 +437,12 @@ template <int kHalf, bool kNeox, bool kStream, bool kNorm>
 QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* const* dst,
                                const FastTables* const* t, int n, float eps) {
   if constexpr (!kNorm) {
-    for (int k = 0; k < n; ++k) fast_body<kHalf, kNeox, kStream, false>(src[k], dst[k], *t[k], 1.f);
+    for (int k = 0; k < n; ++k) fast_body<kHalf, kNeox, kStream, false>(src[k], nullptr, dst[k], *t[k], 1.f);
     return 0;
   }
   __m256 sums[kFastBatch];
-  for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src[k < n ? k : 0]);
+  alignas(32) float staged[kFastBatch][kFastD];
+  for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src[k < n ? k : 0], staged[k]);
   const __m256 ss = sum_lanes8(sums);
   const __m256 inv = _mm256_div_ps(
       _mm256_set1_ps(1.f),
@@ -442,7 +455,7 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* c
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
-    if (!(bad >> k & 1)) fast_body<kHalf, kNeox, kStream, true>(src[k], dst[k], *t[k], inv_k[k]);
+    if (!(bad >> k & 1)) fast_body<kHalf, kNeox, kStream, true>(src[k], staged[k], dst[k], *t[k], inv_k[k]);
   }
   return bad;
 }
