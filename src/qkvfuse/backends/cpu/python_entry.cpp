@@ -20,7 +20,6 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <optional>
 #include <vector>
 
 namespace qkvfuse_cpu {
@@ -53,11 +52,12 @@ bool tensor_arg(PyObject* o, const at::Tensor** out) {
   return true;
 }
 
-bool optional_tensor_arg(PyObject* o, std::optional<at::Tensor>* out) {
+// None or a plain tensor, borrowed: the caller's Python object owns it for the whole call.
+bool optional_tensor_arg(PyObject* o, at::OptionalTensorRef* out) {
   if (o == Py_None) return true;
   const at::Tensor* t = nullptr;
   if (!tensor_arg(o, &t)) return false;
-  *out = *t;
+  *out = at::OptionalTensorRef(*t);
   return true;
 }
 
@@ -72,7 +72,7 @@ bool int_arg(PyObject* o, int64_t* out) {
 struct SplitArgs {
   const at::Tensor *qkv = nullptr, *positions = nullptr, *cache = nullptr;
   int64_t hq = 0, hkv = 0, D = 0;
-  std::optional<at::Tensor> q_weight, k_weight, q_bias, k_bias;
+  at::OptionalTensorRef q_weight, k_weight, q_bias, k_bias;
   double eps = 0.0;
   bool neox = true, mrope = false, interleaved = false;
   int64_t section[3] = {0, 0, 0};

@@ -31,6 +31,11 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
+// Optional weights inside the library: a borrowed reference (no refcount traffic, which for a tensor owned by
+// Python also touches its PyObject).
+using NormRef = at::OptionalTensorRef;
+
+NormRef borrow(const OptTensor& t) { return t.has_value() ? NormRef(*t) : NormRef(); }
 
 constexpr int64_t kMaxHalf = kMaxHeadDim / 2;
 
@@ -599,7 +604,7 @@ void run_split(const SplitPlan& p) {
   });
 }
 
-const float* to_fp32(const OptTensor& t, int64_t D, float* out) {
+const float* to_fp32(const NormRef& t, int64_t D, float* out) {
   if (!t.has_value()) return nullptr;
   vector_to_fp32(*t, D, out);
   return out;
@@ -617,8 +622,8 @@ void check_out(const Tensor& out, const Tensor& qkv, int64_t width) {
 // Everything the kernel needs, from validated arguments. The TORCH_CHECKs only guard memory safety for
 // callers that reach torch.ops.qkvfuse.* directly; qkvfuse.ops validates with user-facing messages first.
 SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                    int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
-                    const OptTensor& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
+                    int64_t D, const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias,
+                    const NormRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
                     bool mrope_interleaved, float* weight_buffers) {
   const int64_t width = (hq + 2 * hkv) * D;
   TORCH_CHECK(hq >= 1 && hkv >= 1 && D >= 2 && D % 2 == 0 && D <= kMaxHeadDim,
@@ -707,9 +712,9 @@ void run(const SplitPlan& p, at::ScalarType dtype) {
   }
 }
 
-void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
-                                const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+void split_qkv_rmsnorm_rope_out_impl(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
+                                const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
                                 c10::IntArrayRef mrope_section, bool mrope_interleaved, const Tensor& q_out,
                                 const Tensor& k_out, const Tensor& v_out) {
   alignas(64) float weights[4 * kMaxHeadDim];
@@ -719,9 +724,9 @@ void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, cons
   run(p, qkv.scalar_type());
 }
 
-std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
+std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope_impl(
     const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv, int64_t D,
-    const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias,
+    const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias, const NormRef& k_bias,
     double eps, bool is_neox, c10::IntArrayRef mrope_section, bool mrope_interleaved) {
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
@@ -734,9 +739,9 @@ std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
   return {q, k, v};
 }
 
-void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                    int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
-                                    const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+void split_qkv_rmsnorm_rope_inplace_impl(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                    int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
+                                    const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
                                     c10::IntArrayRef mrope_section, bool mrope_interleaved) {
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
@@ -750,9 +755,38 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
   run(p, qkv.scalar_type());
 }
 
+// The dispatcher's kernels (TORCH_LIBRARY_IMPL below): the schema's optional tensors, borrowed.
+void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
+                                const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                c10::IntArrayRef mrope_section, bool mrope_interleaved, const Tensor& q_out,
+                                const Tensor& k_out, const Tensor& v_out) {
+  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight),
+                                  borrow(q_bias), borrow(k_bias), eps, is_neox, mrope_section, mrope_interleaved,
+                                  q_out, k_out, v_out);
+}
+
+std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
+    const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv, int64_t D,
+    const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias,
+    double eps, bool is_neox, c10::IntArrayRef mrope_section, bool mrope_interleaved) {
+  return split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight),
+                                     borrow(q_bias), borrow(k_bias), eps, is_neox, mrope_section,
+                                     mrope_interleaved);
+}
+
+void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
+                                    int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
+                                    const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                    c10::IntArrayRef mrope_section, bool mrope_interleaved) {
+  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight),
+                                      borrow(q_bias), borrow(k_bias), eps, is_neox, mrope_section,
+                                      mrope_interleaved);
+}
+
 bool float_dtype(const Tensor& t) { return is_float_type(t.scalar_type()); }
 
-bool valid_vector(const OptTensor& t, int64_t D, at::ScalarType io) {
+bool valid_vector(const NormRef& t, int64_t D, at::ScalarType io) {
   return !t.has_value() || (t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == io) &&
                             t->dim() == 1 && t->size(0) == D);
 }
@@ -761,8 +795,8 @@ bool valid_vector(const OptTensor& t, int64_t D, at::ScalarType io) {
 // the scalar arguments' types and values. False sends the caller to the Python validator, which raises the
 // user-facing error (or, should this predicate ever be stricter, runs the ordinary path).
 bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                   int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
-                   const OptTensor& k_bias, double eps, c10::IntArrayRef section, bool mrope) {
+                   int64_t D, const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias,
+                   const NormRef& k_bias, double eps, c10::IntArrayRef section, bool mrope) {
   if (hq < 1 || hkv < 1 || D < 2 || D % 2 != 0 || D > kMaxHeadDim || !(eps >= 0.0 && eps < INFINITY)) return false;
   const int64_t width = (hq + 2 * hkv) * D;
   if (!qkv.device().is_cpu() || !float_dtype(qkv) || qkv.dim() != 2 || qkv.size(1) != width) return false;
@@ -811,12 +845,14 @@ bool overlap(std::pair<intptr_t, intptr_t> a, std::pair<intptr_t, intptr_t> b) {
 // layout, and no overlap with any input or with each other, except an output that is exactly its own slice
 // of qkv (same pointer, shape and strides).
 bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                           const std::vector<const Tensor*>& norm, int64_t hq, int64_t hkv, int64_t D,
-                           const Tensor* outs[3]) {
+                           const NormRef* const norm[4], int64_t hq, int64_t hkv, int64_t D, const Tensor* outs[3]) {
   const int64_t widths[3] = {hq * D, hkv * D, hkv * D}, offsets[3] = {0, hq * D, (hq + hkv) * D};
   const int64_t T = qkv.size(0);
-  std::vector<std::pair<intptr_t, intptr_t>> inputs = {span(qkv), span(positions), span(cache)};
-  for (const Tensor* t : norm) inputs.push_back(span(*t));
+  std::pair<intptr_t, intptr_t> inputs[7] = {span(qkv), span(positions), span(cache)};
+  size_t n_inputs = 3;
+  for (int i = 0; i < 4; ++i) {
+    if (norm[i]->has_value()) inputs[n_inputs++] = span(**norm[i]);
+  }
   std::pair<intptr_t, intptr_t> out_spans[3];
   for (int i = 0; i < 3; ++i) {
     const Tensor& o = *outs[i];
@@ -825,7 +861,7 @@ bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Ten
       return false;
     }
     out_spans[i] = span(o);
-    for (size_t j = 0; j < inputs.size(); ++j) {
+    for (size_t j = 0; j < n_inputs; ++j) {
       if (!overlap(out_spans[i], inputs[j])) continue;
       const bool own_slice = j == 0 && o.const_data_ptr() == static_cast<const char*>(qkv.const_data_ptr()) +
                                                                offsets[i] * qkv.element_size() &&
@@ -843,42 +879,39 @@ bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Ten
 
 // The entry points of split_entry.h (declared there, with their contract).
 std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                  int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
-                                  const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
+                                  int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
+                                  const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
                                   c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
   if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
                      mrope)) {
     return {};
   }
-  auto [q, k, v] = split_qkv_rmsnorm_rope(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias,
+  auto [q, k, v] = split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias,
                                           eps, is_neox, mrope_section, mrope_interleaved);
   return {q, k, v};
 }
 
 bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                       int64_t D, const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
-                       const OptTensor& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
+                       int64_t D, const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias,
+                       const NormRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
                        bool mrope, bool mrope_interleaved, const Tensor& q_out, const Tensor& k_out,
                        const Tensor& v_out) {
   if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
                      mrope)) {
     return false;
   }
-  std::vector<const Tensor*> norm;
-  for (const OptTensor* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
-    if (t->has_value()) norm.push_back(&t->value());
-  }
+  const NormRef* const norm[4] = {&q_weight, &k_weight, &q_bias, &k_bias};
   const Tensor* outs[3] = {&q_out, &k_out, &v_out};
   if (!plainly_valid_outputs(qkv, positions, cache, norm, hq, hkv, D, outs)) return false;
-  split_qkv_rmsnorm_rope_out(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
+  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
                              mrope_section, mrope_interleaved, q_out, k_out, v_out);
   return true;
 }
 
 std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                                          int64_t hq, int64_t hkv, int64_t D, const OptTensor& q_weight,
-                                          const OptTensor& k_weight, const OptTensor& q_bias,
-                                          const OptTensor& k_bias, double eps, bool is_neox,
+                                          int64_t hq, int64_t hkv, int64_t D, const NormRef& q_weight,
+                                          const NormRef& k_weight, const NormRef& q_bias,
+                                          const NormRef& k_bias, double eps, bool is_neox,
                                           c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
   if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
                      mrope)) {
@@ -886,10 +919,10 @@ std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& posit
   }
   const auto target = span(qkv);
   if (overlap(target, span(positions)) || overlap(target, span(cache))) return {};
-  for (const OptTensor* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
-    if (t->has_value() && overlap(target, span(t->value()))) return {};
+  for (const NormRef* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
+    if (t->has_value() && overlap(target, span(**t))) return {};
   }
-  split_qkv_rmsnorm_rope_inplace(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps,
+  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps,
                                  is_neox, mrope_section, mrope_interleaved);
   return qkv.split_with_sizes({hq * D, hkv * D, hkv * D}, 1);  // one op for the three views (each op ~2 us)
 }
