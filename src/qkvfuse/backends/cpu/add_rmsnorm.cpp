@@ -104,7 +104,7 @@ QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
 
 template <typename T>
 void run_norm(const NormPlan& p) {
-  parallel_chunks(p.T, grain_items(p.H), [&](int64_t begin, int64_t end) {
+  parallel_chunks(p.T, grain_items(p.H), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row<T>(p, t);
   });
 }

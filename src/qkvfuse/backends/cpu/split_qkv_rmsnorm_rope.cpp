@@ -535,7 +535,7 @@ void run_split(const SplitPlan& p) {
     fast_weights(p.wk, p.half, p.neox, fast_w[1]);
   }
 #endif
-  parallel_chunks(p.T * per_token, grain_items(p.D), [&](int64_t begin, int64_t end) {
+  parallel_chunks(p.T * per_token, grain_items(p.D), per_token, [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;

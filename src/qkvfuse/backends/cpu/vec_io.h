@@ -48,16 +48,18 @@ constexpr int64_t kChunksPerThread = 8;
 
 // f(begin, end) over [0, n): on one thread when n is within `grain` items (or inside a parallel region),
 // otherwise on up to torch.get_num_threads() threads of at::parallel_for that take chunks of at least `grain`
-// items from a shared counter until none are left. Callers compute every item independently of the others,
-// so the bits never depend on which thread ran which chunk.
+// items from a shared counter until none are left. A chunk at least `align` items long is a multiple of it
+// (a row of work items shares per-row setup). Callers compute every item independently of the others, so the
+// bits never depend on which thread ran which chunk.
 template <typename F>
-void parallel_chunks(int64_t n, int64_t grain, const F& f) {
+void parallel_chunks(int64_t n, int64_t grain, int64_t align, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
   if (threads <= 1 || at::in_parallel_region()) {
     if (n > 0) f(0, n);
     return;
   }
-  const int64_t chunk = std::max(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  int64_t chunk = std::max(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
+  if (chunk >= align) chunk = (chunk + align - 1) / align * align;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t b = next.fetch_add(chunk, std::memory_order_relaxed); b < n;
