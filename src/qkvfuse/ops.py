@@ -401,10 +401,12 @@ def _cpu_entry(backend: Optional[str]):
     cpu backend for CPU tensors, else None.
 
     A decode step's budget is a few microseconds: a ``torch.ops`` call with the split's 17 arguments costs about
-    5 us and :func:`_validate_split` about as much. The entry's ``split`` / ``split_inplace`` take the public
-    function's arguments as they are, check the scalars' Python types and the tensors with the kernel's
-    predicates (``plainly_valid`` and ``plainly_valid_outputs`` in ``backends/cpu/split_qkv_rmsnorm_rope.cpp``:
-    the rules of :func:`_validate_split` and :func:`_check_outputs` one for one) and run the kernel. Anything
+    5 us and :func:`_validate_split` about as much. The entry's ``split`` / ``split_inplace`` / ``add_rmsnorm``
+    take the public function's arguments as they are, check the scalars' Python types and the tensors with the
+    kernels' predicates (``plainly_valid`` and ``plainly_valid_outputs`` in
+    ``backends/cpu/split_qkv_rmsnorm_rope.cpp``, ``norm_plainly_valid`` and ``add_rmsnorm_checked_out`` in
+    ``backends/cpu/add_rmsnorm.cpp``: the rules of :func:`_validate_split`, :func:`_validate_norm` and
+    :func:`_check_outputs` one for one) and run the kernel. Anything
     they doubt -- and tensor subclasses, autograd, dispatch modes, profiler callbacks -- returns None with no
     output touched: the caller then validates as usual and raises the usual errors. Out-of-range positions
     raise from the kernel, as on the ordinary path.
@@ -610,6 +612,12 @@ def add_rmsnorm(
         when ``residual`` is None) and ``y = residual_out * rsqrt(mean(residual_out^2) + eps) * weight (+ bias)``
         computed in fp32 and rounded once.
     """
+    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        entry = _cpu_entry(backend)
+        if entry is not None:
+            fast = entry.add_rmsnorm(x, residual, weight, eps, bias, out)
+            if fast is not None:
+                return fast
     eps = _validate_norm(x, residual, weight, bias, eps)
     name, kernel = _kernel(backend, x.device, "add_rmsnorm_out")
     if out is None and kernel is torch.ops.qkvfuse.add_rmsnorm_out:

@@ -289,6 +289,46 @@ def test_functional_fast_path_skips_python_validation_only_for_valid_input(monke
     assert len(seen) == 1
 
 
+def test_add_rmsnorm_fast_path_skips_python_validation_only_for_valid_input(monkeypatch):
+    """add_rmsnorm on plain CPU tensors reaches the kernel through the native entry without ``_validate_norm``
+    (``norm_plainly_valid`` / ``add_rmsnorm_checked_out`` check the tensors): functional, fresh out=, the
+    in-place aliasing out=(x, residual) and no residual. Whatever they doubt goes through the Python validator
+    and raises the documented error."""
+    from qkvfuse import ops
+
+    kw = make_norm_inputs(5, 96, torch.bfloat16, residual=True, bias=True, seed=3)
+    expected = qkvfuse.add_rmsnorm(**kw, backend="reference")
+    plain = dict(kw, residual=None)
+    expected_plain = qkvfuse.add_rmsnorm(**plain, backend="reference")[0]
+    seen = []
+    validate = ops._validate_norm
+    monkeypatch.setattr(ops, "_validate_norm", lambda *a: seen.append(a) or validate(*a))
+    fast = qkvfuse.add_rmsnorm(**kw, backend="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(expected, fast))
+    outs = (poisoned_like(kw["x"]), poisoned_like(kw["x"]))
+    result = qkvfuse.add_rmsnorm(**kw, out=list(outs), backend="cpu")
+    assert all(r is o for r, o in zip(result, outs)) and all(torch.equal(a, b) for a, b in zip(expected, result))
+    x, residual = kw["x"].clone(), kw["residual"].clone()
+    result = qkvfuse.add_rmsnorm(**dict(kw, x=x, residual=residual), out=(x, residual), backend="cpu")
+    assert result[0] is x and result[1] is residual and torch.equal(x, expected[0])
+    y, same = qkvfuse.add_rmsnorm(**plain, out=(poisoned_like(kw["x"]), "ignored"), backend="cpu")
+    assert same is kw["x"] and torch.equal(y, expected_plain)
+    assert not seen
+    bad_calls = {  # one per rule family; each must raise through the Python validator
+        "x": dict(kw, x=kw["x"].to(torch.int32)),
+        "residual": dict(kw, residual=kw["residual"][:, :-1]),
+        "weight": dict(kw, weight=kw["weight"].to(torch.float16)),
+        "bias": dict(kw, bias=kw["bias"][:-1]),
+        "eps": dict(kw, eps=-1.0),
+        "y_out": dict(kw, out=(kw["x"][:, :-1], poisoned_like(kw["x"]))),
+        "residual_out": dict(kw, out=(poisoned_like(kw["x"]), kw["x"])),
+    }
+    for arg, bad in bad_calls.items():
+        with pytest.raises((ValueError, TypeError), match=f"^{arg}"):
+            qkvfuse.add_rmsnorm(**bad, backend="cpu")
+    assert len(seen) == len(bad_calls)
+
+
 def _entry_split(kwargs, out=None):
     """``backends.cpu.entry.split`` with the public function's arguments, in its order."""
     import qkvfuse.backends.cpu as cpu

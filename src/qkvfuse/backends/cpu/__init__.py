@@ -33,7 +33,7 @@ __all__ = ["available", "build_directory", "load_library", "split_qkv_rmsnorm_ro
 DISPATCH_DEVICE_TYPES = ("cpu",)
 
 _SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "python_entry.cpp")
-_HEADERS = ("vec_io.h", "split_entry.h")
+_HEADERS = ("vec_io.h", "entry.h")
 # ATen's vector headers pick their implementation from CPU_CAPABILITY*; the -m flags are the ones torch's
 # own build uses for the same capability. -ffp-contract=off keeps the scalar tails free of compiler-chosen
 # FMAs (the kernels place theirs explicitly). OpenMP pragmas inside at::parallel_for need -fopenmp at

@@ -2,6 +2,7 @@
 // the first forms s = x + residual rounded to the I/O dtype (stored as residual_out) and sums its squares, the
 // second normalises s -- re-read from residual_out, still in L1/L2 -- into y. Each row's bits depend only on
 // that row, never on the thread split or on T.
+#include "entry.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -19,6 +20,9 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
+using NormRef = at::OptionalTensorRef;  // borrowed, as in split_qkv_rmsnorm_rope.cpp
+
+NormRef borrow(const OptTensor& t) { return t.has_value() ? NormRef(*t) : NormRef(); }
 
 struct NormPlan {
   int64_t T, H;
@@ -115,8 +119,18 @@ void check_rows(const Tensor& t, const Tensor& x, const char* what) {
               "qkvfuse cpu kernel: bad ", what, " ", t.sizes(), " ", t.strides());
 }
 
-void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
-                     double eps, const Tensor& y_out, const OptTensor& residual_out) {
+// A 1-D weight or bias as fp32: a contiguous fp32 tensor is used where it is, anything else converted into buf.
+const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
+  if (t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu()) {
+    return t.const_data_ptr<float>();
+  }
+  buf.resize(n);
+  vector_to_fp32(t, n, buf.data());
+  return buf.data();
+}
+
+void add_rmsnorm_out_impl(const Tensor& x, const NormRef& residual, const Tensor& weight, const NormRef& bias,
+                          double eps, const Tensor& y_out, const NormRef& residual_out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kHalf),
               "qkvfuse cpu kernel: bad x ", x.sizes());
@@ -126,10 +140,10 @@ void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& w
               "qkvfuse cpu kernel: residual and residual_out come together");
   const int64_t T = x.size(0), H = x.size(1);
   if (T == 0 || H == 0) return;
-  // A std::vector rather than a stack array: H is the model's hidden size, unbounded here.
-  std::vector<float> w(H), b(bias.has_value() ? H : 0);
-  vector_to_fp32(weight, H, w.data());
-  if (bias.has_value()) vector_to_fp32(*bias, H, b.data());
+  // std::vectors rather than stack arrays: H is the model's hidden size, unbounded here.
+  std::vector<float> w_buf, b_buf;
+  const float* w = fp32_vector(weight, H, w_buf);
+  const float* b = bias.has_value() ? fp32_vector(*bias, H, b_buf) : nullptr;
   NormPlan p{};
   p.T = T;
   p.H = H;
@@ -145,9 +159,9 @@ void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& w
     p.r_out = residual_out->data_ptr();
     p.r_out_rs = residual_out->stride(0);
   }
-  p.w = w.data();
-  p.b = bias.has_value() ? b.data() : nullptr;
-  p.weights_finite = all_finite(w.data(), H) && all_finite(b.data(), static_cast<int64_t>(b.size()));
+  p.w = w;
+  p.b = b;
+  p.weights_finite = all_finite(w, H) && (b == nullptr || all_finite(b, H));
   p.eps = static_cast<float>(eps);
   switch (x.scalar_type()) {
     case at::kFloat: return run_norm<float>(p);
@@ -156,19 +170,88 @@ void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& w
   }
 }
 
-std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                                       const OptTensor& bias, double eps) {
+// Without a residual the second output is an empty placeholder (the public function returns x there).
+std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const NormRef& residual, const Tensor& weight,
+                                            const NormRef& bias, double eps) {
   Tensor y = at::empty(x.sizes(), x.options());
   if (!residual.has_value()) {
-    add_rmsnorm_out(x, residual, weight, bias, eps, y, std::nullopt);
+    add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, NormRef());
     return {y, at::empty({0}, x.options())};
   }
   Tensor r_out = at::empty(x.sizes(), x.options());
-  add_rmsnorm_out(x, residual, weight, bias, eps, y, r_out);
+  add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, r_out);
   return {y, r_out};
 }
 
+// The dispatcher's kernels (TORCH_LIBRARY_IMPL below): the schema's optional tensors, borrowed.
+void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
+                     double eps, const Tensor& y_out, const OptTensor& residual_out) {
+  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out));
+}
+
+std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                                       const OptTensor& bias, double eps) {
+  return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps);
+}
+
+bool valid_rows(const Tensor& t, const Tensor& x) {
+  return t.device().is_cpu() && t.scalar_type() == x.scalar_type() && t.dim() == 2 && t.sizes() == x.sizes() &&
+         (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1)));
+}
+
+bool valid_norm_vector(const Tensor& t, int64_t H, at::ScalarType io) {
+  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == io) && t.dim() == 1 &&
+         t.size(0) == H;
+}
+
+// The tensor rules of qkvfuse.ops._validate_norm, as a predicate (entry.h has the contract).
+bool norm_plainly_valid(const Tensor& x, const NormRef& residual, const Tensor& weight, const NormRef& bias,
+                        double eps) {
+  if (!(eps >= 0.0 && eps < INFINITY)) return false;
+  const at::ScalarType io = x.scalar_type();
+  if (!x.device().is_cpu() || !(io == at::kFloat || io == at::kBFloat16 || io == at::kHalf) || x.dim() != 2 ||
+      x.size(1) < 1 || (x.numel() != 0 && (x.stride(1) != 1 || x.stride(0) < x.size(1)))) {
+    return false;
+  }
+  if (residual.has_value() && !valid_rows(*residual, x)) return false;
+  return valid_norm_vector(weight, x.size(1), io) && (!bias.has_value() || valid_norm_vector(*bias, x.size(1), io));
+}
+
 }  // namespace
+
+std::vector<Tensor> add_rmsnorm_checked(const Tensor& x, const NormRef& residual, const Tensor& weight,
+                                        const NormRef& bias, double eps) {
+  if (!norm_plainly_valid(x, residual, weight, bias, eps)) return {};
+  auto [y, r_out] = add_rmsnorm_impl(x, residual, weight, bias, eps);
+  return {y, residual.has_value() ? r_out : x};
+}
+
+bool add_rmsnorm_checked_out(const Tensor& x, const NormRef& residual, const Tensor& weight, const NormRef& bias,
+                             double eps, const Tensor& y_out, const NormRef& residual_out) {
+  if (!norm_plainly_valid(x, residual, weight, bias, eps) || residual.has_value() != residual_out.has_value()) {
+    return false;
+  }
+  // qkvfuse.ops._check_outputs for (y_out, residual_out): x's layout, and no overlap with an input or with
+  // each other, except y_out exactly aliasing x and residual_out exactly aliasing residual.
+  const Tensor* outs[2] = {&y_out, residual_out.has_value() ? &*residual_out : nullptr};
+  const Tensor* inputs[4] = {&x, residual.has_value() ? &*residual : nullptr, &weight,
+                             bias.has_value() ? &*bias : nullptr};
+  for (int i = 0; i < 2; ++i) {
+    if (outs[i] == nullptr) continue;
+    const Tensor& o = *outs[i];
+    if (!valid_rows(o, x)) return false;
+    for (int j = 0; j < 4; ++j) {
+      if (inputs[j] == nullptr || !overlap(span(o), span(*inputs[j]))) continue;
+      const Tensor& in = *inputs[j];
+      const bool own = j == i && o.const_data_ptr() == in.const_data_ptr() && o.strides() == in.strides();
+      if (!own) return false;
+    }
+  }
+  if (outs[1] != nullptr && overlap(span(y_out), span(*outs[1]))) return false;
+  add_rmsnorm_out_impl(x, residual, weight, bias, eps, y_out, residual_out);
+  return true;
+}
+
 }  // namespace qkvfuse_cpu
 
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {

@@ -1,15 +1,16 @@
-// The Python fast path of qkvfuse.ops.split_qkv_rmsnorm_rope / split_qkv_rmsnorm_rope_ for CPU tensors.
+// The Python fast path of qkvfuse.ops.split_qkv_rmsnorm_rope / split_qkv_rmsnorm_rope_ / add_rmsnorm for CPU
+// tensors.
 //
-// A decode step (T = 1) of Qwen3-8B is about 2 us of kernel work; a torch.ops call with this op's 17 arguments
-// costs about 5 us on its own (IValue conversion, schema matching, dispatch), and a Python-level validator
+// A decode step (T = 1) of Qwen3-8B is about 2 us of kernel work; a torch.ops call with the split's 17
+// arguments costs about 5 us on its own (IValue conversion, schema matching, dispatch), and a Python-level validator
 // about as much again. These two functions take the arguments straight from the interpreter (METH_FASTCALL),
-// check the Python types of the scalars here and the tensors with the kernel's predicates (split_entry.h),
+// check the Python types of the scalars here and the tensors with the kernel's predicates (entry.h),
 // and run the kernel. Anything they are not sure of -- a scalar of another type, a tensor subclass, a tensor
 // that needs autograd, an active dispatch or torch-function mode, profiler callbacks, input the predicates
 // doubt -- returns None without touching any output, and qkvfuse.ops then takes the ordinary path: the Python
 // validator (with its error messages) and the op registered with the dispatcher. Kernel errors (positions
 // outside the cache) are raised as the dispatcher would raise them.
-#include "split_entry.h"
+#include "entry.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/grad_mode.h>
@@ -69,6 +70,18 @@ bool int_arg(PyObject* o, int64_t* out) {
   return overflow == 0 && !(*out == -1 && PyErr_Occurred());
 }
 
+// Python `type(o) in (float, int)` (bool excluded) as a double.
+bool number_arg(PyObject* o, double* out) {
+  if (PyFloat_CheckExact(o)) {
+    *out = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  int64_t i = 0;
+  if (!int_arg(o, &i)) return false;
+  *out = static_cast<double>(i);
+  return true;
+}
+
 struct SplitArgs {
   const at::Tensor *qkv = nullptr, *positions = nullptr, *cache = nullptr;
   int64_t hq = 0, hkv = 0, D = 0;
@@ -88,13 +101,7 @@ bool parse_split(PyObject* const* a, SplitArgs& s) {
       !optional_tensor_arg(a[8], &s.q_bias) || !optional_tensor_arg(a[9], &s.k_bias)) {
     return false;
   }
-  if (PyFloat_CheckExact(a[10])) {
-    s.eps = PyFloat_AS_DOUBLE(a[10]);
-  } else {
-    int64_t e = 0;
-    if (!int_arg(a[10], &e)) return false;
-    s.eps = static_cast<double>(e);
-  }
+  if (!number_arg(a[10], &s.eps)) return false;
   if (!PyBool_Check(a[11]) || !PyBool_Check(a[13])) return false;
   s.neox = a[11] == Py_True;
   s.interleaved = a[13] == Py_True;
@@ -199,11 +206,49 @@ PyObject* split_inplace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
+// add_rmsnorm(x, residual, weight, eps, bias, out) -> (y, residual_out) or None, residual_out being x itself
+// without a residual. `out` is None or a tuple/list (y_out, residual_out); residual_out is ignored without a
+// residual, as qkvfuse.ops.add_rmsnorm ignores it.
+PyObject* add_rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 6) Py_RETURN_NONE;
+  const at::Tensor *x = nullptr, *weight = nullptr;
+  at::OptionalTensorRef residual, bias;
+  double eps = 0.0;
+  if (!tensor_arg(args[0], &x) || !optional_tensor_arg(args[1], &residual) || !tensor_arg(args[2], &weight) ||
+      !number_arg(args[3], &eps) || !optional_tensor_arg(args[4], &bias) || !no_observers()) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  PyObject* out = args[5];
+  if (out == Py_None) {
+    std::vector<at::Tensor> result =
+        maybe_without_gil(*x, [&] { return add_rmsnorm_checked(*x, residual, *weight, bias, eps); });
+    return wrap_all(std::move(result));
+  }
+  const bool tuple = PyTuple_CheckExact(out);
+  if ((!tuple && !PyList_CheckExact(out)) || (tuple ? PyTuple_GET_SIZE(out) : PyList_GET_SIZE(out)) != 2) {
+    Py_RETURN_NONE;
+  }
+  PyObject* y_obj = tuple ? PyTuple_GET_ITEM(out, 0) : PyList_GET_ITEM(out, 0);
+  PyObject* r_obj = residual.has_value() ? (tuple ? PyTuple_GET_ITEM(out, 1) : PyList_GET_ITEM(out, 1)) : args[0];
+  const at::Tensor *y_out = nullptr, *r_out = nullptr;
+  if (!tensor_arg(y_obj, &y_out) || (residual.has_value() && !tensor_arg(r_obj, &r_out))) Py_RETURN_NONE;
+  const at::OptionalTensorRef residual_out = r_out != nullptr ? at::OptionalTensorRef(*r_out) : at::OptionalTensorRef();
+  const bool done = maybe_without_gil(
+      *x, [&] { return add_rmsnorm_checked_out(*x, residual, *weight, bias, eps, *y_out, residual_out); });
+  if (!done) Py_RETURN_NONE;
+  return PyTuple_Pack(2, y_obj, r_obj);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef g_methods[] = {
     {"split", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&split)), METH_FASTCALL,
      "Fast path of qkvfuse.ops.split_qkv_rmsnorm_rope for CPU tensors: (q, k, v), or None (not taken)."},
     {"split_inplace", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&split_inplace)), METH_FASTCALL,
      "Fast path of qkvfuse.ops.split_qkv_rmsnorm_rope_ for CPU tensors: views of qkv, or None (not taken)."},
+    {"add_rmsnorm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&add_rmsnorm)), METH_FASTCALL,
+     "Fast path of qkvfuse.ops.add_rmsnorm for CPU tensors: (y, residual_out), or None (not taken)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -7,7 +7,7 @@
 // threads or on the other tokens in the batch.
 // bf16 heads of the published shapes (128 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
 // specialised path (fast_heads).
-#include "split_entry.h"
+#include "entry.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -825,22 +825,6 @@ bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cac
          valid_vector(k_bias, D, io);
 }
 
-// Byte range [first, last) a strided tensor touches; empty for numel 0 (qkvfuse.ops._span).
-std::pair<intptr_t, intptr_t> span(const Tensor& t) {
-  if (t.numel() == 0) return {0, 0};
-  const intptr_t size_of = t.element_size();
-  intptr_t first = reinterpret_cast<intptr_t>(t.const_data_ptr()), last = first;
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    const intptr_t reach = (t.size(d) - 1) * t.stride(d) * size_of;
-    (reach < 0 ? first : last) += reach;
-  }
-  return {first, last + size_of};
-}
-
-bool overlap(std::pair<intptr_t, intptr_t> a, std::pair<intptr_t, intptr_t> b) {
-  return a.first < b.second && b.first < a.second;
-}
-
 // The rules of qkvfuse.ops._check_outputs for (q_out, k_out, v_out), as a predicate: shape, dtype, device,
 // layout, and no overlap with any input or with each other, except an output that is exactly its own slice
 // of qkv (same pointer, shape and strides).
@@ -877,7 +861,7 @@ bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Ten
 
 }  // namespace
 
-// The entry points of split_entry.h (declared there, with their contract).
+// The entry points of entry.h (declared there, with their contract).
 std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
                                   int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
                                   const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
