@@ -9,9 +9,9 @@ For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_r
 * ``reference`` -- qkvfuse's reference backend through the public op (``out=``);
 * ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
   dispatch included; skipped, with the reason, where it is unavailable;
-* ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for the cpu backend, called
-  directly (for the split, the native library's Python entry; for add_rmsnorm, ``torch.ops.qkvfuse``): its gap
-  to ``qkvfuse cpu [out=]`` is the cost of the Python wrapper (validation, backend choice);
+* ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for plain CPU tensors, called
+  directly: the native library's Python entry (``backends/cpu/python_entry.cpp``: its C++ checks and the
+  kernel). Its gap to ``qkvfuse cpu [out=]`` is the cost of the Python function around it;
 * ``copy_ roofline`` -- ``dst.copy_(src)`` of the same bytes into a preallocated tensor (``qkv`` for the split;
   a ``[T, 2H]`` tensor for add_rmsnorm, whose op reads two and writes two ``[T, H]`` tensors).
 
@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..ops import _cpu_entry, _kernel, add_rmsnorm, split_qkv_rmsnorm_rope
+from ..ops import _cpu_entry, add_rmsnorm, split_qkv_rmsnorm_rope
 from ..presets import ModelPreset
 from ..testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
                        oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split)
@@ -198,12 +198,6 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
     return rows
 
 
-def _cpu_kernel(op: str) -> Callable:
-    """What the public op calls for the cpu backend after validation (``torch.ops.qkvfuse.<op>`` when the
-    backend registers the CPU dispatch key)."""
-    return _kernel("cpu", torch.device("cpu"), op)[1]
-
-
 def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
     """The native library's own entry (``backends/cpu/python_entry.cpp``), which the public op calls for plain
     CPU tensors: checks and kernel, without the Python function around them."""
@@ -214,8 +208,8 @@ def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Cal
 
 
 def _raw_norm_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
-    return functools.partial(_cpu_kernel("add_rmsnorm_out"), kw["x"], kw["residual"], kw["weight"], kw.get("bias"),
-                             kw["eps"], *out)
+    return functools.partial(_cpu_entry("cpu").add_rmsnorm, kw["x"], kw["residual"], kw["weight"], kw["eps"],
+                             kw.get("bias"), tuple(out))
 
 
 def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable], public: Callable,

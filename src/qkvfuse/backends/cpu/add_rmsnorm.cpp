@@ -113,6 +113,69 @@ void run_norm(const NormPlan& p) {
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// bf16 rows of a multiple of 16 values with finite weights, in the lane order of the split's specialised path
+// (Bf16Block, pack_rne; p.w and p.b are in lane order): s = x + residual rounded once to bf16 (the unfused
+// add's value), the sum of the rounded s^2 in fp32, y = (s * inv) * w (+ b) rounded once -- the generic row's
+// sequence, except that the sum runs over even/odd lanes instead of halves (another fp32 summation order).
+// Chosen by dtype, H and the weights only: every row of a call takes the same path.
+QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
+  using bf16 = c10::BFloat16;
+  const int64_t H = p.H;
+  const bf16* x = static_cast<const bf16*>(p.x) + t * p.x_rs;
+  const bf16* r = p.r != nullptr ? static_cast<const bf16*>(p.r) + t * p.r_rs : nullptr;
+  bf16* r_out = p.r_out != nullptr ? static_cast<bf16*>(p.r_out) + t * p.r_out_rs : nullptr;
+  bf16* y = static_cast<bf16*>(p.y) + t * p.y_rs;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  if (r != nullptr) {
+    for (int64_t i = 0; i < H; i += 16) {
+      const Bf16Block a = Bf16Block::load(x + i), b = Bf16Block::load(r + i);
+      const __m256i s = Bf16Block::pack_rne(_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + i), s);
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(s, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(s, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+      acc0 = _mm256_fmadd_ps(even, even, acc0);
+      acc1 = _mm256_fmadd_ps(odd, odd, acc1);
+    }
+  } else {
+    for (int64_t i = 0; i < H; i += 16) {
+      const Bf16Block a = Bf16Block::load(x + i);
+      acc0 = _mm256_fmadd_ps(a.even, a.even, acc0);
+      acc1 = _mm256_fmadd_ps(a.odd, a.odd, acc1);
+    }
+  }
+  double ss = 0.0;
+  const __m256 inv = _mm256_set1_ps(inv_rms<bf16>(fVec(acc0), fVec(acc1), 0.0, H, p.eps, &ss));
+  const bf16* s = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
+  for (int64_t i = 0; i < H; i += 16) {
+    const Bf16Block v = Bf16Block::load(s + i);
+    __m256 even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), _mm256_loadu_ps(p.w + i));
+    __m256 odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), _mm256_loadu_ps(p.w + i + 8));
+    if (p.b != nullptr) {
+      even = _mm256_add_ps(even, _mm256_loadu_ps(p.b + i));
+      odd = _mm256_add_ps(odd, _mm256_loadu_ps(p.b + i + 8));
+    }
+    Bf16Block::store<false>(y + i, even, odd);
+  }
+}
+
+// The lane-order rows when they apply (see norm_row_bf16); returns whether they ran.
+bool run_norm_bf16(NormPlan p) {
+  if (p.H % 16 != 0 || !p.weights_finite) return false;
+  std::vector<float> w(p.H), b(p.b != nullptr ? p.H : 0);
+  to_lane_order(p.w, w.data(), p.H);
+  p.w = w.data();
+  if (p.b != nullptr) {
+    to_lane_order(p.b, b.data(), p.H);
+    p.b = b.data();
+  }
+  parallel_chunks(p.T, grain_items(p.H), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) norm_row_bf16(p, t);
+  });
+  return true;
+}
+#endif
+
 void check_rows(const Tensor& t, const Tensor& x, const char* what) {
   TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device().is_cpu() &&
                   (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1))),
@@ -165,7 +228,11 @@ void add_rmsnorm_out_impl(const Tensor& x, const NormRef& residual, const Tensor
   p.eps = static_cast<float>(eps);
   switch (x.scalar_type()) {
     case at::kFloat: return run_norm<float>(p);
-    case at::kBFloat16: return run_norm<c10::BFloat16>(p);
+    case at::kBFloat16:
+#if defined(CPU_CAPABILITY_AVX2)
+      if (run_norm_bf16(p)) return;
+#endif
+      return run_norm<c10::BFloat16>(p);
     default: return run_norm<c10::Half>(p);
   }
 }
