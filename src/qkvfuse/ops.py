@@ -406,10 +406,10 @@ def _cpu_entry(backend: Optional[str]):
     kernels' predicates (``plainly_valid`` and ``plainly_valid_outputs`` in
     ``backends/cpu/split_qkv_rmsnorm_rope.cpp``, ``norm_plainly_valid`` and ``add_rmsnorm_checked_out`` in
     ``backends/cpu/add_rmsnorm.cpp``: the rules of :func:`_validate_split`, :func:`_validate_norm` and
-    :func:`_check_outputs` one for one) and run the kernel. Anything
-    they doubt -- and tensor subclasses, autograd, dispatch modes, profiler callbacks -- returns None with no
-    output touched: the caller then validates as usual and raises the usual errors. Out-of-range positions
-    raise from the kernel, as on the ordinary path.
+    :func:`_check_outputs` one for one) and run the kernel. Anything they doubt -- and tensor subclasses,
+    autograd, dispatch modes, profiler callbacks -- returns None with no output touched: the caller then
+    validates as usual and raises the usual errors. Out-of-range positions raise from the kernel, as on the
+    ordinary path.
     """
     key = (backend, _ENV_DATA.get(_ENV_KEY))
     try:

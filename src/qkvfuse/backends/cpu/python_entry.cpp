@@ -2,14 +2,14 @@
 // tensors.
 //
 // A decode step (T = 1) of Qwen3-8B is about 2 us of kernel work; a torch.ops call with the split's 17
-// arguments costs about 5 us on its own (IValue conversion, schema matching, dispatch), and a Python-level validator
-// about as much again. These two functions take the arguments straight from the interpreter (METH_FASTCALL),
-// check the Python types of the scalars here and the tensors with the kernel's predicates (entry.h),
-// and run the kernel. Anything they are not sure of -- a scalar of another type, a tensor subclass, a tensor
-// that needs autograd, an active dispatch or torch-function mode, profiler callbacks, input the predicates
-// doubt -- returns None without touching any output, and qkvfuse.ops then takes the ordinary path: the Python
-// validator (with its error messages) and the op registered with the dispatcher. Kernel errors (positions
-// outside the cache) are raised as the dispatcher would raise them.
+// arguments costs about 5 us on its own (IValue conversion, schema matching, dispatch), and a Python-level
+// validator about as much again. These functions take the arguments straight from the interpreter
+// (METH_FASTCALL), check the Python types of the scalars here and the tensors with the kernels' predicates
+// (entry.h), and run the kernel. Anything they are not sure of -- a scalar of another type, a tensor subclass,
+// a tensor that needs autograd, an active dispatch or torch-function mode, profiler callbacks, input the
+// predicates doubt -- returns None without touching any output, and qkvfuse.ops then takes the ordinary path:
+// the Python validator (with its error messages) and the op registered with the dispatcher. Kernel errors
+// (positions outside the cache) are raised as the dispatcher would raise them.
 #include "entry.h"
 
 #include <ATen/PythonTorchFunctionTLS.h>
