@@ -129,6 +129,44 @@ def test_remove_restores_bit_identical_outputs(name):
 
 
 @pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7"])
+def test_torch_compile_of_a_patched_model(name):
+    """``torch.compile(model, fullgraph=True)`` after ``apply_qkvfuse``: one graph holding every layer's fused
+    ops (the patch adds no graph break), inductor's logits equal the eager patched model's, which equal the
+    unpatched model's; projection weights replaced after compiling are used (a recompile, not stale views)."""
+    model = build_tiny_model(name)
+    ids = tiny_prompt(2, 7)
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op == "call_function"])
+        return gm.forward
+
+    with torch.no_grad():
+        unpatched = model(ids).logits
+        hf.apply_qkvfuse(model)
+        eager = model(ids).logits
+        torch._dynamo.reset()
+        torch.compile(model, backend=recording_backend, fullgraph=True)(ids)
+        torch._dynamo.reset()
+        compiled_model = torch.compile(model, fullgraph=True)
+        compiled = compiled_model(ids).logits
+        text_model = model.model.language_model if name == "Qwen3-VL" else model.model
+        attn = text_model.layers[0].self_attn
+        attn.v_proj.weight = nn.Parameter(attn.v_proj.weight * 1.5)  # V: no QK-norm to undo the scale
+        changed_eager = model(ids).logits
+        changed_compiled = compiled_model(ids).logits
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs"
+    assert sum("qkvfuse.split_qkv_rmsnorm_rope" in t for t in graphs[0]) == _layers(model), graphs[0]
+    assert sum("qkvfuse.add_rmsnorm" in t for t in graphs[0]) == _layers(model), graphs[0]
+    scale = unpatched.abs().max().item()
+    assert (eager - unpatched).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
+    assert (compiled - eager).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
+    assert (changed_eager - eager).abs().max().item() > 1e-3  # the change matters
+    assert (changed_compiled - changed_eager).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
+
+
+@pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7"])
 def test_fast_backends_on_models(name, fast_backend):
     report = vm.check_prefill(name, backend=fast_backend)
     assert report, report.detail

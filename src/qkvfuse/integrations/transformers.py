@@ -252,8 +252,14 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
     input_shape = hidden_states.shape[:-1]
     batch, seq = (1, input_shape[0]) if len(input_shape) == 1 else input_shape
     hq, hkv, d = fused.num_q_heads, fused.num_kv_heads, fused.head_dim
-    weight, bias = fused.qkv_params()
-    qkv = F.linear(hidden_states.reshape(-1, hidden_states.shape[-1]), weight, bias)  # [B*T, (Hq + 2Hkv) * D]
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if torch.compiler.is_compiling():
+        # Under torch.compile the fused views cannot be checked (data pointers do not trace; the check would
+        # break the graph at every layer): each projection's own current parameters, outputs concatenated.
+        qkv = torch.cat([F.linear(flat, p.weight, p.bias) for p in fused.projections], dim=-1)
+    else:
+        weight, bias = fused.qkv_params()
+        qkv = F.linear(flat, weight, bias)  # [B*T, (Hq + 2Hkv) * D]
     positions = _flat_positions(rope.captured, batch, seq, rope.mrope_section is not None)
     q, k, v = ops.split_qkv_rmsnorm_rope_(
         qkv, positions, rope.table(qkv.device), hq, hkv, d,
