@@ -393,22 +393,25 @@ inline void fast_body(const c10::BFloat16* src, const float* staged, c10::BFloat
   }
 }
 
-// Up to kFastBatch heads at once (n >= 1; unused slots repeat head 0 and are not written): their sums of
-// squares are reduced and scaled together so that the per-head reduction, square root and division overlap.
+// Up to kFastBatch consecutive heads at once (n >= 1; src and dst hold them kFastD values apart, all with the
+// tables t; unused slots repeat head 0 and are not written): their sums of squares are reduced and scaled
+// together so that the per-head reduction, square root and division overlap.
 // Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
 // not finite (bit k for slot k), left unwritten for the generic path. Without QK-norm there is no sum and
 // every head is written: the rounding of Bf16Block::store is exact for any value a rotation computes (its
 // NaNs are quiet, so none rounds into an infinity).
 template <int kHalf, bool kNeox, bool kStream, bool kNorm>
-QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* const* dst,
-                               const FastTables* const* t, int n, float eps) {
+QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t, int n,
+                               float eps) {
   if constexpr (!kNorm) {
-    for (int k = 0; k < n; ++k) fast_body<kHalf, kNeox, kStream, false>(src[k], nullptr, dst[k], *t[k], 1.f);
+    for (int k = 0; k < n; ++k) {
+      fast_body<kHalf, kNeox, kStream, false>(src + k * kFastD, nullptr, dst + k * kFastD, t, 1.f);
+    }
     return 0;
   }
   __m256 sums[kFastBatch];
   alignas(32) float staged[kFastBatch][kFastD];
-  for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src[k < n ? k : 0], staged[k]);
+  for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src + (k < n ? k : 0) * kFastD, staged[k]);
   const __m256 ss = sum_lanes8(sums);
   const __m256 inv = _mm256_div_ps(
       _mm256_set1_ps(1.f),
@@ -421,12 +424,13 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* const* src, c10::BFloat16* c
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
-    if (!(bad >> k & 1)) fast_body<kHalf, kNeox, kStream, true>(src[k], staged[k], dst[k], *t[k], inv_k[k]);
+    if (bad >> k & 1) continue;
+    fast_body<kHalf, kNeox, kStream, true>(src + k * kFastD, staged[k], dst + k * kFastD, t, inv_k[k]);
   }
   return bad;
 }
 
-using FastFn = int (*)(const c10::BFloat16* const*, c10::BFloat16* const*, const FastTables* const*, int, float);
+using FastFn = int (*)(const c10::BFloat16*, c10::BFloat16*, const FastTables&, int, float);
 
 template <bool kNorm>
 FastFn pick_fast_variant(const SplitPlan& p, bool stream) {
@@ -527,17 +531,10 @@ void run_split(const SplitPlan& p) {
         };
 #if defined(CPU_CAPABILITY_AVX2)
         if (fast != nullptr && finite) {
-          // This token's next Q/K heads within the range, in one batch.
-          const int n = static_cast<int>(std::min<int64_t>({kFastBatch, qk_heads - h, end - i}));
-          const c10::BFloat16* srcs[kFastBatch];
-          c10::BFloat16* dsts[kFastBatch];
-          const FastTables* tabs[kFastBatch];
-          for (int j = 0; j < n; ++j) {
-            srcs[j] = reinterpret_cast<const c10::BFloat16*>(row + (h + j) * p.D);
-            dsts[j] = reinterpret_cast<c10::BFloat16*>(dst_of(h + j));
-            tabs[j] = &tables[h + j < p.hq ? 0 : 1];
-          }
-          const int bad = fast(srcs, dsts, tabs, n, p.eps);
+          // This token's next Q heads, or next K heads, within the range: one batch of consecutive heads.
+          const int n = static_cast<int>(std::min<int64_t>({kFastBatch, (h < p.hq ? p.hq : qk_heads) - h, end - i}));
+          const int bad = fast(reinterpret_cast<const c10::BFloat16*>(row + h * p.D),
+                               reinterpret_cast<c10::BFloat16*>(dst_of(h)), tables[h < p.hq ? 0 : 1], n, p.eps);
           for (int j = 0; j < n; ++j) {
             if (bad >> j & 1) generic(h + j);
           }
