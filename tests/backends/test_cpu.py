@@ -130,6 +130,27 @@ def test_kernel_range_check_raises_before_writing(mrope, bad):
     assert torch.equal(qkv, kwargs["qkv"])
 
 
+@pytest.mark.parametrize("T", [2, 300], ids=["decode", "gil-released"])
+def test_public_fast_path_range_check_raises_before_writing(T):
+    """Through the public functions (the native entry, which releases the GIL for large calls): out-of-range
+    positions raise ValueError naming positions, with every output (and qkv, in place) untouched."""
+    case = SplitCase(T=T, num_q_heads=8, num_kv_heads=2, head_dim=128, rotary_dim=128, max_position=512)
+    kwargs = make_split_inputs(case)
+    positions = kwargs["positions"].clone()
+    positions[-1] = 512
+    kwargs["positions"] = positions
+    outs = tuple(poisoned_like(torch.empty(T, w, dtype=case.dtype)) for w in (1024, 256, 256))
+    with pytest.raises(ValueError, match=r"^positions: expected values in \[0, 512\)"):
+        qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=outs, backend="cpu")
+    assert all(torch.isnan(o.float()).all() for o in outs), "an output was written before the range check"
+    with pytest.raises(ValueError, match="^positions"):
+        qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
+    qkv = kwargs["qkv"].clone()
+    with pytest.raises(ValueError, match="^positions"):
+        qkvfuse.split_qkv_rmsnorm_rope_(qkv, **{k: v for k, v in kwargs.items() if k != "qkv"}, backend="cpu")
+    assert torch.equal(qkv, kwargs["qkv"])
+
+
 def test_range_check_message_matches_reference():
     kwargs = make_split_inputs(SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32,
                                          max_position=100))
