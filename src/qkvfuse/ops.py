@@ -392,8 +392,11 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
     return name, kernel
 
 
-# (backend argument, raw $QKVFUSE_BACKEND) -> (resolved name, its module, the cpu entry or None).
+# (backend argument, raw $QKVFUSE_BACKEND) -> (resolved name, its module, the cpu entry or None); an entry holds
+# while the registry still has that module loaded.
 _ENTRIES: Dict[Tuple[Optional[str], object], Tuple[str, object, object]] = {}
+_LOADED = _backends._loaded
+_is_compiling = torch.compiler.is_compiling  # bound once: it is called on every op call
 
 
 def _cpu_entry(backend: Optional[str]):
@@ -413,9 +416,12 @@ def _cpu_entry(backend: Optional[str]):
     """
     key = (backend, _ENV_DATA.get(_ENV_KEY))
     try:
-        hit = _ENTRIES.get(key)
-        if hit is not None and _backends._loaded.get(hit[0]) is hit[1]:
+        hit = _ENTRIES[key]
+        if _LOADED.get(hit[0]) is hit[1]:
             return hit[2]
+    except (KeyError, TypeError):  # first call with this key, or an unhashable backend argument
+        pass
+    try:
         name, _, module = _resolved(backend, "cpu", "split_qkv_rmsnorm_rope_out")
     except (TypeError, ValueError, RuntimeError):  # a bad backend argument: the validating path says why
         return None
@@ -488,7 +494,7 @@ def split_qkv_rmsnorm_rope(
         All arithmetic is fp32 with one rounding at the end. NaN/Inf inputs propagate (a NaN in a head makes
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
     """
-    if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(qkv) is torch.Tensor and not _is_compiling():
         entry = _cpu_entry(backend)
         if entry is not None:
             fast = entry.split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
@@ -547,7 +553,7 @@ def split_qkv_rmsnorm_rope_(
     ``q = qkv[:, :Hq*D]``, ``k = qkv[:, Hq*D:(Hq+Hkv)*D]``, ``v = qkv[:, (Hq+Hkv)*D:]`` (row stride = qkv's);
     V is left untouched.
     """
-    if type(qkv) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(qkv) is torch.Tensor and not _is_compiling():
         entry = _cpu_entry(backend)
         if entry is not None:
             fast = entry.split_inplace(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
@@ -612,7 +618,7 @@ def add_rmsnorm(
         when ``residual`` is None) and ``y = residual_out * rsqrt(mean(residual_out^2) + eps) * weight (+ bias)``
         computed in fp32 and rounded once.
     """
-    if type(x) is torch.Tensor and not torch.compiler.is_compiling():
+    if type(x) is torch.Tensor and not _is_compiling():
         entry = _cpu_entry(backend)
         if entry is not None:
             fast = entry.add_rmsnorm(x, residual, weight, eps, bias, out)
