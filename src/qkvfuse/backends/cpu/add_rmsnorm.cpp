@@ -184,9 +184,7 @@ void check_rows(const Tensor& t, const Tensor& x, const char* what) {
 
 // A 1-D weight or bias as fp32: a contiguous fp32 tensor is used where it is, anything else converted into buf.
 const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
-  if (t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu()) {
-    return t.const_data_ptr<float>();
-  }
+  if (is_fp32_vector(t, n)) return t.const_data_ptr<float>();
   buf.resize(n);
   vector_to_fp32(t, n, buf.data());
   return buf.data();

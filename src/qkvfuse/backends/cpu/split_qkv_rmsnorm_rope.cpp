@@ -562,8 +562,11 @@ void run_split(const SplitPlan& p) {
   });
 }
 
+// An optional weight or bias as fp32 (nullptr when absent): in place when it already is contiguous fp32, else
+// converted into out.
 const float* to_fp32(const NormRef& t, int64_t D, float* out) {
   if (!t.has_value()) return nullptr;
+  if (is_fp32_vector(*t, D)) return (*t).const_data_ptr<float>();
   vector_to_fp32(*t, D, out);
   return out;
 }

@@ -218,6 +218,11 @@ struct Bf16Block {
 
 #endif
 
+// A weight or bias the kernels can read in place: a contiguous fp32 vector of n values.
+inline bool is_fp32_vector(const at::Tensor& t, int64_t n) {
+  return t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
+}
+
 // A 1-D weight or bias (fp32/bf16/fp16, any stride) as fp32: read once per call, shared by every row.
 inline void vector_to_fp32(const at::Tensor& t, int64_t n, float* out) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.device().is_cpu(), "qkvfuse cpu kernel: bad weight/bias ",
