@@ -118,7 +118,8 @@ void run_norm(const NormPlan& p) {
 // (Bf16Block, pack_rne; p.w and p.b are in lane order): s = x + residual rounded once to bf16 (the unfused
 // add's value), the sum of the rounded s^2 in fp32, y = (s * inv) * w (+ b) rounded once -- the generic row's
 // sequence, except that the sum runs over even/odd lanes instead of halves (another fp32 summation order).
-// Chosen by dtype, H and the weights only: every row of a call takes the same path.
+// Chosen by dtype, H and the weights only: every row of a call takes the same path. Any NaN reaching pack_rne
+// comes from a bf16 input or is the default NaN (the weights are finite), so its rounding is exact.
 QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
   using bf16 = c10::BFloat16;
   const int64_t H = p.H;
