@@ -20,9 +20,6 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-using NormRef = at::OptionalTensorRef;  // borrowed, as in split_qkv_rmsnorm_rope.cpp
-
-NormRef borrow(const OptTensor& t) { return t.has_value() ? NormRef(*t) : NormRef(); }
 
 struct NormPlan {
   int64_t T, H;
@@ -191,8 +188,8 @@ const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
   return buf.data();
 }
 
-void add_rmsnorm_out_impl(const Tensor& x, const NormRef& residual, const Tensor& weight, const NormRef& bias,
-                          double eps, const Tensor& y_out, const NormRef& residual_out) {
+void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
+                          double eps, const Tensor& y_out, const OptRef& residual_out) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kHalf),
               "qkvfuse cpu kernel: bad x ", x.sizes());
@@ -237,11 +234,11 @@ void add_rmsnorm_out_impl(const Tensor& x, const NormRef& residual, const Tensor
 }
 
 // Without a residual the second output is an empty placeholder (the public function returns x there).
-std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const NormRef& residual, const Tensor& weight,
-                                            const NormRef& bias, double eps) {
+std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const OptRef& residual, const Tensor& weight,
+                                            const OptRef& bias, double eps) {
   Tensor y = at::empty(x.sizes(), x.options());
   if (!residual.has_value()) {
-    add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, NormRef());
+    add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, OptRef());
     return {y, at::empty({0}, x.options())};
   }
   Tensor r_out = at::empty(x.sizes(), x.options());
@@ -271,7 +268,7 @@ bool valid_norm_vector(const Tensor& t, int64_t H, at::ScalarType io) {
 }
 
 // The tensor rules of qkvfuse.ops._validate_norm, as a predicate (entry.h has the contract).
-bool norm_plainly_valid(const Tensor& x, const NormRef& residual, const Tensor& weight, const NormRef& bias,
+bool norm_plainly_valid(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
                         double eps) {
   if (!(eps >= 0.0 && eps < INFINITY)) return false;
   const at::ScalarType io = x.scalar_type();
@@ -285,15 +282,15 @@ bool norm_plainly_valid(const Tensor& x, const NormRef& residual, const Tensor& 
 
 }  // namespace
 
-std::vector<Tensor> add_rmsnorm_checked(const Tensor& x, const NormRef& residual, const Tensor& weight,
-                                        const NormRef& bias, double eps) {
+std::vector<Tensor> add_rmsnorm_checked(const Tensor& x, const OptRef& residual, const Tensor& weight,
+                                        const OptRef& bias, double eps) {
   if (!norm_plainly_valid(x, residual, weight, bias, eps)) return {};
   auto [y, r_out] = add_rmsnorm_impl(x, residual, weight, bias, eps);
   return {y, residual.has_value() ? r_out : x};
 }
 
-bool add_rmsnorm_checked_out(const Tensor& x, const NormRef& residual, const Tensor& weight, const NormRef& bias,
-                             double eps, const Tensor& y_out, const NormRef& residual_out) {
+bool add_rmsnorm_checked_out(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
+                             double eps, const Tensor& y_out, const OptRef& residual_out) {
   if (!norm_plainly_valid(x, residual, weight, bias, eps) || residual.has_value() != residual_out.has_value()) {
     return false;
   }

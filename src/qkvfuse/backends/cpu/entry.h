@@ -9,10 +9,17 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
 namespace qkvfuse_cpu {
+
+// An optional tensor inside the library: a borrowed reference (copying a std::optional<Tensor> costs refcount
+// traffic, which for a tensor owned by Python also touches its PyObject).
+using OptRef = at::OptionalTensorRef;
+
+inline OptRef borrow(const std::optional<at::Tensor>& t) { return t.has_value() ? OptRef(*t) : OptRef(); }
 
 // Functional form: fresh (q, k, v), or [] when not taken.
 std::vector<at::Tensor> split_checked(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cache,

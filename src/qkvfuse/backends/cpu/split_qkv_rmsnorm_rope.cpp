@@ -31,11 +31,6 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-// Optional weights inside the library: a borrowed reference (no refcount traffic, which for a tensor owned by
-// Python also touches its PyObject).
-using NormRef = at::OptionalTensorRef;
-
-NormRef borrow(const OptTensor& t) { return t.has_value() ? NormRef(*t) : NormRef(); }
 
 constexpr int64_t kMaxHalf = kMaxHeadDim / 2;
 
@@ -564,7 +559,7 @@ void run_split(const SplitPlan& p) {
 
 // An optional weight or bias as fp32 (nullptr when absent): in place when it already is contiguous fp32, else
 // converted into out.
-const float* to_fp32(const NormRef& t, int64_t D, float* out) {
+const float* to_fp32(const OptRef& t, int64_t D, float* out) {
   if (!t.has_value()) return nullptr;
   if (is_fp32_vector(*t, D)) return (*t).const_data_ptr<float>();
   vector_to_fp32(*t, D, out);
@@ -583,8 +578,8 @@ void check_out(const Tensor& out, const Tensor& qkv, int64_t width) {
 // Everything the kernel needs, from validated arguments. The TORCH_CHECKs only guard memory safety for
 // callers that reach torch.ops.qkvfuse.* directly; qkvfuse.ops validates with user-facing messages first.
 SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                    int64_t D, const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias,
-                    const NormRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
+                    int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
+                    const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
                     bool mrope_interleaved, float* weight_buffers) {
   const int64_t width = (hq + 2 * hkv) * D;
   TORCH_CHECK(hq >= 1 && hkv >= 1 && D >= 2 && D % 2 == 0 && D <= kMaxHeadDim,
@@ -674,8 +669,8 @@ void run(const SplitPlan& p, at::ScalarType dtype) {
 }
 
 void split_qkv_rmsnorm_rope_out_impl(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
-                                const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
+                                int64_t hkv, int64_t D, const OptRef& q_weight, const OptRef& k_weight,
+                                const OptRef& q_bias, const OptRef& k_bias, double eps, bool is_neox,
                                 c10::IntArrayRef mrope_section, bool mrope_interleaved, const Tensor& q_out,
                                 const Tensor& k_out, const Tensor& v_out) {
   alignas(64) float weights[4 * kMaxHeadDim];
@@ -687,7 +682,7 @@ void split_qkv_rmsnorm_rope_out_impl(const Tensor& qkv, const Tensor& positions,
 
 std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope_impl(
     const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv, int64_t D,
-    const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias, const NormRef& k_bias,
+    const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias, const OptRef& k_bias,
     double eps, bool is_neox, c10::IntArrayRef mrope_section, bool mrope_interleaved) {
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
@@ -701,8 +696,8 @@ std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope_impl(
 }
 
 void split_qkv_rmsnorm_rope_inplace_impl(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                    int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
-                                    const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
+                                    int64_t hkv, int64_t D, const OptRef& q_weight, const OptRef& k_weight,
+                                    const OptRef& q_bias, const OptRef& k_bias, double eps, bool is_neox,
                                     c10::IntArrayRef mrope_section, bool mrope_interleaved) {
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
@@ -747,7 +742,7 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
 
 bool float_dtype(const Tensor& t) { return is_float_type(t.scalar_type()); }
 
-bool valid_vector(const NormRef& t, int64_t D, at::ScalarType io) {
+bool valid_vector(const OptRef& t, int64_t D, at::ScalarType io) {
   return !t.has_value() || (t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == io) &&
                             t->dim() == 1 && t->size(0) == D);
 }
@@ -756,8 +751,8 @@ bool valid_vector(const NormRef& t, int64_t D, at::ScalarType io) {
 // the scalar arguments' types and values. False sends the caller to the Python validator, which raises the
 // user-facing error (or, should this predicate ever be stricter, runs the ordinary path).
 bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                   int64_t D, const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias,
-                   const NormRef& k_bias, double eps, c10::IntArrayRef section, bool mrope) {
+                   int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
+                   const OptRef& k_bias, double eps, c10::IntArrayRef section, bool mrope) {
   if (hq < 1 || hkv < 1 || D < 2 || D % 2 != 0 || D > kMaxHeadDim || !(eps >= 0.0 && eps < INFINITY)) return false;
   const int64_t width = (hq + 2 * hkv) * D;
   if (!qkv.device().is_cpu() || !float_dtype(qkv) || qkv.dim() != 2 || qkv.size(1) != width) return false;
@@ -790,7 +785,7 @@ bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cac
 // layout, and no overlap with any input or with each other, except an output that is exactly its own slice
 // of qkv (same pointer, shape and strides).
 bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                           const NormRef* const norm[4], int64_t hq, int64_t hkv, int64_t D, const Tensor* outs[3]) {
+                           const OptRef* const norm[4], int64_t hq, int64_t hkv, int64_t D, const Tensor* outs[3]) {
   const int64_t widths[3] = {hq * D, hkv * D, hkv * D}, offsets[3] = {0, hq * D, (hq + hkv) * D};
   const int64_t T = qkv.size(0);
   std::pair<intptr_t, intptr_t> inputs[7] = {span(qkv), span(positions), span(cache)};
@@ -824,8 +819,8 @@ bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Ten
 
 // The entry points of entry.h (declared there, with their contract).
 std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                  int64_t hkv, int64_t D, const NormRef& q_weight, const NormRef& k_weight,
-                                  const NormRef& q_bias, const NormRef& k_bias, double eps, bool is_neox,
+                                  int64_t hkv, int64_t D, const OptRef& q_weight, const OptRef& k_weight,
+                                  const OptRef& q_bias, const OptRef& k_bias, double eps, bool is_neox,
                                   c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
   if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
                      mrope)) {
@@ -837,15 +832,15 @@ std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, co
 }
 
 bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                       int64_t D, const NormRef& q_weight, const NormRef& k_weight, const NormRef& q_bias,
-                       const NormRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
+                       int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
+                       const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
                        bool mrope, bool mrope_interleaved, const Tensor& q_out, const Tensor& k_out,
                        const Tensor& v_out) {
   if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
                      mrope)) {
     return false;
   }
-  const NormRef* const norm[4] = {&q_weight, &k_weight, &q_bias, &k_bias};
+  const OptRef* const norm[4] = {&q_weight, &k_weight, &q_bias, &k_bias};
   const Tensor* outs[3] = {&q_out, &k_out, &v_out};
   if (!plainly_valid_outputs(qkv, positions, cache, norm, hq, hkv, D, outs)) return false;
   split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
@@ -854,9 +849,9 @@ bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor&
 }
 
 std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                                          int64_t hq, int64_t hkv, int64_t D, const NormRef& q_weight,
-                                          const NormRef& k_weight, const NormRef& q_bias,
-                                          const NormRef& k_bias, double eps, bool is_neox,
+                                          int64_t hq, int64_t hkv, int64_t D, const OptRef& q_weight,
+                                          const OptRef& k_weight, const OptRef& q_bias,
+                                          const OptRef& k_bias, double eps, bool is_neox,
                                           c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
   if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
                      mrope)) {
@@ -864,7 +859,7 @@ std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& posit
   }
   const auto target = span(qkv);
   if (overlap(target, span(positions)) || overlap(target, span(cache))) return {};
-  for (const NormRef* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
+  for (const OptRef* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
     if (t->has_value() && overlap(target, span(**t))) return {};
   }
   split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps,
