@@ -47,10 +47,10 @@ inline int64_t grain_items(int64_t elems_per_item) {
 constexpr int64_t kChunksPerThread = 8;
 
 // f(begin, end) over [0, n): on one thread when n is within `grain` items (or inside a parallel region),
-// otherwise on up to torch.get_num_threads() threads of at::parallel_for that take chunks of at least `grain`
-// items from a shared counter until none are left. A chunk at least `align` items long is a multiple of it
-// (a row of work items shares per-row setup). Callers compute every item independently of the others, so the
-// bits never depend on which thread ran which chunk.
+// otherwise on up to torch.get_num_threads() threads of at::parallel_for that take chunks from a shared
+// counter until none are left. `n` is a whole number of rows of `align` items (a row's items share per-row
+// setup), and chunks are whole rows unless all the work is less than a row per thread. Callers compute every
+// item independently of the others, so the bits never depend on which thread ran which chunk.
 template <typename F>
 void parallel_chunks(int64_t n, int64_t grain, int64_t align, const F& f) {
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
@@ -58,8 +58,19 @@ void parallel_chunks(int64_t n, int64_t grain, int64_t align, const F& f) {
     if (n > 0) f(0, n);
     return;
   }
-  int64_t chunk = std::max(grain, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
-  if (chunk >= align) chunk = (chunk + align - 1) / align * align;
+  // Each thread's share of whole rows, cut into at most kChunksPerThread chunks of about a grain or more:
+  // long runs of consecutive rows per chunk keep the hardware prefetchers streaming; a share that is a few
+  // grains long is cut evenly (grain-sized chunks of 6 rows over 2 threads would run 4 rows against 2).
+  // A single row (a decode token) is split evenly between the threads.
+  const int64_t rows = n / align;
+  int64_t chunk;
+  if (rows < threads) {
+    chunk = (n + threads - 1) / threads;
+  } else {
+    const int64_t share = (rows + threads - 1) / threads;
+    const int64_t pieces = std::min(kChunksPerThread, (share * align + grain - 1) / grain);
+    chunk = (share + pieces - 1) / pieces * align;
+  }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t b = next.fetch_add(chunk, std::memory_order_relaxed); b < n;
