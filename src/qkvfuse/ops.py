@@ -396,7 +396,10 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
 # while the registry still has that module loaded.
 _ENTRIES: Dict[Tuple[Optional[str], object], Tuple[str, object, object]] = {}
 _LOADED = _backends._loaded
-_is_compiling = torch.compiler.is_compiling  # bound once: it is called on every op call
+# Bound once: it is called on every op call. Dynamo folds it to True while tracing (the C entry would break the
+# graph); other tracers (export's non-strict mode, make_fx) pass fake tensors or run under a dispatch mode,
+# which the entry hands back to the dispatcher by itself.
+_is_compiling = torch.compiler.is_dynamo_compiling
 
 
 def _cpu_entry(backend: Optional[str]):
@@ -427,6 +430,48 @@ def _cpu_entry(backend: Optional[str]):
         return None
     entry = getattr(module, "entry", None) if name == "cpu" else None
     _ENTRIES[key] = (name, module, entry)
+    return entry
+
+
+class _Unbound:
+    """Stands in for the native entry until a call on plain CPU tensors resolves to the cpu backend; then
+    :func:`_bind_native` puts the entry itself in ``_NATIVE`` and later calls go straight to it."""
+
+    @staticmethod
+    def split(qkv, *rest):
+        entry = _bind_native(qkv, rest[-1])
+        return None if entry is None else entry.split(qkv, *rest)
+
+    @staticmethod
+    def split_inplace(qkv, *rest):
+        entry = _bind_native(qkv, rest[-1])
+        return None if entry is None else entry.split_inplace(qkv, *rest)
+
+    @staticmethod
+    def add_rmsnorm(x, *rest):
+        entry = _bind_native(x, rest[-1])
+        return None if entry is None else entry.add_rmsnorm(x, *rest)
+
+
+_NATIVE = _Unbound
+
+
+def _bind_native(first, backend):
+    """The native entry when this call (first tensor argument, ``backend`` argument) runs on the cpu backend,
+    after handing it what it needs to decide that by itself on later calls; else None.
+
+    Once bound, each public call costs one C call before the kernel: the entry checks the ``backend`` argument
+    and ``$QKVFUSE_BACKEND`` against the registry (``selects_this_backend`` in ``python_entry.cpp``) and the
+    tensors as :func:`_cpu_entry` describes. Only a CPU tensor loads the cpu backend (a CUDA user's first call
+    builds nothing).
+    """
+    global _NATIVE
+    if type(first) is not torch.Tensor or first.device.type != "cpu":
+        return None
+    entry = _cpu_entry(backend)
+    if entry is not None and isinstance(_ENV_DATA, dict):
+        entry.bind(_ENV_DATA, _ENV_KEY, _LOADED, _ENTRIES[(backend, _ENV_DATA.get(_ENV_KEY))][1])
+        _NATIVE = entry
     return entry
 
 
@@ -494,13 +539,11 @@ def split_qkv_rmsnorm_rope(
         All arithmetic is fp32 with one rounding at the end. NaN/Inf inputs propagate (a NaN in a head makes
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
     """
-    if type(qkv) is torch.Tensor and not _is_compiling():
-        entry = _cpu_entry(backend)
-        if entry is not None:
-            fast = entry.split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
-                               k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, out)
-            if fast is not None:
-                return fast
+    if not _is_compiling():
+        fast = _NATIVE.split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
+                             q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, out, backend)
+        if fast is not None:
+            return fast
     T, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)
@@ -553,14 +596,12 @@ def split_qkv_rmsnorm_rope_(
     ``q = qkv[:, :Hq*D]``, ``k = qkv[:, Hq*D:(Hq+Hkv)*D]``, ``v = qkv[:, (Hq+Hkv)*D:]`` (row stride = qkv's);
     V is left untouched.
     """
-    if type(qkv) is torch.Tensor and not _is_compiling():
-        entry = _cpu_entry(backend)
-        if entry is not None:
-            fast = entry.split_inplace(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
-                                       q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
-                                       mrope_interleaved)
-            if fast is not None:
-                return fast
+    if not _is_compiling():
+        fast = _NATIVE.split_inplace(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
+                                     k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved,
+                                     backend)
+        if fast is not None:
+            return fast
     _, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
                                        q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
                                        mrope_interleaved)
@@ -618,12 +659,10 @@ def add_rmsnorm(
         when ``residual`` is None) and ``y = residual_out * rsqrt(mean(residual_out^2) + eps) * weight (+ bias)``
         computed in fp32 and rounded once.
     """
-    if type(x) is torch.Tensor and not _is_compiling():
-        entry = _cpu_entry(backend)
-        if entry is not None:
-            fast = entry.add_rmsnorm(x, residual, weight, eps, bias, out)
-            if fast is not None:
-                return fast
+    if not _is_compiling():
+        fast = _NATIVE.add_rmsnorm(x, residual, weight, eps, bias, out, backend)
+        if fast is not None:
+            return fast
     eps = _validate_norm(x, residual, weight, bias, eps)
     name, kernel = _kernel(backend, x.device, "add_rmsnorm_out")
     if out is None and kernel is torch.ops.qkvfuse.add_rmsnorm_out:

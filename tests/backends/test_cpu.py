@@ -416,6 +416,48 @@ def test_fast_entry_leaves_observed_and_unusual_calls_to_the_dispatcher():
         assert all(torch.equal(a, b) for a, b in zip(expected, result))
 
 
+def test_bound_entry_follows_the_backend_argument_the_environment_and_the_registry(monkeypatch):
+    """Once bound, the public functions call the entry with their ``backend`` argument and it decides by itself
+    whether the call is the cpu backend's: ``"cpu"``/``"auto"``, or None with ``$QKVFUSE_BACKEND`` unset, empty,
+    ``cpu`` or ``auto``. Any other choice (the reference backend, a bad name: the validating path says why), or
+    a registry whose "cpu" is no longer this module, returns None."""
+    import qkvfuse.backends as registry
+    import qkvfuse.backends.cpu as cpu
+    from qkvfuse import ops
+
+    kwargs = make_split_inputs(SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32))
+    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs)  # a plain CPU call: binds the entry
+    assert ops._NATIVE is cpu.entry
+
+    def taken(backend):
+        k = kwargs
+        got = cpu.entry.split(k["qkv"], k["positions"], k["cos_sin_cache"], k["num_q_heads"], k["num_kv_heads"],
+                              k["head_dim"], k.get("q_weight"), k.get("k_weight"), k.get("q_bias"), k.get("k_bias"),
+                              k["eps"], k["is_neox"], k["mrope_section"], k["mrope_interleaved"], None, backend)
+        if got is not None:
+            assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        return got is not None
+
+    monkeypatch.delenv("QKVFUSE_BACKEND", raising=False)
+    assert taken(None) and taken("cpu") and taken("auto")
+    assert not taken("reference") and not taken("triton") and not taken("CPU") and not taken(1)
+    for value, expect in (("", True), ("cpu", True), ("auto", True), ("reference", False), ("nonsense", False)):
+        monkeypatch.setenv("QKVFUSE_BACKEND", value)
+        assert taken(None) is expect, value
+        assert taken("cpu")  # the argument wins over the environment
+    monkeypatch.setenv("QKVFUSE_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="^QKVFUSE_BACKEND"):
+        qkvfuse.split_qkv_rmsnorm_rope(**kwargs)
+    monkeypatch.delenv("QKVFUSE_BACKEND")
+    with monkeypatch.context() as m:
+        m.setitem(registry._loaded, "cpu", object())  # another module registered as "cpu"
+        assert not taken(None) and not taken("cpu")
+    assert taken(None)
+
+    meta = torch.empty(3, 4, device="meta")
+    assert ops._bind_native(meta, None) is None  # a non-CPU tensor never loads (or builds) the cpu backend
+
+
 def test_specialised_bf16_rounding_is_round_to_nearest_even():
     """The specialised path's bf16 packing (Bf16Block::pack_rne, 16-bit word arithmetic) against torch's
     ``.to(torch.bfloat16)``: every tie and near-tie pattern of the dropped half with both parities of the kept

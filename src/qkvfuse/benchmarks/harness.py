@@ -8,7 +8,7 @@ For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_r
   shape; the first call (the compile) is reported apart;
 * ``reference`` -- qkvfuse's reference backend through the public op (``out=``);
 * ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
-  dispatch included; skipped, with the reason, where it is unavailable;
+  dispatch included, called as a caller's source calls it (geometry positional, options by keyword); skipped, with the reason, where it is unavailable;
 * ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for plain CPU tensors, called
   directly: the native library's Python entry (``backends/cpu/python_entry.cpp``: its C++ checks and the
   kernel). Its gap to ``qkvfuse cpu [out=]`` is the cost of the Python function around it;
@@ -198,6 +198,30 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
     return rows
 
 
+def _public_split_call(kw: Dict[str, object], out: Optional[Tuple[torch.Tensor, ...]], backend: str) -> Callable:
+    """The public op called the way an engine's source calls it: geometry positional, options by keyword.
+    (``functools.partial(op, **kw)`` would copy its keyword dict on every call, ~0.2 us that no caller pays.)"""
+    qkv, positions, cache, hq, hkv, D = (kw[k] for k in ("qkv", "positions", "cos_sin_cache", "num_q_heads",
+                                                          "num_kv_heads", "head_dim"))
+    q_weight, k_weight, q_bias, k_bias = (kw.get(k) for k in ("q_weight", "k_weight", "q_bias", "k_bias"))
+    eps, is_neox, section, interleaved = (kw[k] for k in ("eps", "is_neox", "mrope_section", "mrope_interleaved"))
+
+    def call():
+        return split_qkv_rmsnorm_rope(qkv, positions, cache, hq, hkv, D, q_weight=q_weight, k_weight=k_weight,
+                                      q_bias=q_bias, k_bias=k_bias, eps=eps, is_neox=is_neox, mrope_section=section,
+                                      mrope_interleaved=interleaved, out=out, backend=backend)
+    return call
+
+
+def _public_norm_call(kw: Dict[str, object], out: Optional[Tuple[torch.Tensor, ...]], backend: str) -> Callable:
+    """:func:`_public_split_call` for ``add_rmsnorm``."""
+    x, residual, weight, eps, bias = kw["x"], kw["residual"], kw["weight"], kw["eps"], kw.get("bias")
+
+    def call():
+        return add_rmsnorm(x, residual, weight, eps, bias, out, backend=backend)
+    return call
+
+
 def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
     """The native library's own entry (``backends/cpu/python_entry.cpp``), which the public op calls for plain
     CPU tensors: checks and kernel, without the Python function around them."""
@@ -215,7 +239,8 @@ def _raw_norm_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Call
 def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable], public: Callable,
                 kws: Sequence[dict], outputs: Sequence[tuple], raw: Optional[Callable] = None) -> List[Candidate]:
     """The implementations of one op over buffer sets ``kws`` (keyword arguments) with their ``out=`` tuples;
-    ``raw(kw, out)`` builds a direct call of the cpu kernel (given where dispatch cost matters: small T)."""
+    ``public(kw, out, backend)`` builds a call of the public op, ``raw(kw, out)`` a direct call of the cpu
+    kernel (given where dispatch cost matters: small T)."""
     cands = []
     if EAGER in cfg.impls:
         cands.append(Candidate(EAGER, "fresh", [functools.partial(unfused, **kw) for kw in kws]))
@@ -224,10 +249,9 @@ def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable
     for impl, backend in ((REFERENCE, "reference"), (CPU, "cpu")):
         if impl not in cfg.impls or (impl == CPU and cfg.cpu_reason):
             continue
-        cands.append(Candidate(impl, "out=", [functools.partial(public, **kw, out=o, backend=backend)
-                                              for kw, o in zip(kws, outputs)]))
+        cands.append(Candidate(impl, "out=", [public(kw, o, backend) for kw, o in zip(kws, outputs)]))
         if impl == CPU:  # the reference's own fp32 temporaries dwarf its outputs: its fresh row says nothing new
-            cands.append(Candidate(impl, "fresh", [functools.partial(public, **kw, backend=backend) for kw in kws]))
+            cands.append(Candidate(impl, "fresh", [public(kw, None, backend) for kw in kws]))
         if impl == CPU and raw is not None:
             cands.append(Candidate(CPU_RAW, "out=", [raw(kw, o) for kw, o in zip(kws, outputs)]))
     return cands
@@ -265,7 +289,7 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
 
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
-        return _candidates(cfg, unfused_split, compiled, split_qkv_rmsnorm_rope, sets[:n], outs[:n],
+        return _candidates(cfg, unfused_split, compiled, _public_split_call, sets[:n], outs[:n],
                            _raw_split_call if T <= ROTATE_MAX_T else None), copies
 
     return _rows(cfg, "split_qkv_rmsnorm_rope", preset.name, split_mode(preset), dtype, T, candidates_for, n_sets,
@@ -294,7 +318,7 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
 
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
-        return _candidates(cfg, unfused_add_rmsnorm, compiled, add_rmsnorm, sets[:n], outs[:n],
+        return _candidates(cfg, unfused_add_rmsnorm, compiled, _public_norm_call, sets[:n], outs[:n],
                            _raw_norm_call if T <= ROTATE_MAX_T else None), copies
 
     return _rows(cfg, "add_rmsnorm", shape, "residual, fp32 weight", dtype, T, candidates_for, n_sets, nbytes,

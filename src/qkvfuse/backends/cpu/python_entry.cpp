@@ -21,6 +21,7 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstring>
 #include <vector>
 
 namespace qkvfuse_cpu {
@@ -80,6 +81,60 @@ bool number_arg(PyObject* o, double* out) {
   if (!int_arg(o, &i)) return false;
   *out = static_cast<double>(i);
   return true;
+}
+
+// Whether a call's `backend` argument selects this library, as qkvfuse.backends.resolve_backend would for a
+// CPU tensor: "cpu" or "auto", or None with $QKVFUSE_BACKEND unset, empty, "cpu" or "auto" -- and the
+// registry still has this library's backend module loaded as "cpu" (register_backend may have replaced it).
+// bind() gives the objects it reads: os.environ's own mapping and encoded key (so the variable is read as
+// os.environ holds it, about 20 ns), the registry's dict of loaded backends, and the backend module. Until
+// bind() runs, or for anything unusual, the answer is no and the call takes the ordinary path.
+struct Binding {
+  PyObject* env_data = nullptr;  // os.environ._data (a dict), strong reference
+  PyObject* env_key = nullptr;   // os.environ.encodekey("QKVFUSE_BACKEND")
+  PyObject* loaded = nullptr;    // qkvfuse.backends._loaded
+  PyObject* module = nullptr;    // qkvfuse.backends.cpu
+  PyObject* cpu = nullptr;       // interned "cpu"
+} g_binding;
+
+bool names_this_backend(PyObject* name, bool env) {
+  if (env && PyBytes_CheckExact(name)) {
+    const char* v = PyBytes_AS_STRING(name);
+    return v[0] == '\0' || std::strcmp(v, "cpu") == 0 || std::strcmp(v, "auto") == 0;
+  }
+  if (!PyUnicode_CheckExact(name)) return false;
+  return (env && PyUnicode_GET_LENGTH(name) == 0) || PyUnicode_CompareWithASCIIString(name, "cpu") == 0 ||
+         PyUnicode_CompareWithASCIIString(name, "auto") == 0;
+}
+
+bool selects_this_backend(PyObject* backend) {
+  const Binding& b = g_binding;
+  if (b.module == nullptr) return false;
+  if (backend == Py_None) {
+    PyObject* env = PyDict_GetItemWithError(b.env_data, b.env_key);  // borrowed
+    if (env == nullptr && PyErr_Occurred()) return false;
+    if (env != nullptr && !names_this_backend(env, true)) return false;
+  } else if (!names_this_backend(backend, false)) {
+    return false;
+  }
+  PyObject* loaded = PyDict_GetItemWithError(b.loaded, b.cpu);
+  return loaded == b.module;
+}
+
+// bind(env_data, env_key, loaded, module) -> None
+PyObject* bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "bind(env_data: dict, env_key, loaded: dict, module)");
+    return nullptr;
+  }
+  PyObject* cpu = PyUnicode_InternFromString("cpu");
+  if (cpu == nullptr) return nullptr;
+  Binding next{args[0], args[1], args[2], args[3], cpu};
+  for (PyObject* o : {next.env_data, next.env_key, next.loaded, next.module}) Py_INCREF(o);
+  Binding old = g_binding;
+  g_binding = next;
+  for (PyObject* o : {old.env_data, old.env_key, old.loaded, old.module, old.cpu}) Py_XDECREF(o);
+  Py_RETURN_NONE;
 }
 
 struct SplitArgs {
@@ -149,11 +204,16 @@ PyObject* wrap_all(std::vector<at::Tensor>&& ts) {
 }
 
 // split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias, k_bias,
-//       eps, is_neox, mrope_section, mrope_interleaved, out) -> (q, k, v) or None
-// `out` is None (fresh outputs) or a tuple/list of three tensors (returned as a tuple).
+//       eps, is_neox, mrope_section, mrope_interleaved, out[, backend]) -> (q, k, v) or None
+// `out` is None (fresh outputs) or a tuple/list of three tensors (returned as a tuple). With `backend` (the
+// public function's argument) the call is taken only when it selects this library (selects_this_backend);
+// without it the caller has chosen the library itself.
 PyObject* split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != kSplitArgs + 1) Py_RETURN_NONE;
+  if (nargs != kSplitArgs + 1 && !(nargs == kSplitArgs + 2 && selects_this_backend(args[kSplitArgs + 1]))) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   SplitArgs s;
   if (!parse_split(args, s)) {
     PyErr_Clear();
@@ -189,10 +249,13 @@ PyObject* split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// split_inplace(<the 14 arguments of split>) -> (q, k, v) views of qkv, or None
+// split_inplace(<the 14 arguments of split>[, backend]) -> (q, k, v) views of qkv, or None
 PyObject* split_inplace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != kSplitArgs) Py_RETURN_NONE;
+  if (nargs != kSplitArgs && !(nargs == kSplitArgs + 1 && selects_this_backend(args[kSplitArgs]))) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   SplitArgs s;
   if (!parse_split(args, s)) {
     PyErr_Clear();
@@ -206,12 +269,15 @@ PyObject* split_inplace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// add_rmsnorm(x, residual, weight, eps, bias, out) -> (y, residual_out) or None, residual_out being x itself
-// without a residual. `out` is None or a tuple/list (y_out, residual_out); residual_out is ignored without a
-// residual, as qkvfuse.ops.add_rmsnorm ignores it.
+// add_rmsnorm(x, residual, weight, eps, bias, out[, backend]) -> (y, residual_out) or None, residual_out being
+// x itself without a residual. `out` is None or a tuple/list (y_out, residual_out); residual_out is ignored
+// without a residual, as qkvfuse.ops.add_rmsnorm ignores it.
 PyObject* add_rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 6) Py_RETURN_NONE;
+  if (nargs != 6 && !(nargs == 7 && selects_this_backend(args[6]))) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
   const at::Tensor *x = nullptr, *weight = nullptr;
   at::OptionalTensorRef residual, bias;
   double eps = 0.0;
@@ -249,6 +315,8 @@ PyMethodDef g_methods[] = {
      "Fast path of qkvfuse.ops.split_qkv_rmsnorm_rope_ for CPU tensors: views of qkv, or None (not taken)."},
     {"add_rmsnorm", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&add_rmsnorm)), METH_FASTCALL,
      "Fast path of qkvfuse.ops.add_rmsnorm for CPU tensors: (y, residual_out), or None (not taken)."},
+    {"bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&bind)), METH_FASTCALL,
+     "bind(env_data, env_key, loaded, module): what a call's backend argument is checked against."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace
