@@ -485,6 +485,34 @@ def test_specialised_bf16_rounding_is_round_to_nearest_even():
     assert torch.equal(got[~nan].view(torch.int16), expected[~nan].view(torch.int16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", ["weight inf", "weight nan", "bias nan", "huge finite pair"])
+def test_add_rmsnorm_nonfinite_weights_take_the_nan_safe_rows(dtype, bad):
+    """The bf16 lane-order rows need finite weights and bias (their rounding skips the NaN fix-up); the check
+    is folded into the per-call lane-order conversion. A non-finite value sends the call to the generic rows,
+    whose results must match the reference element for element, NaNs included; two huge finite weights whose
+    sum overflows must not count as non-finite (same results either way, but no needless slow path)."""
+    H = 64
+    kw = make_norm_inputs(4, H, dtype, residual=True, bias=bad.startswith("bias"), seed=3)
+    weight = kw["weight"].clone()
+    bias = kw.get("bias")
+    if bad == "weight inf":
+        weight[5] = float("inf")
+    elif bad == "weight nan":
+        weight[6] = float("nan")
+    elif bad == "bias nan":
+        bias = bias.clone()
+        bias[7] = float("nan")
+    else:
+        weight[8:10] = 3e38
+    kw = dict(kw, weight=weight, bias=bias)
+    got = qkvfuse.add_rmsnorm(**kw, backend="cpu")
+    expected = qkvfuse.add_rmsnorm(**kw, backend="reference")
+    for g, e in zip(got, expected):
+        assert torch.equal(torch.isnan(g), torch.isnan(e))
+        torch.testing.assert_close(g, e, equal_nan=True, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
     """A token whose cos/sin row holds a NaN takes the NaN-safe stores (ATen's converter); the same token with a

