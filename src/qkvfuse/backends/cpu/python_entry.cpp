@@ -121,6 +121,12 @@ bool selects_this_backend(PyObject* backend) {
   return loaded == b.module;
 }
 
+// A call of `fixed` arguments, or of those and then the public function's `backend` argument when it selects
+// this library.
+bool takes(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t fixed) {
+  return nargs == fixed || (nargs == fixed + 1 && selects_this_backend(args[fixed]));
+}
+
 // bind(env_data, env_key, loaded, module) -> None
 PyObject* bind(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[2])) {
@@ -210,12 +216,8 @@ PyObject* wrap_all(std::vector<at::Tensor>&& ts) {
 // without it the caller has chosen the library itself.
 PyObject* split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != kSplitArgs + 1 && !(nargs == kSplitArgs + 2 && selects_this_backend(args[kSplitArgs + 1]))) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
   SplitArgs s;
-  if (!parse_split(args, s)) {
+  if (!takes(args, nargs, kSplitArgs + 1) || !parse_split(args, s)) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
@@ -252,12 +254,8 @@ PyObject* split(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // split_inplace(<the 14 arguments of split>[, backend]) -> (q, k, v) views of qkv, or None
 PyObject* split_inplace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != kSplitArgs && !(nargs == kSplitArgs + 1 && selects_this_backend(args[kSplitArgs]))) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
   SplitArgs s;
-  if (!parse_split(args, s)) {
+  if (!takes(args, nargs, kSplitArgs) || !parse_split(args, s)) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
@@ -274,14 +272,10 @@ PyObject* split_inplace(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // without a residual, as qkvfuse.ops.add_rmsnorm ignores it.
 PyObject* add_rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 6 && !(nargs == 7 && selects_this_backend(args[6]))) {
-    PyErr_Clear();
-    Py_RETURN_NONE;
-  }
   const at::Tensor *x = nullptr, *weight = nullptr;
   at::OptionalTensorRef residual, bias;
   double eps = 0.0;
-  if (!tensor_arg(args[0], &x) || !optional_tensor_arg(args[1], &residual) || !tensor_arg(args[2], &weight) ||
+  if (!takes(args, nargs, 6) || !tensor_arg(args[0], &x) || !optional_tensor_arg(args[1], &residual) || !tensor_arg(args[2], &weight) ||
       !number_arg(args[3], &eps) || !optional_tensor_arg(args[4], &bias) || !no_observers()) {
     PyErr_Clear();
     Py_RETURN_NONE;
