@@ -8,7 +8,8 @@ For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_r
   shape; the first call (the compile) is reported apart;
 * ``reference`` -- qkvfuse's reference backend through the public op (``out=``);
 * ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
-  dispatch included, called as a caller's source calls it (geometry positional, options by keyword); skipped, with the reason, where it is unavailable;
+  dispatch included, called as a caller's source calls it (geometry positional, options by keyword); skipped,
+  with the reason, where it is unavailable;
 * ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for plain CPU tensors, called
   directly: the native library's Python entry (``backends/cpu/python_entry.cpp``: its C++ checks and the
   kernel). Its gap to ``qkvfuse cpu [out=]`` is the cost of the Python function around it;

@@ -275,8 +275,9 @@ PyObject* add_rmsnorm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const at::Tensor *x = nullptr, *weight = nullptr;
   at::OptionalTensorRef residual, bias;
   double eps = 0.0;
-  if (!takes(args, nargs, 6) || !tensor_arg(args[0], &x) || !optional_tensor_arg(args[1], &residual) || !tensor_arg(args[2], &weight) ||
-      !number_arg(args[3], &eps) || !optional_tensor_arg(args[4], &bias) || !no_observers()) {
+  if (!takes(args, nargs, 6) || !tensor_arg(args[0], &x) || !optional_tensor_arg(args[1], &residual) ||
+      !tensor_arg(args[2], &weight) || !number_arg(args[3], &eps) || !optional_tensor_arg(args[4], &bias) ||
+      !no_observers()) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
