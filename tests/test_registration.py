@@ -82,6 +82,33 @@ def test_compiled_in_place_variant(backend):
     torch.testing.assert_close(work[:, hq * d : (hq + hkv) * d], expected[1], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_torch_export_keeps_the_ops(backend, strict):
+    """``torch.export`` (strict: through dynamo; non-strict: Python run on fake tensors under a tracing mode)
+    records the cpu backend's qkvfuse ops, not the native fast path's result (the reference backend is plain
+    aten ops, recorded as such), and the exported program matches eager."""
+    if backend == "triton":
+        pytest.skip("Triton on CPU tensors runs under the interpreter, outside torch.export")
+    kw = make_split_inputs(MROPE)
+    qkvfuse.split_qkv_rmsnorm_rope(**kw, backend=backend)  # an eager call first (binds the cpu entry)
+
+    class Prepare(torch.nn.Module):
+        def forward(self, qkv, positions, cache, q_weight, k_weight):
+            q, k, v = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cache, 2, 1, 64, q_weight=q_weight,
+                                                     k_weight=k_weight, mrope_section=(12, 10, 10),
+                                                     mrope_interleaved=True, backend=backend)
+            y, _ = qkvfuse.add_rmsnorm(q, None, q_weight.repeat(2), backend=backend)
+            return q, k, v, y
+
+    args = (kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw["q_weight"], kw["k_weight"])
+    program = torch.export.export(Prepare(), args, strict=strict)
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    if backend == "cpu":
+        assert {"qkvfuse.split_qkv_rmsnorm_rope.default", "qkvfuse.add_rmsnorm.default"} <= targets
+    for got, want in zip(program.module()(*args), Prepare()(*args)):
+        assert torch.equal(got, want)
+
+
 def test_unknown_backend_is_a_clear_error(monkeypatch):
     kw = make_split_inputs(CASE)
     with pytest.raises(ValueError, match="backend"):
