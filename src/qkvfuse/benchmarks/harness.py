@@ -199,13 +199,18 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
     return rows
 
 
+def _split_args(kw: Dict[str, object]) -> list:
+    """The split's 14 leading arguments (public function order) from one buffer set's keyword arguments."""
+    return ([kw[k] for k in ("qkv", "positions", "cos_sin_cache", "num_q_heads", "num_kv_heads", "head_dim")]
+            + [kw.get(k) for k in ("q_weight", "k_weight", "q_bias", "k_bias")]
+            + [kw[k] for k in ("eps", "is_neox", "mrope_section", "mrope_interleaved")])
+
+
 def _public_split_call(kw: Dict[str, object], out: Optional[Tuple[torch.Tensor, ...]], backend: str) -> Callable:
     """The public op called the way an engine's source calls it: geometry positional, options by keyword.
     (``functools.partial(op, **kw)`` would copy its keyword dict on every call, ~0.2 us that no caller pays.)"""
-    qkv, positions, cache, hq, hkv, D = (kw[k] for k in ("qkv", "positions", "cos_sin_cache", "num_q_heads",
-                                                          "num_kv_heads", "head_dim"))
-    q_weight, k_weight, q_bias, k_bias = (kw.get(k) for k in ("q_weight", "k_weight", "q_bias", "k_bias"))
-    eps, is_neox, section, interleaved = (kw[k] for k in ("eps", "is_neox", "mrope_section", "mrope_interleaved"))
+    qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox, section, interleaved = (
+        _split_args(kw))
 
     def call():
         return split_qkv_rmsnorm_rope(qkv, positions, cache, hq, hkv, D, q_weight=q_weight, k_weight=k_weight,
@@ -226,10 +231,7 @@ def _public_norm_call(kw: Dict[str, object], out: Optional[Tuple[torch.Tensor, .
 def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
     """The native library's own entry (``backends/cpu/python_entry.cpp``), which the public op calls for plain
     CPU tensors: checks and kernel, without the Python function around them."""
-    args = [kw[k] for k in ("qkv", "positions", "cos_sin_cache", "num_q_heads", "num_kv_heads", "head_dim")]
-    args += [kw.get(k) for k in ("q_weight", "k_weight", "q_bias", "k_bias")]
-    args += [kw["eps"], kw["is_neox"], kw["mrope_section"], kw["mrope_interleaved"], tuple(out)]
-    return functools.partial(_cpu_entry("cpu").split, *args)
+    return functools.partial(_cpu_entry("cpu").split, *_split_args(kw), tuple(out))
 
 
 def _raw_norm_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:

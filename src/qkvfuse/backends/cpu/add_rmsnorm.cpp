@@ -166,10 +166,10 @@ bool run_norm_bf16(NormPlan p) {
   thread_local std::vector<float> lane;
   const size_t need = static_cast<size_t>(p.H) * (p.b != nullptr ? 2 : 1);
   if (lane.size() < need) lane.resize(need);
-  bool finite = to_lane_order_finite(p.w, lane.data(), p.H);
+  bool finite = to_lane_order(p.w, lane.data(), p.H);
   p.w = lane.data();
   if (p.b != nullptr) {
-    finite = to_lane_order_finite(p.b, lane.data() + p.H, p.H) && finite;
+    finite = to_lane_order(p.b, lane.data() + p.H, p.H) && finite;
     p.b = lane.data() + p.H;
   }
   if (!finite) return false;

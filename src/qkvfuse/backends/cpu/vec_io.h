@@ -189,22 +189,14 @@ struct Io<c10::Half> : Io16<c10::Half> {};
 // without a lane shuffle -- even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back
 // with word blends, so fp32 tables used with it (weights, cos/sin) are kept in the same order.
 // Lane order of 16 consecutive values: the 8 even ones, then the 8 odd ones.
-inline void to_lane_order(const float* src, float* dst, int64_t n) {  // n: a multiple of 16
+// Returns whether every value is finite (callers converting a weight need both: one pass instead of two).
+inline bool to_lane_order(const float* src, float* dst, int64_t n) {  // n: a multiple of 16
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 probe = zero;  // x * 0 is 0 for finite x, NaN for an infinity or a NaN
   for (int64_t i = 0; i < n; i += 16) {
     const auto [even, odd] = at::vec::deinterleave2(fVec::loadu(src + i), fVec::loadu(src + i + kF));
     even.store(dst + i);
     odd.store(dst + i + kF);
-  }
-}
-
-// to_lane_order that also says whether every value is finite (one pass over a weight instead of two).
-inline bool to_lane_order_finite(const float* src, float* dst, int64_t n) {  // n: a multiple of 16
-  __m256 probe = _mm256_setzero_ps();  // x * 0 is 0 for finite x, NaN for an infinity or a NaN
-  for (int64_t i = 0; i < n; i += 16) {
-    const auto [even, odd] = at::vec::deinterleave2(fVec::loadu(src + i), fVec::loadu(src + i + kF));
-    even.store(dst + i);
-    odd.store(dst + i + kF);
-    const __m256 zero = _mm256_setzero_ps();
     probe = _mm256_add_ps(probe, _mm256_add_ps(_mm256_mul_ps(even, zero), _mm256_mul_ps(odd, zero)));
   }
   return _mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q)) == 0;
