@@ -392,9 +392,6 @@ def _kernel(backend: Optional[str], device: torch.device, op: str):
     return name, kernel
 
 
-# (backend argument, raw $QKVFUSE_BACKEND) -> (resolved name, its module, the cpu entry or None); an entry holds
-# while the registry still has that module loaded.
-_ENTRIES: Dict[Tuple[Optional[str], object], Tuple[str, object, object]] = {}
 _LOADED = _backends._loaded
 # Bound once: it is called on every op call. Dynamo folds it to True while tracing (the C entry would break the
 # graph); other tracers (export's non-strict mode, make_fx) pass fake tensors or run under a dispatch mode,
@@ -417,20 +414,11 @@ def _cpu_entry(backend: Optional[str]):
     validates as usual and raises the usual errors. Out-of-range positions raise from the kernel, as on the
     ordinary path.
     """
-    key = (backend, _ENV_DATA.get(_ENV_KEY))
     try:
-        hit = _ENTRIES[key]
-        if _LOADED.get(hit[0]) is hit[1]:
-            return hit[2]
-    except (KeyError, TypeError):  # first call with this key, or an unhashable backend argument
-        pass
-    try:
-        name, _, module = _resolved(backend, "cpu", "split_qkv_rmsnorm_rope_out")
+        name, _, module = _resolved(backend, "cpu", "split_qkv_rmsnorm_rope_out")  # cached by _resolved
     except (TypeError, ValueError, RuntimeError):  # a bad backend argument: the validating path says why
         return None
-    entry = getattr(module, "entry", None) if name == "cpu" else None
-    _ENTRIES[key] = (name, module, entry)
-    return entry
+    return getattr(module, "entry", None) if name == "cpu" else None
 
 
 class _Unbound:
@@ -470,7 +458,7 @@ def _bind_native(first, backend):
         return None
     entry = _cpu_entry(backend)
     if entry is not None and isinstance(_ENV_DATA, dict):
-        entry.bind(_ENV_DATA, _ENV_KEY, _LOADED, _ENTRIES[(backend, _ENV_DATA.get(_ENV_KEY))][1])
+        entry.bind(_ENV_DATA, _ENV_KEY, _LOADED, _LOADED["cpu"])
         _NATIVE = entry
     return entry
 

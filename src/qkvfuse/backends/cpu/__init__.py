@@ -46,8 +46,9 @@ _CAPABILITY_FLAGS = {
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall"]
 
 _state: Optional[Tuple[bool, str]] = None
-# The library as a Python module once loaded: its ``split`` / ``split_inplace`` are the fast path of
-# qkvfuse.ops for CPU tensors (python_entry.cpp).
+# The library as a Python module once loaded: its ``split`` / ``split_inplace`` / ``add_rmsnorm`` are the fast
+# path of qkvfuse.ops for CPU tensors, ``bind`` what they check a call's backend choice against
+# (python_entry.cpp).
 entry = None
 
 
