@@ -17,6 +17,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
+	$(PY) -m qkvfuse build
 	$(PY) -m qkvfuse verify
 	$(PY) -m qkvfuse bench --quick
 
@@ -27,10 +28,18 @@ bench: $(STAMP)
 	$(PY) -m qkvfuse bench
 
 test: $(STAMP)
+	$(PY) -m qkvfuse build
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q
 
 test-slow: $(STAMP)
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
+# The native library's cache: the rule of qkvfuse.backends.cpu.build.cache_root(). Only the entries qkvfuse
+# made are removed (the libraries, their locks and build folders, and the older cpp_extension folders), then the
+# folder if that leaves it empty -- never the folder itself, which QKVFUSE_BUILD_DIR may point anywhere.
 clean:
+	@root="$${QKVFUSE_BUILD_DIR:-$${TORCH_EXTENSIONS_DIR:+$$TORCH_EXTENSIONS_DIR/qkvfuse}}"; \
+	root="$${root:-$${XDG_CACHE_HOME:-$$HOME/.cache}/qkvfuse}"; \
+	echo "rm -rf $$root/qkvfuse_cpu_* $$root/torch*-py*"; \
+	rm -rf "$$root"/qkvfuse_cpu_* "$$root"/torch*-py*; rmdir "$$root" 2>/dev/null || true
 	rm -rf $(VENV) build .qkvfuse_build src/*.egg-info
