@@ -1,4 +1,4 @@
-"""``python -m qkvfuse {verify,bench}``: check and measure qkvfuse on this machine."""
+"""``python -m qkvfuse {verify,bench,build}``: check and measure qkvfuse on this machine."""
 
 from __future__ import annotations
 
@@ -27,7 +27,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.add_argument("--hidden", action="append", type=int, help="add_rmsnorm hidden sizes (default 4096, 5120)")
     bench.add_argument("--seconds", type=float, help="about this many seconds per measurement (rounds adapt)")
     bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
+    sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
+                                 "then print its path")
     args = parser.parse_args(argv)
+    if args.command == "build":
+        try:
+            from ..backends.cpu import prebuild
+
+            print(prebuild())
+        except Exception as exc:  # the reason in one line (the build's own stderr lines say the rest)
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            print(f"qkvfuse build: {lines[0] if lines else type(exc).__name__}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "verify":
         from .verify import run_verify
 
