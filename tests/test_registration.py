@@ -5,7 +5,9 @@ import torch
 from torch.library import opcheck
 
 import qkvfuse
-from qkvfuse.testing import SplitCase, make_split_inputs
+from qkvfuse._library import decode_rope, encode_rope
+from qkvfuse.backends import get_backend, select_overload
+from qkvfuse._verify import SplitCase, make_split_inputs
 
 CASE = SplitCase(T=5, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.float32, bias=True)
 MROPE = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64, dtype=torch.bfloat16,
@@ -13,31 +15,57 @@ MROPE = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64
 
 
 def _op_args(case):
+    """The split schema's arguments (qkvfuse._library): head_dim implied by qkv, the rope layout as one int."""
     kw = make_split_inputs(case)
-    return (kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw["num_q_heads"], kw["num_kv_heads"], kw["head_dim"],
-            kw.get("q_weight"), kw.get("k_weight"), kw.get("q_bias"), kw.get("k_bias"), kw["eps"], kw["is_neox"],
-            list(kw["mrope_section"] or []), kw["mrope_interleaved"])
+    rope = encode_rope(kw["is_neox"], kw["mrope_section"] or (), kw["mrope_interleaved"])
+    return (kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw.get("q_weight"), kw.get("k_weight"),
+            kw.get("q_bias"), kw.get("k_bias"), kw["num_q_heads"], kw["num_kv_heads"], kw["eps"], rope)
+
+
+def _overload(op: str, backend: str):
+    return getattr(getattr(torch.ops.qkvfuse, op), select_overload(backend, "cpu"))
 
 
 @pytest.mark.parametrize("case", [CASE, MROPE], ids=["rope", "mrope"])
-def test_opcheck_split_ops(case):
+def test_opcheck_split_ops(case, backend):
+    """opcheck (schema, fake kernel, aliasing, autograd registration) of the overload each backend runs, on its
+    own kernel: the cpu backend's native kernels, the reference, Triton under the interpreter."""
     args = _op_args(case)
-    opcheck(torch.ops.qkvfuse.split_qkv_rmsnorm_rope.default, args)
+    if backend == "triton":  # the interpreter copies through numpy: no tracing tests, the fake/schema tests only
+        utils = ("test_schema", "test_faketensor")
+    else:
+        utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    opcheck(_overload("split_qkv_rmsnorm_rope", backend), args, test_utils=utils)
     qkv = args[0]
     hq, hkv, d = case.num_q_heads, case.num_kv_heads, case.head_dim
     outs = (qkv.new_empty(case.T, hq * d), qkv.new_empty(case.T, hkv * d), qkv.new_empty(case.T, hkv * d))
-    opcheck(torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default, args + outs)
-    opcheck(torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default, (qkv.clone(),) + args[1:])
+    opcheck(_overload("split_qkv_rmsnorm_rope_out", backend), args + outs, test_utils=utils)
+    opcheck(_overload("split_qkv_rmsnorm_rope_inplace", backend), (qkv.clone(),) + args[1:], test_utils=utils)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_opcheck_norm_ops(with_residual):
+def test_opcheck_norm_ops(with_residual, backend):
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     residual = torch.randn(4, 64, dtype=torch.bfloat16) if with_residual else None
     weight, bias = torch.randn(64), torch.randn(64)
-    opcheck(torch.ops.qkvfuse.add_rmsnorm.default, (x, residual, weight, bias, 1e-6))
+    utils = ("test_schema", "test_faketensor") if backend == "triton" else (
+        "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    opcheck(_overload("add_rmsnorm", backend), (x, residual, weight, bias, 1e-6), test_utils=utils)
     res_out = torch.empty_like(x) if with_residual else None
-    opcheck(torch.ops.qkvfuse.add_rmsnorm_out.default, (x, residual, weight, bias, 1e-6, torch.empty_like(x), res_out))
+    opcheck(_overload("add_rmsnorm_out", backend), (x, residual, weight, bias, 1e-6, torch.empty_like(x), res_out),
+            test_utils=utils)
+
+
+@pytest.mark.parametrize("code", [(True, (), False), (False, (), False), (True, (24, 20, 20), True),
+                                  (False, (8, 12, 12), False), (True, (0, 0, 256), True), (True, (1023, 0, 1), False)])
+def test_rope_code_round_trips_through_python_and_the_native_kernel(code):
+    """The one int carrying the rotation style and mRoPE layout decodes the same in Python and in C++."""
+    pytest.importorskip("qkvfuse.backends.cpu")
+    get_backend("cpu")
+    rope = encode_rope(*code)
+    assert decode_rope(rope) == code
+    native = torch.ops.qkvfuse_cpu.decode_rope(rope)
+    assert (bool(native[0]), tuple(native[3:]) if native[1] else (), bool(native[2])) == code
 
 
 def test_torch_compile_fullgraph(backend):

@@ -4,13 +4,15 @@ Public ops (see each docstring for shapes, dtypes and layouts):
 
 * :func:`split_qkv_rmsnorm_rope` / :func:`split_qkv_rmsnorm_rope_` -- split packed QKV, QK-RMSNorm, RoPE/mRoPE;
 * :func:`add_rmsnorm` -- fused residual add + RMSNorm (+ post-norm bias);
-* :func:`build_cos_sin_cache` -- the rotary table the fused op reads (its width is the rotary dim).
+* :func:`build_cos_sin_cache` -- the rotary table the fused op reads (its width is the rotary dim);
+* :class:`QKNormRope` / :class:`AddRMSNorm` -- the same ops bound to one layer's static configuration (validated
+  once; the per-call form for decode loops).
 
 The plain-PyTorch specification is :mod:`qkvfuse.reference`; published model shapes are in
 :mod:`qkvfuse.presets`.
 """
 
-from .ops import add_rmsnorm, split_qkv_rmsnorm_rope, split_qkv_rmsnorm_rope_
+from .ops import AddRMSNorm, QKNormRope, add_rmsnorm, split_qkv_rmsnorm_rope, split_qkv_rmsnorm_rope_
 from .presets import PRESETS, ModelPreset, get_preset
 from .rope import build_cos_sin_cache
 
@@ -20,6 +22,8 @@ __all__ = [
     "split_qkv_rmsnorm_rope",
     "split_qkv_rmsnorm_rope_",
     "add_rmsnorm",
+    "QKNormRope",
+    "AddRMSNorm",
     "build_cos_sin_cache",
     "PRESETS",
     "ModelPreset",

@@ -1,133 +1,67 @@
-"""Public ops: argument validation (once, here), backend dispatch and ``torch.library`` registration.
+"""Public ops: validation (once, here) and the call into ``torch.ops.qkvfuse.*``.
 
-The op schemas are defined once, below, in the ``qkvfuse`` namespace:
+Every call takes one path: public function or bound object -> the validator below -> ``torch.ops.qkvfuse.<op>``
+(the overload the backend rule picks, :func:`qkvfuse.backends.select_overload`) -> the kernel the dispatcher
+picks. Nothing decides by itself that a call may skip the dispatcher, so tracers, modes, the profiler,
+``torch.compile`` and ``torch.export`` all see the op, and the result never depends on which is active.
 
-* ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope`` -- functional, returns ``(q, k, v)``;
-* ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out`` -- writes ``q_out, k_out, v_out``;
-* ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace`` -- rewrites Q and K inside ``qkv``;
-* ``torch.ops.qkvfuse.add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias).
+Per-call cost is cut by design, not by a second path: :class:`QKNormRope` and :class:`AddRMSNorm` are bound
+per-layer objects (vLLM's ``RotaryEmbedding`` / FlashInfer's plan-run idea) that validate their static
+configuration once; a call checks only what changes per call (the activations, positions and outputs) and
+passes a lean schema (:mod:`qkvfuse._library`). The functional ops build the same configuration per call.
 
-The reference backend is registered for ``CompositeExplicitAutograd`` (any device); the native CPU kernel
-registers the ``CPU`` key from C++ and the Triton kernel the ``CUDA``/``XPU``/``PrivateUse1`` keys, so a
-machine without them still has the reference. Fake implementations let ``torch.compile(fullgraph=True)``
-trace the ops. The raw ``torch.ops`` entry points assume validated input: call the Python functions below.
+Rules that hold on every backend:
 
-Position range checks: positions outside ``[0, max_position)`` raise ``ValueError``. The check is done where
-it costs no host synchronisation -- in Python for CPU tensors on the reference and Triton-interpreter
-backends, inside the native CPU kernel (before any output is written) -- and on accelerators in eager mode. Under ``torch.compile`` or
-CUDA-graph capture on an accelerator the check would need a host sync, so it is skipped and the kernel clamps
-positions into the table instead: nothing outside the cache is ever read.
+* Inference only: with grad mode on, an input that requires grad raises ``RuntimeError`` naming it (the ops
+  have no autograd formula; a silently missing gradient is never an outcome).
+* Outputs (``out=``, the in-place target) may not share an element with an input other than exactly aliasing
+  their own slice of it, nor with each other; outputs that share no element -- e.g. q/k/v views of one packed
+  buffer -- are accepted. Decided exactly for the row-strided 2-D layouts the API takes (:func:`_share_elements`).
+  Tensors without real memory (fake, meta) and traced code under ``torch.compile`` skip this check.
+* Positions outside ``[0, cos_sin_cache.shape[0])``: CPU kernels raise ``ValueError`` before writing any
+  output; accelerator kernels clamp them into the table (never reading outside it) and check only with
+  ``QKVFUSE_CHECK_POSITIONS=1`` (a host sync per call), so no call syncs the host by default.
 """
 
 from __future__ import annotations
 
 import math
-import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
-from . import backends as _backends
-from . import reference
-from .backends import get_backend, resolve_backend
+from . import _library
+from ._library import MAX_HEAD_DIM, encode_rope
+from .backends import select_overload
 
-__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm"]
+__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "QKNormRope", "AddRMSNorm",
+           "MAX_HEAD_DIM"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
-MAX_HEAD_DIM = 512
-
-# --------------------------------------------------------------------------------------------------------
-# Schemas (the single definition) and the reference registration.
-# --------------------------------------------------------------------------------------------------------
-_SPLIT_ARGS = (
-    "Tensor positions, Tensor cos_sin_cache, int num_q_heads, int num_kv_heads, int head_dim, "
-    "Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, Tensor? k_bias, float eps, bool is_neox, "
-    "int[] mrope_section, bool mrope_interleaved"
-)
-_NORM_ARGS = "Tensor? residual, Tensor weight, Tensor? bias, float eps"
-
-_lib = torch.library.Library("qkvfuse", "DEF")
-_lib.define(f"split_qkv_rmsnorm_rope(Tensor qkv, {_SPLIT_ARGS}) -> (Tensor, Tensor, Tensor)")
-_lib.define(f"split_qkv_rmsnorm_rope_out(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) q_out, Tensor(b!) k_out, "
-            "Tensor(c!) v_out) -> ()")
-_lib.define(f"split_qkv_rmsnorm_rope_inplace(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
-_lib.define(f"add_rmsnorm(Tensor x, {_NORM_ARGS}) -> (Tensor, Tensor)")
-_lib.define(f"add_rmsnorm_out(Tensor x, {_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()")
 
 
-def _split_outputs(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
-    T = qkv.shape[0]
-    kv = num_kv_heads * head_dim
-    return (qkv.new_empty((T, num_q_heads * head_dim)), qkv.new_empty((T, kv)), qkv.new_empty((T, kv)))
+class _Ops(NamedTuple):
+    split: object
+    split_out: object
+    split_inplace: object
+    norm: object
+    norm_out: object
 
 
-def _inplace_views(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int):
-    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
-    # One op for the three views: each tensor op costs microseconds, a decode step's whole budget.
-    return tuple(qkv.split_with_sizes([q_width, kv_width, kv_width], dim=1))
+# One bundle of op overloads per backend overload name (see qkvfuse._library).
+_OPS = {name: _Ops(*(getattr(getattr(torch.ops.qkvfuse, op), name) for op in (
+    "split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
+    "add_rmsnorm_out"))) for name in _library.OVERLOADS}
 
 
-def register_split_kernels(dispatch_key: str, out_kernel) -> None:
-    """Register ``out_kernel`` (reference signature) for all three split ops on ``dispatch_key``."""
-
-    def functional(qkv, *args):
-        outs = _split_outputs(qkv, *args[2:5])
-        out_kernel(qkv, *args, *outs)
-        return outs
-
-    def inplace(qkv, *args):
-        out_kernel(qkv, *args, *_inplace_views(qkv, *args[2:5]))
-
-    _lib.impl("split_qkv_rmsnorm_rope", functional, dispatch_key)
-    _lib.impl("split_qkv_rmsnorm_rope_out", out_kernel, dispatch_key)
-    _lib.impl("split_qkv_rmsnorm_rope_inplace", inplace, dispatch_key)
-
-
-def register_norm_kernels(dispatch_key: str, out_kernel) -> None:
-    """Register ``out_kernel`` (reference signature) for both add_rmsnorm ops on ``dispatch_key``."""
-
-    def functional(x, residual, weight, bias, eps):
-        y = torch.empty_like(x)
-        residual_out = torch.empty_like(x) if residual is not None else x.new_empty((0,))
-        out_kernel(x, residual, weight, bias, eps, y, residual_out if residual is not None else None)
-        return y, residual_out
-
-    _lib.impl("add_rmsnorm", functional, dispatch_key)
-    _lib.impl("add_rmsnorm_out", out_kernel, dispatch_key)
-
-
-register_split_kernels("CompositeExplicitAutograd", reference.split_qkv_rmsnorm_rope_out)
-register_norm_kernels("CompositeExplicitAutograd", reference.add_rmsnorm_out)
-
-
-@torch.library.register_fake("qkvfuse::split_qkv_rmsnorm_rope")
-def _split_fake(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, *_):
-    return _split_outputs(qkv, num_q_heads, num_kv_heads, head_dim)
-
-
-@torch.library.register_fake("qkvfuse::split_qkv_rmsnorm_rope_out")
-def _split_out_fake(*_):
-    return None
-
-
-@torch.library.register_fake("qkvfuse::split_qkv_rmsnorm_rope_inplace")
-def _split_inplace_fake(*_):
-    return None
-
-
-@torch.library.register_fake("qkvfuse::add_rmsnorm")
-def _norm_fake(x, residual, weight, bias, eps):
-    return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
-
-
-@torch.library.register_fake("qkvfuse::add_rmsnorm_out")
-def _norm_out_fake(*_):
-    return None
+def _ops_for(backend: Optional[str], device: torch.device) -> _Ops:
+    return _OPS[select_overload(backend, device.type)]
 
 
 # --------------------------------------------------------------------------------------------------------
-# Validation: one place, messages name the argument, the value and the expectation.
+# Validation helpers: messages name the argument, the value and the expectation.
 # --------------------------------------------------------------------------------------------------------
 def _fail(arg: str, got, expected: str, exc=ValueError):
     raise exc(f"{arg}: expected {expected}, got {got}")
@@ -138,17 +72,17 @@ def _check_int(arg: str, value, minimum: int = 1) -> None:
         _fail(arg, repr(value), f"an int >= {minimum}", TypeError if not isinstance(value, int) else ValueError)
 
 
-def _check_tensor(arg: str, t, device: torch.device) -> None:
+def _check_tensor(arg: str, t, device: torch.device, anchor: str) -> None:
     if not isinstance(t, torch.Tensor):
         _fail(arg, type(t).__name__, "a torch.Tensor", TypeError)
     if t.device != device:
-        _fail(arg, f"a tensor on {t.device}", f"a tensor on {device} (the device of the first input)")
+        _fail(arg, f"a tensor on {t.device}", f"a tensor on {device} (the device of {anchor})")
 
 
-def _check_vector(arg: str, t, length: int, device: torch.device, dtypes: Tuple[torch.dtype, ...]) -> None:
-    _check_tensor(arg, t, device)
-    if t.dtype not in dtypes:
-        _fail(arg, f"dtype {t.dtype}", f"one of {list(dtypes)}", TypeError)
+def _check_vector(arg: str, t, length: int, device: torch.device, anchor: str) -> None:
+    _check_tensor(arg, t, device, anchor)
+    if t.dtype not in _FLOATS:
+        _fail(arg, f"dtype {t.dtype}", f"torch.float32 or the activations' dtype (one of {list(_FLOATS)})", TypeError)
     if t.dim() != 1 or t.shape[0] != length:
         _fail(arg, f"shape {tuple(t.shape)}", f"shape ({length},)")
 
@@ -160,10 +94,47 @@ def _check_eps(eps) -> float:
     return float(eps)
 
 
+def _check_rows(arg: str, t: torch.Tensor, width: int) -> None:
+    if t.numel() and (t.stride(1) != 1 or t.stride(0) < width):
+        _fail(arg, f"strides {t.stride()}", f"a contiguous last dim (stride 1) and row stride >= {width}")
+
+
+def _io_dtypes(weights) -> Tuple[torch.dtype, ...]:
+    """Activation dtypes these norm weights allow: fp32 weights serve every dtype, others only their own."""
+    own = {w.dtype for w in weights if w is not None and w.dtype != torch.float32}
+    return tuple(own) if len(own) == 1 else (_FLOATS if not own else ())
+
+
+def _check_io_dtype(arg: str, t: torch.Tensor, io_dtypes, weights) -> None:
+    if t.dtype not in _FLOATS:
+        _fail(arg, f"dtype {t.dtype}", "torch.float32, torch.bfloat16 or torch.float16", TypeError)
+    if t.dtype not in io_dtypes:
+        name, w = next((n, w) for n, w in weights if w is not None and w.dtype not in (torch.float32, t.dtype))
+        _fail(name, f"dtype {w.dtype}", f"torch.float32 or {arg}'s dtype {t.dtype}", TypeError)
+
+
+def _check_no_grad(named) -> None:
+    """Inference only: with grad mode on, no input may require grad (the ops have no autograd formula)."""
+    if torch.is_grad_enabled():
+        for name, t in named:
+            if t is not None and t.requires_grad:
+                raise RuntimeError(
+                    f"{name}: expected a tensor that does not require grad (qkvfuse ops are inference only: call "
+                    f"them under torch.no_grad() or torch.inference_mode(), or detach), got one that requires grad")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The exact overlap rule.
+# --------------------------------------------------------------------------------------------------------
+def _real_memory(*tensors) -> bool:
+    """True when every tensor has real memory to compare (not traced by dynamo, not fake or meta)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or not (isinstance(t, FakeTensor) or t.is_meta) for t in tensors)
+
+
 def _span(t: torch.Tensor) -> Tuple[int, int]:
-    """Byte range ``[start, end)`` touched by a strided tensor (empty for numel 0)."""
-    if t.numel() == 0:
-        return (0, 0)
+    """Byte range ``[start, end)`` a strided tensor touches (``numel() > 0``)."""
     size_of = t.element_size()
     start = end = t.data_ptr()
     for size, stride in zip(t.shape, t.stride()):
@@ -172,96 +143,114 @@ def _span(t: torch.Tensor) -> Tuple[int, int]:
             start += reach
         else:
             end += reach
-    return (start, end + size_of)
+    return start, end + size_of
 
 
-def _spans_overlap(a: Tuple[int, int], b: Tuple[int, int]) -> bool:
-    return a[0] < b[1] and b[0] < a[1]
+def _rows(t: torch.Tensor) -> Optional[Tuple[int, int, int, int]]:
+    """``(first byte, row stride in bytes, rows, row width in bytes)`` when ``t``'s elements are equal-width rows
+    of contiguous bytes (1-D contiguous, or 2-D with a unit last stride), else None."""
+    size_of = t.element_size()
+    if t.dim() == 1:
+        return (t.data_ptr(), 0, 1, t.shape[0] * size_of) if t.shape[0] <= 1 or t.stride(0) == 1 else None
+    if t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) and t.stride(0) >= 0:
+        rows = t.shape[0]
+        return t.data_ptr(), (t.stride(0) * size_of if rows > 1 else 0), rows, t.shape[1] * size_of
+    return None
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return _spans_overlap(_span(a), _span(b))
+def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a byte of memory. Exact for row layouts with one row stride (e.g. column
+    slices of one buffer); otherwise any overlap of their byte ranges counts."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    if not (a_lo < b_hi and b_lo < a_hi):
+        return False
+    ra, rb = _rows(a), _rows(b)
+    if ra is None or rb is None or (ra[2] > 1 and rb[2] > 1 and ra[1] != rb[1]):
+        return True
+    (a0, a_rs, a_rows, a_w), (b0, b_rs, b_rows, b_w) = ra, rb
+    stride, d = (a_rs if a_rows > 1 else b_rs), b0 - a0
+    if stride == 0:
+        return -b_w < d < a_w
+    # Row i of a and row j of b intersect iff -b_w < d + (j - i) * stride < a_w; is there such a k = j - i?
+    k_lo = max(1 - a_rows, (-b_w - d) // stride + 1)
+    k_hi = min(b_rows - 1, -((d - a_w) // stride) - 1)
+    return k_lo <= k_hi
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and (a.shape[0] <= 1 or a.stride() == b.stride()))
 
 
-def _check_outputs(names: Sequence[str], outs, expected_shapes, like: torch.Tensor, inputs, own_slices) -> None:
-    """``outs`` match shape/dtype/device/layout and overlap nothing except (exactly) their own input slice.
-
-    ``own_slices`` holds, per output, ``(input name, the view it may alias)`` or None; it may be a callable
-    returning that list, called only when an output overlaps an input (slicing costs microseconds)."""
-    if not isinstance(outs, (tuple, list)) or len(outs) != len(names):
-        _fail("out", type(outs).__name__ if not isinstance(outs, (tuple, list)) else f"{len(outs)} tensors",
-              f"a tuple of {len(names)} tensors ({', '.join(names)})", TypeError)
-    for name, t, shape in zip(names, outs, expected_shapes):
+def _check_outputs(outs, inputs, own) -> None:
+    """``outs`` (name, tensor) share no element with an input (name, tensor) -- except each output exactly
+    aliasing ``own[i]`` (name of its own input, that input's view) -- nor with each other."""
+    for i, (name, t) in enumerate(outs):
         if t is None:
             continue
-        _check_tensor(name, t, like.device)
+        for in_name, src in inputs:
+            if src is None or not _share_elements(t, src):
+                continue
+            own_name, own_view = own[i]
+            if in_name == own_name and _same_view(t, own_view()):
+                continue
+            _fail(name, f"memory shared with {in_name}",
+                  f"no element shared with an input other than exactly aliasing its own slice of {own_name}")
+        for other_name, other in outs[i + 1 :]:
+            if other is not None and _share_elements(t, other):
+                _fail(name, f"memory shared with {other_name}", "outputs that share no element with each other")
+
+
+def _check_out_tuple(out, names, shapes, like: torch.Tensor, like_name: str) -> None:
+    if not isinstance(out, (tuple, list)) or len(out) != len(names):
+        got = f"{len(out)} tensors" if isinstance(out, (tuple, list)) else type(out).__name__
+        _fail("out", got, f"a tuple of {len(names)} tensors ({', '.join(names)})", TypeError)
+    for name, t, shape in zip(names, out, shapes):
+        if t is None:
+            _fail(name, "None", f"a tensor (out= takes all of {', '.join(names)})", TypeError)
+        _check_tensor(name, t, like.device, like_name)
         if t.dtype != like.dtype:
-            _fail(name, f"dtype {t.dtype}", f"dtype {like.dtype} (the input's)", TypeError)
+            _fail(name, f"dtype {t.dtype}", f"dtype {like.dtype} ({like_name}'s)", TypeError)
         if tuple(t.shape) != shape:
             _fail(name, f"shape {tuple(t.shape)}", f"shape {shape}")
-        if t.numel() and (t.stride(1) != 1 or t.stride(0) < t.shape[1]):
-            _fail(name, f"strides {t.stride()}", "a contiguous last dim and non-overlapping rows")
-    if torch.compiler.is_compiling():
-        return  # data pointers are not traceable; overlap is checked in eager mode
-    # Each tensor's byte range is computed once (this check runs on every decode step of an engine).
-    present = [(n, t, i, _span(t)) for i, (n, t) in enumerate(zip(names, outs)) if t is not None]
-    sources = [(in_name, _span(src)) for in_name, src in inputs if src is not None]
-    for k, (name, t, i, span) in enumerate(present):
-        for in_name, src_span in sources:
-            if not _spans_overlap(span, src_span):
-                continue
-            if callable(own_slices):
-                own_slices = own_slices()
-            own = own_slices[i]
-            if own is not None and in_name == own[0] and _same_view(t, own[1]):
-                continue
-            _fail(name, f"memory overlapping {in_name}",
-                  "no overlap with an input other than exactly aliasing its own slice of it")
-        for other_name, _, _, other_span in present[k + 1 :]:
-            if _spans_overlap(span, other_span):
-                _fail(name, f"memory overlapping {other_name}", "outputs that do not overlap each other")
+        _check_rows(name, t, shape[1])
 
 
-def _check_positions_in_range(positions: torch.Tensor, max_position: int) -> None:
-    if positions.numel() == 0:
-        return
-    if torch.compiler.is_compiling():
-        return  # kernels clamp; a range check here would need a host sync (or a graph break)
-    if positions.device.type != "cpu":
-        stream_capturing = getattr(torch.get_device_module(positions.device), "is_current_stream_capturing", None)
-        if stream_capturing is not None and stream_capturing():
-            return
-    lo, hi = int(positions.min()), int(positions.max())
-    if lo < 0 or hi >= max_position:
-        _fail("positions", f"values in [{lo}, {hi}]", f"values in [0, {max_position}) (cos_sin_cache rows)")
+# --------------------------------------------------------------------------------------------------------
+# split_qkv_rmsnorm_rope: static configuration (validated once per bound object) and per-call checks.
+# --------------------------------------------------------------------------------------------------------
+class _SplitConfig(NamedTuple):
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    width: int
+    cos_sin_cache: torch.Tensor
+    q_weight: Optional[torch.Tensor]
+    k_weight: Optional[torch.Tensor]
+    q_bias: Optional[torch.Tensor]
+    k_bias: Optional[torch.Tensor]
+    eps: float
+    rope: int
+    mrope: bool
+    device: torch.device
+    anchor: str  # the argument that fixed the device, for messages
+    io_dtypes: Tuple[torch.dtype, ...]
+    ops: _Ops
 
 
-def _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
-                    q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved) -> Tuple[int, List[int], float]:
-    if not isinstance(qkv, torch.Tensor):
-        _fail("qkv", type(qkv).__name__, "a torch.Tensor", TypeError)
-    device = qkv.device
-    if qkv.dtype not in _FLOATS:
-        _fail("qkv", f"dtype {qkv.dtype}", "torch.float32, torch.bfloat16 or torch.float16", TypeError)
+def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
+                  is_neox, mrope_section, mrope_interleaved, backend, device=None, anchor="cos_sin_cache"):
     _check_int("num_q_heads", num_q_heads)
     _check_int("num_kv_heads", num_kv_heads)
     _check_int("head_dim", head_dim, 2)
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         _fail("head_dim", head_dim, f"an even int <= {MAX_HEAD_DIM}")
-    width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dim() != 2 or qkv.shape[1] != width:
-        _fail("qkv", f"shape {tuple(qkv.shape)}",
-              f"shape (T, {width}) = (T, (num_q_heads + 2*num_kv_heads) * head_dim) for "
-              f"num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}")
-    if qkv.numel() and (qkv.stride(1) != 1 or qkv.stride(0) < width):
-        _fail("qkv", f"strides {qkv.stride()}", "a contiguous last dim (stride 1) and row stride >= width")
-    T = qkv.shape[0]
-
-    _check_tensor("cos_sin_cache", cos_sin_cache, device)
+    if not isinstance(cos_sin_cache, torch.Tensor):
+        _fail("cos_sin_cache", type(cos_sin_cache).__name__, "a torch.Tensor", TypeError)
+    device = cos_sin_cache.device if device is None else device
+    _check_tensor("cos_sin_cache", cos_sin_cache, device, anchor)
     if cos_sin_cache.dtype not in _FLOATS:
         _fail("cos_sin_cache", f"dtype {cos_sin_cache.dtype}", "torch.float32, torch.bfloat16 or torch.float16",
               TypeError)
@@ -269,198 +258,176 @@ def _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, he
         _fail("cos_sin_cache", f"shape {tuple(cos_sin_cache.shape)}", "shape (max_position >= 1, rotary_dim)")
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        _fail("cos_sin_cache", f"rotary_dim (shape[1]) = {rotary_dim}", f"an even rotary_dim in [2, head_dim={head_dim}]")
+        _fail("cos_sin_cache", f"rotary_dim (shape[1]) = {rotary_dim}",
+              f"an even rotary_dim in [2, head_dim={head_dim}]")
     if cos_sin_cache.stride(1) != 1 or cos_sin_cache.stride(0) < rotary_dim:
-        _fail("cos_sin_cache", f"strides {cos_sin_cache.stride()}", "a contiguous last dim and row stride >= rotary_dim")
-
-    _check_tensor("positions", positions, device)
-    if positions.dtype not in _INTS:
-        _fail("positions", f"dtype {positions.dtype}", "torch.int32 or torch.int64", TypeError)
-    if mrope_section is None:
-        sections: List[int] = []
-        if positions.dim() != 1 or positions.shape[0] != T:
-            hint = " (3-D positions need mrope_section)" if positions.dim() == 2 else ""
-            _fail("positions", f"shape {tuple(positions.shape)}", f"shape ({T},) for RoPE{hint}")
-    else:
+        _fail("cos_sin_cache", f"strides {cos_sin_cache.stride()}",
+              "a contiguous last dim and row stride >= rotary_dim")
+    sections: Tuple[int, ...] = ()
+    if mrope_section is not None:
         if not isinstance(mrope_section, (tuple, list)) or len(mrope_section) != 3 or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in mrope_section
-        ):
+                isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in mrope_section):
             _fail("mrope_section", repr(mrope_section), "three non-negative ints (s_t, s_h, s_w)", TypeError)
-        sections = list(mrope_section)
+        sections = tuple(mrope_section)
         if sum(sections) != rotary_dim // 2:
-            _fail("mrope_section", f"{tuple(sections)} (sum {sum(sections)})",
+            _fail("mrope_section", f"{sections} (sum {sum(sections)})",
                   f"sections summing to rotary_dim // 2 = {rotary_dim // 2}")
-        if positions.dim() != 2 or tuple(positions.shape) != (3, T):
-            _fail("positions", f"shape {tuple(positions.shape)}", f"shape (3, {T}) (temporal, height, width) with mrope_section")
     if not isinstance(mrope_interleaved, bool):
         _fail("mrope_interleaved", repr(mrope_interleaved), "a bool", TypeError)
     if not isinstance(is_neox, bool):
         _fail("is_neox", repr(is_neox), "a bool", TypeError)
-
     if (q_weight is None) != (k_weight is None):
         _fail("q_weight/k_weight", "only one of them", "both (QK-norm) or neither (no norm)")
-    weight_dtypes = (torch.float32, qkv.dtype)
     if q_weight is not None:
-        _check_vector("q_weight", q_weight, head_dim, device, weight_dtypes)
-        _check_vector("k_weight", k_weight, head_dim, device, weight_dtypes)
+        _check_vector("q_weight", q_weight, head_dim, device, anchor)
+        _check_vector("k_weight", k_weight, head_dim, device, anchor)
     for name, bias in (("q_bias", q_bias), ("k_bias", k_bias)):
         if bias is not None:
             if q_weight is None:
                 _fail(name, "a bias without norm weights", "q_weight and k_weight when a norm bias is given")
-            _check_vector(name, bias, head_dim, device, weight_dtypes)
+            _check_vector(name, bias, head_dim, device, anchor)
+    if (q_bias is None) != (k_bias is None):
+        _fail("q_bias/k_bias", "only one of them", "both (a post-norm bias for Q and K) or neither")
     eps = _check_eps(eps)
-    return T, sections, eps
+    return _SplitConfig(num_q_heads, num_kv_heads, head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim,
+                        cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
+                        encode_rope(is_neox, sections, mrope_interleaved), bool(sections), device, anchor,
+                        _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device))
 
 
-def _validate_norm(x, residual, weight, bias, eps) -> float:
-    if not isinstance(x, torch.Tensor):
-        _fail("x", type(x).__name__, "a torch.Tensor", TypeError)
-    if x.dtype not in _FLOATS:
-        _fail("x", f"dtype {x.dtype}", "torch.float32, torch.bfloat16 or torch.float16", TypeError)
-    if x.dim() != 2 or x.shape[1] < 1:
-        _fail("x", f"shape {tuple(x.shape)}", "shape (T, H) with H >= 1")
-    if x.numel() and (x.stride(1) != 1 or x.stride(0) < x.shape[1]):
-        _fail("x", f"strides {x.stride()}", "a contiguous last dim and row stride >= H")
-    if residual is not None:
-        _check_tensor("residual", residual, x.device)
-        if residual.dtype != x.dtype:
-            _fail("residual", f"dtype {residual.dtype}", f"dtype {x.dtype} (x's)", TypeError)
-        if residual.shape != x.shape:
-            _fail("residual", f"shape {tuple(residual.shape)}", f"shape {tuple(x.shape)} (x's)")
-        if residual.numel() and (residual.stride(1) != 1 or residual.stride(0) < x.shape[1]):
-            _fail("residual", f"strides {residual.stride()}", "a contiguous last dim and row stride >= H")
-    H = x.shape[1]
-    _check_vector("weight", weight, H, x.device, (torch.float32, x.dtype))
-    if bias is not None:
-        _check_vector("bias", bias, H, x.device, (torch.float32, x.dtype))
-    return _check_eps(eps)
+def _check_qkv(qkv, device: Optional[torch.device] = None, anchor: str = "") -> None:
+    """The checks of ``qkv`` that come before the configuration (type, dtype; device when given)."""
+    if not isinstance(qkv, torch.Tensor):
+        _fail("qkv", type(qkv).__name__, "a torch.Tensor", TypeError)
+    if device is not None and qkv.device != device:
+        _fail("qkv", f"a tensor on {qkv.device}", f"a tensor on {device} (the device of {anchor})")
+    if qkv.dtype not in _FLOATS:
+        _fail("qkv", f"dtype {qkv.dtype}", "torch.float32, torch.bfloat16 or torch.float16", TypeError)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Public functions.
-# --------------------------------------------------------------------------------------------------------
-# (backend argument, device type, QKVFUSE_BACKEND, op) -> (name, kernel, backend module): resolving a backend
-# costs microseconds, a decode step's whole budget. An entry is dropped when its backend is re-registered.
-_KERNELS: Dict[Tuple[Optional[str], str, Optional[str], str], Tuple[str, object, object]] = {}
-
-# ``os.environ.get`` of an unset name raises and catches a KeyError inside (1.7 us here, a third of a decode
-# step's budget); the encoded mapping behind ``os.environ`` (CPython's ``os._Environ``) answers in ~50 ns.
-class _EnvLookup:
-    """``get(key)`` of the raw ``$QKVFUSE_BACKEND`` (None when unset), wherever ``os.environ`` keeps it."""
-
-    def get(self, _key):
-        return os.environ.get("QKVFUSE_BACKEND")
-
-
-_ENV_DATA = getattr(os.environ, "_data", None)
-if isinstance(_ENV_DATA, dict) and hasattr(os.environ, "encodekey"):
-    _ENV_KEY = os.environ.encodekey("QKVFUSE_BACKEND")
-else:
-    _ENV_DATA, _ENV_KEY = _EnvLookup(), None
-
-
-def _env_backend() -> Optional[str]:
-    """``$QKVFUSE_BACKEND``, or None when unset."""
-    value = _ENV_DATA.get(_ENV_KEY)
-    return value if value is None or isinstance(value, str) else os.environ.decodevalue(value)
+def _check_split_call(c: _SplitConfig, qkv, positions) -> None:
+    """Per-call checks of ``qkv`` and ``positions`` against a validated configuration."""
+    if qkv.dim() != 2 or qkv.shape[1] != c.width:
+        _fail("qkv", f"shape {tuple(qkv.shape)}",
+              f"shape (T, {c.width}) = (T, (num_q_heads + 2*num_kv_heads) * head_dim) for "
+              f"num_q_heads={c.num_q_heads}, num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}")
+    _check_rows("qkv", qkv, c.width)
+    if qkv.dtype not in c.io_dtypes:
+        _check_io_dtype("qkv", qkv, c.io_dtypes, (("q_weight", c.q_weight), ("k_weight", c.k_weight),
+                                                  ("q_bias", c.q_bias), ("k_bias", c.k_bias)))
+    _check_tensor("positions", positions, c.device, c.anchor)
+    if positions.dtype not in _INTS:
+        _fail("positions", f"dtype {positions.dtype}", "torch.int32 or torch.int64", TypeError)
+    T = qkv.shape[0]
+    if c.mrope:
+        if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != T:
+            _fail("positions", f"shape {tuple(positions.shape)}",
+                  f"shape (3, {T}) (temporal, height, width) with mrope_section")
+    elif positions.dim() != 1 or positions.shape[0] != T:
+        hint = " (3-D positions need mrope_section)" if positions.dim() == 2 else ""
+        _fail("positions", f"shape {tuple(positions.shape)}", f"shape ({T},) for RoPE{hint}")
+    _check_no_grad((("qkv", qkv), ("q_weight", c.q_weight), ("k_weight", c.k_weight), ("q_bias", c.q_bias),
+                    ("k_bias", c.k_bias), ("cos_sin_cache", c.cos_sin_cache)))
 
 
-def _resolved(backend: Optional[str], device_type: str, op: str) -> Tuple[str, object, object]:
-    """``(backend name, kernel, backend module)`` running ``op`` (an ``*_out`` kernel name) on ``device_type``."""
-    key = (backend, device_type, _env_backend() if backend is None else None, op)
-    hit = _KERNELS.get(key)
-    if hit is not None and _backends._loaded.get(hit[0]) is hit[2]:
-        return hit
-    name = resolve_backend(backend, device_type)
-    if name == "reference":
-        kernel, module = getattr(reference, op), _backends._loaded.get(name)
-    else:
-        module = get_backend(name)
-        # Backends reached through the dispatcher (native CPU, Triton on a device) go through ``torch.ops`` so
-        # torch.compile sees one opaque op; others (Triton under the CPU interpreter) are called directly.
-        if getattr(module, "DISPATCH_DEVICE_TYPES", ()) and device_type in module.DISPATCH_DEVICE_TYPES:
-            kernel = getattr(torch.ops.qkvfuse, op)
-        else:
-            kernel = getattr(module, op)
-    hit = _KERNELS[key] = (name, kernel, module)
-    return hit
+def _split_inputs(c: _SplitConfig, qkv, positions):
+    return (("qkv", qkv), ("positions", positions), ("cos_sin_cache", c.cos_sin_cache), ("q_weight", c.q_weight),
+            ("k_weight", c.k_weight), ("q_bias", c.q_bias), ("k_bias", c.k_bias))
 
 
-def _kernel(backend: Optional[str], device: torch.device, op: str):
-    """``(backend name, the callable that runs op)`` for tensors on ``device``."""
-    name, kernel, _ = _resolved(backend, device.type, op)
-    return name, kernel
+def _run_split(c: _SplitConfig, qkv, positions, out):
+    _check_split_call(c, qkv, positions)
+    args = (qkv, positions, c.cos_sin_cache, c.q_weight, c.k_weight, c.q_bias, c.k_bias, c.num_q_heads,
+            c.num_kv_heads, c.eps, c.rope)
+    if out is None:
+        return c.ops.split(*args)
+    T, kv = qkv.shape[0], c.num_kv_heads * c.head_dim
+    _check_out_tuple(out, ("q_out", "k_out", "v_out"), ((T, c.num_q_heads * c.head_dim), (T, kv), (T, kv)), qkv,
+                     "qkv")
+    if _real_memory(qkv, *out):
+        views = lambda i: (lambda: _library.inplace_views(qkv, c.num_q_heads, c.num_kv_heads)[i])  # noqa: E731
+        _check_outputs(tuple(zip(("q_out", "k_out", "v_out"), out)), _split_inputs(c, qkv, positions),
+                       [("qkv", views(i)) for i in range(3)])
+    c.ops.split_out(*args, *out)
+    return tuple(out)
 
 
-_LOADED = _backends._loaded
-# Bound once: it is called on every op call. Dynamo folds it to True while tracing (the C entry would break the
-# graph); other tracers (export's non-strict mode, make_fx) pass fake tensors or run under a dispatch mode,
-# which the entry hands back to the dispatcher by itself.
-_is_compiling = torch.compiler.is_dynamo_compiling
+def _run_split_(c: _SplitConfig, qkv, positions):
+    _check_split_call(c, qkv, positions)
+    if _real_memory(qkv):
+        for name, t in _split_inputs(c, qkv, positions)[1:]:
+            if t is not None and _share_elements(qkv, t):
+                _fail("qkv", f"memory shared with {name}", "an in-place target that shares no element with another "
+                      "input")
+    c.ops.split_inplace(qkv, positions, c.cos_sin_cache, c.q_weight, c.k_weight, c.q_bias, c.k_bias, c.num_q_heads,
+                        c.num_kv_heads, c.eps, c.rope)
+    return _library.inplace_views(qkv, c.num_q_heads, c.num_kv_heads)
 
 
-def _cpu_entry(backend: Optional[str]):
-    """The native CPU library's Python entry (``backends/cpu/python_entry.cpp``) when ``backend`` resolves to the
-    cpu backend for CPU tensors, else None.
+class QKNormRope:
+    """A bound split + QK-RMSNorm + RoPE/mRoPE for one attention layer: static configuration validated once.
 
-    A decode step's budget is a few microseconds: a ``torch.ops`` call with the split's 17 arguments costs about
-    5 us and :func:`_validate_split` about as much. The entry's ``split`` / ``split_inplace`` / ``add_rmsnorm``
-    take the public function's arguments as they are, check the scalars' Python types and the tensors with the
-    kernels' predicates (``plainly_valid`` and ``plainly_valid_outputs`` in
-    ``backends/cpu/split_qkv_rmsnorm_rope.cpp``, ``norm_plainly_valid`` and ``add_rmsnorm_checked_out`` in
-    ``backends/cpu/add_rmsnorm.cpp``: the rules of :func:`_validate_split`, :func:`_validate_norm` and
-    :func:`_check_outputs` one for one) and run the kernel. Anything they doubt -- and tensor subclasses,
-    autograd, dispatch modes, profiler callbacks -- returns None with no output touched: the caller then
-    validates as usual and raises the usual errors. Out-of-range positions raise from the kernel, as on the
-    ordinary path.
+    Parameters
+    ----------
+    num_q_heads, num_kv_heads, head_dim : int
+        Head geometry; ``head_dim`` even, at most 512.
+    cos_sin_cache : torch.Tensor
+        Shape ``(max_position, rotary_dim)``, fp32/bf16/fp16 (keep it fp32 for accuracy). Row ``p`` is
+        ``[cos(p*f_0..f_{R/2-1}) | sin(p*f_0..f_{R/2-1})]`` (:func:`qkvfuse.build_cos_sin_cache`). **The rotary
+        dim is read from this table** (even, at most ``head_dim``); dims past it pass through unrotated. Its
+        device is the device every call's tensors must be on.
+    q_weight, k_weight : torch.Tensor, optional
+        RMSNorm weights, shape ``(head_dim,)``, shared by all heads, fp32 or the activations' dtype. Both or
+        neither (no QK-norm, e.g. GLM-4.5-Air).
+    q_bias, k_bias : torch.Tensor, optional
+        Post-norm bias, shape ``(head_dim,)``: ``y = norm(x) * w + b`` (not the projection bias). Both or neither.
+    eps : float
+        RMSNorm epsilon.
+    is_neox : bool
+        NeoX rotate-half pairs ``(j, j + R/2)`` (Qwen3, GLM-4-MoE) or GPT-J interleaved pairs ``(2j, 2j+1)``.
+    mrope_section : tuple of 3 ints, optional
+        ``(s_t, s_h, s_w)`` summing to ``rotary_dim // 2``; calls then take positions of shape ``(3, T)``.
+    mrope_interleaved : bool
+        Qwen3-VL interleaved layout (True) or contiguous sections (Qwen2-VL, GLM-4.5V).
+    backend : str, optional
+        ``"reference"``, ``"cpu"``, ``"triton"`` or ``"auto"`` (default; also ``QKVFUSE_BACKEND``), resolved once
+        here for the cache's device.
+
+    The tensors are held by reference: in-place updates of the weights are seen; replacing them needs a new
+    object. Calls: ``q, k, v = prep(qkv, positions)`` (fresh outputs), ``prep(qkv, positions, out=(q, k, v))``
+    and ``prep.inplace(qkv, positions)``, with the semantics of :func:`split_qkv_rmsnorm_rope` and
+    :func:`split_qkv_rmsnorm_rope_`.
     """
-    try:
-        name, _, module = _resolved(backend, "cpu", "split_qkv_rmsnorm_rope_out")  # cached by _resolved
-    except (TypeError, ValueError, RuntimeError):  # a bad backend argument: the validating path says why
-        return None
-    return getattr(module, "entry", None) if name == "cpu" else None
 
+    __slots__ = ("config",)
 
-class _Unbound:
-    """Stands in for the native entry until a call on plain CPU tensors resolves to the cpu backend; then
-    :func:`_bind_native` puts the entry itself in ``_NATIVE`` and later calls go straight to it."""
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
+                 q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
+                 q_bias: Optional[torch.Tensor] = None, k_bias: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 is_neox: bool = True, mrope_section: Optional[Sequence[int]] = None, mrope_interleaved: bool = False,
+                 backend: Optional[str] = None):
+        self.config = _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias,
+                                    k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend)
 
-    @staticmethod
-    def split(qkv, *rest):
-        entry = _bind_native(qkv, rest[-1])
-        return None if entry is None else entry.split(qkv, *rest)
+    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, *,
+                 out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
+        """``(q, k, v)`` of ``qkv [T, (Hq+2Hkv)*D]`` at ``positions [T]`` (or ``[3, T]``); see
+        :func:`split_qkv_rmsnorm_rope` for shapes, ``out`` and the semantics."""
+        c = self.config
+        _check_qkv(qkv, c.device, c.anchor)
+        return _run_split(c, qkv, positions, out)
 
-    @staticmethod
-    def split_inplace(qkv, *rest):
-        entry = _bind_native(qkv, rest[-1])
-        return None if entry is None else entry.split_inplace(qkv, *rest)
+    def inplace(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """Rewrite the Q and K heads inside ``qkv`` and return its ``(q, k, v)`` views; see
+        :func:`split_qkv_rmsnorm_rope_`."""
+        c = self.config
+        _check_qkv(qkv, c.device, c.anchor)
+        return _run_split_(c, qkv, positions)
 
-    @staticmethod
-    def add_rmsnorm(x, *rest):
-        entry = _bind_native(x, rest[-1])
-        return None if entry is None else entry.add_rmsnorm(x, *rest)
-
-
-_NATIVE = _Unbound
-
-
-def _bind_native(first, backend):
-    """The native entry when this call (first tensor argument, ``backend`` argument) runs on the cpu backend,
-    after handing it what it needs to decide that by itself on later calls; else None.
-
-    Once bound, each public call costs one C call before the kernel: the entry checks the ``backend`` argument
-    and ``$QKVFUSE_BACKEND`` against the registry (``selects_this_backend`` in ``python_entry.cpp``) and the
-    tensors as :func:`_cpu_entry` describes. Only a CPU tensor loads the cpu backend (a CUDA user's first call
-    builds nothing).
-    """
-    global _NATIVE
-    if type(first) is not torch.Tensor or first.device.type != "cpu":
-        return None
-    entry = _cpu_entry(backend)
-    if entry is not None and isinstance(_ENV_DATA, dict):
-        entry.bind(_ENV_DATA, _ENV_KEY, _LOADED, _LOADED["cpu"])
-        _NATIVE = entry
-    return entry
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"QKNormRope(num_q_heads={c.num_q_heads}, num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
+                f"rotary_dim={c.cos_sin_cache.shape[1]}, qk_norm={c.q_weight is not None}, mrope={c.mrope})")
 
 
 def split_qkv_rmsnorm_rope(
@@ -515,8 +482,9 @@ def split_qkv_rmsnorm_rope(
     mrope_interleaved : bool
         Qwen3-VL interleaved layout (True) or contiguous sections (Qwen2-VL, GLM-4.5V).
     out : tuple of 3 tensors, optional
-        Preallocated ``(q, k, v)`` outputs with ``qkv``'s dtype, contiguous last dim, any row stride. Each
-        may exactly alias its own slice of ``qkv``; any other overlap raises.
+        Preallocated ``(q, k, v)`` outputs with ``qkv``'s dtype, contiguous last dim, any row stride (e.g.
+        column views of one packed ``[T, (Hq+2Hkv)*D]`` buffer). Each may exactly alias its own slice of
+        ``qkv``; sharing any other element with an input or another output raises.
     backend : str, optional
         ``"reference"``, ``"cpu"``, ``"triton"`` or ``"auto"`` (default; also ``QKVFUSE_BACKEND``).
 
@@ -526,38 +494,13 @@ def split_qkv_rmsnorm_rope(
         Shapes ``(T, num_q_heads * head_dim)``, ``(T, num_kv_heads * head_dim)`` twice, ``qkv``'s dtype.
         All arithmetic is fp32 with one rounding at the end. NaN/Inf inputs propagate (a NaN in a head makes
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
+
+    For a layer called many times, :class:`QKNormRope` validates the static arguments once.
     """
-    if not _is_compiling():
-        fast = _NATIVE.split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight,
-                             q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, out, backend)
-        if fast is not None:
-            return fast
-    T, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
-                                       q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
-                                       mrope_interleaved)
-    name, kernel = _kernel(backend, qkv.device, "split_qkv_rmsnorm_rope_out")
-    if out is None and kernel is torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out:
-        if name != "cpu" or qkv.device.type != "cpu":  # the native CPU kernel checks inside
-            _check_positions_in_range(positions, cos_sin_cache.shape[0])
-        # The functional op allocates its outputs on the other side of the dispatcher (no Python allocations).
-        return torch.ops.qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
-                                                        head_dim, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
-                                                        sections, mrope_interleaved)
-    if out is None:
-        out = _split_outputs(qkv, num_q_heads, num_kv_heads, head_dim)
-    else:
-        kv = num_kv_heads * head_dim
-        inputs = [("qkv", qkv), ("positions", positions), ("cos_sin_cache", cos_sin_cache), ("q_weight", q_weight),
-                  ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)]
-        own_slices = lambda: [("qkv", view) for view in _inplace_views(qkv, num_q_heads, num_kv_heads, head_dim)]
-        _check_outputs(("q_out", "k_out", "v_out"), out, ((T, num_q_heads * head_dim), (T, kv), (T, kv)), qkv,
-                       inputs, own_slices)
-        out = tuple(out)
-    if name != "cpu" or qkv.device.type != "cpu":  # the native CPU kernel checks inside
-        _check_positions_in_range(positions, cos_sin_cache.shape[0])
-    kernel(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
-           k_bias, eps, is_neox, sections, mrope_interleaved, *out)
-    return out
+    _check_qkv(qkv)
+    c = _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
+                      is_neox, mrope_section, mrope_interleaved, backend, qkv.device, "qkv")
+    return _run_split(c, qkv, positions, out)
 
 
 def split_qkv_rmsnorm_rope_(
@@ -582,33 +525,119 @@ def split_qkv_rmsnorm_rope_(
 
     Same arguments and semantics as :func:`split_qkv_rmsnorm_rope` (without ``out``). Returns views
     ``q = qkv[:, :Hq*D]``, ``k = qkv[:, Hq*D:(Hq+Hkv)*D]``, ``v = qkv[:, (Hq+Hkv)*D:]`` (row stride = qkv's);
-    V is left untouched.
+    V is left untouched. ``qkv`` may not share an element with another input. The write bumps ``qkv``'s
+    version counter, as any in-place torch op does.
     """
-    if not _is_compiling():
-        fast = _NATIVE.split_inplace(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
-                                     k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved,
-                                     backend)
-        if fast is not None:
-            return fast
-    _, sections, eps = _validate_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim,
-                                       q_weight, k_weight, q_bias, k_bias, eps, is_neox, mrope_section,
-                                       mrope_interleaved)
-    for name, t in (("positions", positions), ("cos_sin_cache", cos_sin_cache), ("q_weight", q_weight),
-                    ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)):
-        if t is not None and not torch.compiler.is_compiling() and _overlaps(qkv, t):
-            _fail("qkv", f"memory overlapping {name}", "an in-place target that overlaps no other input")
-    views = _inplace_views(qkv, num_q_heads, num_kv_heads, head_dim)
-    name, kernel = _kernel(backend, qkv.device, "split_qkv_rmsnorm_rope_out")
-    if name != "cpu" or qkv.device.type != "cpu":  # the native CPU kernel checks inside
-        _check_positions_in_range(positions, cos_sin_cache.shape[0])
-    if kernel is torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out:
-        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace(
-            qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
-            k_bias, eps, is_neox, sections, mrope_interleaved)
+    _check_qkv(qkv)
+    c = _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
+                      is_neox, mrope_section, mrope_interleaved, backend, qkv.device, "qkv")
+    return _run_split_(c, qkv, positions)
+
+
+# --------------------------------------------------------------------------------------------------------
+# add_rmsnorm.
+# --------------------------------------------------------------------------------------------------------
+class _NormConfig(NamedTuple):
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    eps: float
+    hidden: int
+    device: torch.device
+    anchor: str
+    io_dtypes: Tuple[torch.dtype, ...]
+    ops: _Ops
+
+
+def _norm_config(weight, eps, bias, backend, device=None, anchor="weight", hidden=None) -> _NormConfig:
+    if not isinstance(weight, torch.Tensor):
+        _fail("weight", type(weight).__name__, "a torch.Tensor", TypeError)
+    device = weight.device if device is None else device
+    hidden = weight.shape[0] if hidden is None and weight.dim() == 1 else hidden
+    _check_vector("weight", weight, hidden if hidden is not None else -1, device, anchor)
+    if bias is not None:
+        _check_vector("bias", bias, hidden, device, anchor)
+    return _NormConfig(weight, bias, _check_eps(eps), hidden, device, anchor, _io_dtypes((weight, bias)),
+                       _ops_for(backend, device))
+
+
+def _check_x(x) -> None:
+    if not isinstance(x, torch.Tensor):
+        _fail("x", type(x).__name__, "a torch.Tensor", TypeError)
+    if x.dtype not in _FLOATS:
+        _fail("x", f"dtype {x.dtype}", "torch.float32, torch.bfloat16 or torch.float16", TypeError)
+    if x.dim() != 2 or x.shape[1] < 1:
+        _fail("x", f"shape {tuple(x.shape)}", "shape (T, H) with H >= 1")
+
+
+def _run_norm(c: _NormConfig, x, residual, out):
+    if x.shape[1] != c.hidden:
+        _fail("x", f"shape {tuple(x.shape)}", f"shape (T, {c.hidden}) (weight's length)")
+    _check_rows("x", x, c.hidden)
+    if x.dtype not in c.io_dtypes:
+        _check_io_dtype("x", x, c.io_dtypes, (("weight", c.weight), ("bias", c.bias)))
+    if residual is not None:
+        _check_tensor("residual", residual, c.device, c.anchor)
+        if residual.dtype != x.dtype:
+            _fail("residual", f"dtype {residual.dtype}", f"dtype {x.dtype} (x's)", TypeError)
+        if residual.shape != x.shape:
+            _fail("residual", f"shape {tuple(residual.shape)}", f"shape {tuple(x.shape)} (x's)")
+        _check_rows("residual", residual, c.hidden)
+    _check_no_grad((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias)))
+    if out is None:
+        y, residual_out = c.ops.norm(x, residual, c.weight, c.bias, c.eps)
+        return y, (residual_out if residual is not None else x)
+    shape = tuple(x.shape)
+    if residual is None:
+        if isinstance(out, (tuple, list)) and len(out) == 2 and out[1] is None:
+            out = (out[0],)
+        _check_out_tuple(out[:1] if isinstance(out, (tuple, list)) else out, ("y_out",), (shape,), x, "x")
+        y, residual_out = out[0], None
     else:
-        kernel(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
-               k_bias, eps, is_neox, sections, mrope_interleaved, *views)
-    return views
+        _check_out_tuple(out, ("y_out", "residual_out"), (shape, shape), x, "x")
+        y, residual_out = out
+    if _real_memory(x, y, residual_out):
+        _check_outputs((("y_out", y), ("residual_out", residual_out)),
+                       (("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias)),
+                       (("x", lambda: x), ("residual", lambda: residual)))
+    c.ops.norm_out(x, residual, c.weight, c.bias, c.eps, y, residual_out)
+    return y, (residual_out if residual is not None else x)
+
+
+class AddRMSNorm:
+    """A bound residual add + RMSNorm (+ post-norm bias) for one norm layer: static configuration validated once.
+
+    Parameters
+    ----------
+    weight : torch.Tensor
+        Shape ``(H,)``, fp32 or the activations' dtype; its device is the device every call's tensors must be on.
+    eps : float
+        RMSNorm epsilon.
+    bias : torch.Tensor, optional
+        Post-norm bias, shape ``(H,)``: ``y = norm(s) * weight + bias``.
+    backend : str, optional
+        As for :class:`QKNormRope`.
+
+    Calls: ``y, residual_out = norm(x, residual)`` and ``norm(x, residual, out=(y, residual_out))`` with the
+    semantics of :func:`add_rmsnorm`; ``out=(x, residual)`` is the in-place form engines use (``y`` over ``x``,
+    the rounded sum over ``residual``).
+    """
+
+    __slots__ = ("config",)
+
+    def __init__(self, weight: torch.Tensor, eps: float = 1e-6, bias: Optional[torch.Tensor] = None, *,
+                 backend: Optional[str] = None):
+        self.config = _norm_config(weight, eps, bias, backend)
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
+                 out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
+        c = self.config
+        _check_x(x)
+        if x.device != c.device:
+            _fail("x", f"a tensor on {x.device}", f"a tensor on {c.device} (the device of {c.anchor})")
+        return _run_norm(c, x, residual, out)
+
+    def __repr__(self) -> str:
+        return f"AddRMSNorm(hidden={self.config.hidden}, eps={self.config.eps}, bias={self.config.bias is not None})"
 
 
 def add_rmsnorm(
@@ -647,25 +676,6 @@ def add_rmsnorm(
         when ``residual`` is None) and ``y = residual_out * rsqrt(mean(residual_out^2) + eps) * weight (+ bias)``
         computed in fp32 and rounded once.
     """
-    if not _is_compiling():
-        fast = _NATIVE.add_rmsnorm(x, residual, weight, eps, bias, out, backend)
-        if fast is not None:
-            return fast
-    eps = _validate_norm(x, residual, weight, bias, eps)
-    name, kernel = _kernel(backend, x.device, "add_rmsnorm_out")
-    if out is None and kernel is torch.ops.qkvfuse.add_rmsnorm_out:
-        y, residual_out = torch.ops.qkvfuse.add_rmsnorm(x, residual, weight, bias, eps)
-        return y, (residual_out if residual is not None else x)
-    if out is None:
-        y = torch.empty_like(x)
-        residual_out = torch.empty_like(x) if residual is not None else None
-    else:
-        shape = tuple(x.shape)
-        if isinstance(out, (tuple, list)) and len(out) == 2 and residual is None:
-            out = (out[0], None)
-        _check_outputs(("y_out", "residual_out"), out, (shape, shape), x,
-                       [("x", x), ("residual", residual), ("weight", weight), ("bias", bias)],
-                       [("x", x), ("residual", residual)])
-        y, residual_out = out
-    kernel(x, residual, weight, bias, eps, y, residual_out)
-    return y, (residual_out if residual is not None else x)
+    _check_x(x)
+    c = _norm_config(weight, eps, bias, backend, x.device, "x", x.shape[1])
+    return _run_norm(c, x, residual, out)

@@ -1,98 +1,178 @@
-"""Backend registry.
+"""Backends and the backend rule.
 
-A backend is a module-like object with two kernels that take *validated* arguments and write into
-preallocated outputs (signatures of :mod:`qkvfuse.reference`):
+Three backends implement every op of :mod:`qkvfuse._library`:
 
-* ``split_qkv_rmsnorm_rope_out(qkv, positions, cache, hq, hkv, d, q_w, k_w, q_b, k_b, eps, is_neox,
-  mrope_section, mrope_interleaved, q_out, k_out, v_out)``
-* ``add_rmsnorm_out(x, residual, weight, bias, eps, y_out, residual_out)``
+* ``reference`` -- :mod:`qkvfuse.reference`, plain PyTorch on any device (the specification);
+* ``cpu`` -- the native C++ kernels (:mod:`.cpu`), built on first need;
+* ``triton`` -- :mod:`.triton`, for ``cuda``/``xpu``/``npu`` tensors, and CPU tensors under ``TRITON_INTERPRET=1``.
 
-and ``available() -> (bool, reason)``. Backends register with :func:`register_backend`; selection is by the
-``backend=`` keyword of the public ops, else the ``QKVFUSE_BACKEND`` environment variable, else automatic:
-``cpu`` for CPU tensors (``reference`` if the native kernel cannot be built), ``triton`` for ``cuda``, ``xpu``
-and ``npu`` tensors. An automatically chosen backend that is unavailable falls back to ``reference`` with one
-warning; an explicitly requested one raises.
+Importing this package (``import qkvfuse`` does) registers every backend's kernels with the dispatcher, so
+``torch.ops.qkvfuse.*`` -- also in a ``torch.export`` program loaded in a fresh process -- reaches the right
+kernel whatever was imported before. The expensive parts stay lazy behind the registered kernels: the native
+library is compiled (once per version, cached) and Triton imported on the first call that needs them.
+
+The backend rule (:func:`select_overload`, the one place it lives): a ``backend=`` argument, else
+``$QKVFUSE_BACKEND``, else ``auto``. ``auto`` is the ops' ``default`` overload, for which the dispatcher picks
+by device -- ``cpu`` for CPU tensors, ``triton`` for ``cuda``/``xpu``/``npu`` tensors, ``reference`` on other
+devices -- and an automatically chosen backend that cannot be built or imported falls back to ``reference``
+with one warning. An explicitly requested backend that is unavailable raises.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import threading
 import warnings
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
-__all__ = ["register_backend", "get_backend", "resolve_backend", "available_backends", "BACKEND_NAMES"]
+import torch
 
-# name -> import path of the module implementing it (imported lazily: building the native kernel or
-# importing triton costs seconds and must not happen at ``import qkvfuse``).
-_BACKEND_MODULES: Dict[str, str] = {
-    "reference": "qkvfuse.reference",
-    "cpu": "qkvfuse.backends.cpu",
-    "triton": "qkvfuse.backends.triton",
-}
-BACKEND_NAMES = tuple(_BACKEND_MODULES)
+from .. import _library, reference
+
+__all__ = ["BACKEND_NAMES", "select_overload", "resolve_backend", "available_backends", "get_backend"]
+
+BACKEND_NAMES = ("reference", "cpu", "triton")
+_MODULES = {"reference": "qkvfuse.reference", "cpu": "qkvfuse.backends.cpu", "triton": "qkvfuse.backends.triton"}
+# Device type -> the backend "auto" means there; other device types get the reference.
 _DEVICE_BACKEND = {"cpu": "cpu", "cuda": "triton", "xpu": "triton", "npu": "triton"}
+# Backend -> the op overload that runs it (the native CPU kernels are the default overload's CPU kernels).
+_OVERLOAD = {"reference": "reference", "cpu": "default", "triton": "triton"}
+# Backend -> device types it serves.
+_SERVES = {"reference": None, "cpu": ("cpu",), "triton": ("cuda", "xpu", "npu", "cpu")}
+_TRITON_KEYS = {"cuda": "CUDA", "xpu": "XPU", "npu": "PrivateUse1"}
 
-_loaded: Dict[str, object] = {}
+_loaded: Dict[str, object] = {"reference": reference}
 _unavailable: Dict[str, str] = {}
-_warned: set = set()
+_lock = threading.Lock()
 
 
-def register_backend(name: str, module_path: str) -> None:
-    """Register an extra backend implemented by ``module_path`` (see the module docstring)."""
-    _BACKEND_MODULES[name] = module_path
-    _loaded.pop(name, None)
-    _unavailable.pop(name, None)
-
-
-def _load(name: str):
+def _load(name: str) -> Tuple[Optional[object], str]:
+    """``(module, "")`` once backend ``name`` is built/imported and usable, else ``(None, reason)``; tried once."""
     if name in _loaded:
         return _loaded[name], ""
-    if name in _unavailable:
-        return None, _unavailable[name]
-    try:
-        module = importlib.import_module(_BACKEND_MODULES[name])
-        ok, reason = module.available() if hasattr(module, "available") else (True, "")
-    except Exception as exc:  # an import or build failure makes the backend unavailable, with the reason
-        ok, reason = False, f"{type(exc).__name__}: {exc}"
-    if ok:
-        _loaded[name] = module
-        return module, ""
-    _unavailable[name] = reason
-    return None, reason
+    with _lock:
+        if name not in _loaded and name not in _unavailable:
+            try:
+                module = importlib.import_module(_MODULES[name])
+                ok, reason = module.available()
+            except Exception as exc:  # an import or build failure makes the backend unavailable, with the reason
+                ok, reason = False, f"{type(exc).__name__}: {exc}"
+            if ok:
+                _loaded[name] = module
+            else:
+                _unavailable[name] = reason
+    return _loaded.get(name), _unavailable.get(name, "")
 
 
 def available_backends() -> Dict[str, str]:
-    """``{name: ""}`` for usable backends and ``{name: reason}`` for unusable ones."""
-    return {name: _load(name)[1] for name in _BACKEND_MODULES}
-
-
-def resolve_backend(backend, device_type: str) -> str:
-    """Name of the backend serving tensors on ``device_type`` (validation of the ``backend`` argument)."""
-    requested = backend if backend is not None else os.environ.get("QKVFUSE_BACKEND") or None
-    if requested is None or requested == "auto":
-        name = _DEVICE_BACKEND.get(device_type, "reference")
-        module, reason = _load(name)
-        if module is None:
-            if name not in _warned:
-                _warned.add(name)
-                warnings.warn(f"qkvfuse: backend {name!r} unavailable ({reason}); using the reference backend",
-                              RuntimeWarning, stacklevel=3)
-            return "reference"
-        return name
-    if not isinstance(requested, str) or requested not in _BACKEND_MODULES:
-        source = "backend" if backend is not None else "QKVFUSE_BACKEND"
-        raise ValueError(f"{source}: expected one of {('auto',) + BACKEND_NAMES}, got {requested!r}")
-    module, reason = _load(requested)
-    if module is None:
-        raise RuntimeError(f"qkvfuse: backend {requested!r} was requested but is unavailable: {reason}")
-    return requested
+    """``{name: ""}`` for usable backends and ``{name: reason}`` for unusable ones (builds/imports them)."""
+    return {name: _load(name)[1] for name in BACKEND_NAMES}
 
 
 def get_backend(name: str):
-    """The backend module for a name returned by :func:`resolve_backend`."""
+    """The backend module ``name`` (raises ``RuntimeError`` with the reason when unavailable)."""
     module, reason = _load(name)
     if module is None:
         raise RuntimeError(f"qkvfuse: backend {name!r} is unavailable: {reason}")
     return module
 
+
+_warned: set = set()
+
+
+def _fall_back(name: str, reason: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"qkvfuse: backend {name!r} unavailable ({reason}); using the reference backend",
+                      RuntimeWarning, stacklevel=4)
+
+
+_selected: Dict[Tuple[Optional[str], str], str] = {}
+
+
+def _select(backend: Optional[str], device_type: str, source: str) -> str:
+    hit = _selected.get((backend, device_type))
+    if hit is not None:
+        return hit
+    hit = _selected[(backend, device_type)] = _select_uncached(backend, device_type, source)
+    return hit
+
+
+def _select_uncached(backend: Optional[str], device_type: str, source: str) -> str:
+    if backend is None or backend == "auto":
+        return "default"
+    if not isinstance(backend, str) or backend not in BACKEND_NAMES:
+        raise ValueError(f"{source}: expected one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
+    serves = _SERVES[backend]
+    if serves is not None and device_type not in serves:
+        raise ValueError(f"{source}: backend {backend!r} does not run {device_type} tensors "
+                         f"(it serves {', '.join(serves)})")
+    get_backend(backend)  # raises, naming the reason, when it cannot run here
+    return _OVERLOAD[backend]
+
+
+# Under torch.compile the choice is made once, while tracing (dynamo runs this function and keeps its result).
+@torch.compiler.assume_constant_result
+def select_overload(backend: Optional[str], device_type: str) -> str:
+    """The op overload (``"default"``, ``"reference"`` or ``"triton"``) that runs ``backend`` -- an argument
+    value, ``None`` meaning ``$QKVFUSE_BACKEND`` or ``auto`` -- on tensors of ``device_type``. Cached per
+    (backend, device type, environment value); raises ``ValueError`` for an unknown backend and
+    ``RuntimeError`` for an unavailable one."""
+    if backend is not None:
+        return _select(backend, device_type, "backend")
+    return _select(os.environ.get("QKVFUSE_BACKEND") or None, device_type, "QKVFUSE_BACKEND")
+
+
+def resolve_backend(backend: Optional[str], device_type: str) -> str:
+    """The name of the backend that runs for ``backend`` on ``device_type`` (builds or imports it to know)."""
+    overload = select_overload(backend, device_type)
+    if overload != "default":
+        return "reference" if overload == "reference" else "triton"
+    name = _DEVICE_BACKEND.get(device_type, "reference")
+    return name if _load(name)[0] is not None else "reference"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Registration (at import). The reference is the default overload's kernel on devices without another one.
+# --------------------------------------------------------------------------------------------------------
+_impl = torch.library.Library("qkvfuse", "IMPL")
+for _overload in ("reference", "default"):
+    _library.register_kernels(_impl, _overload, "CompositeExplicitAutograd", reference.split_qkv_rmsnorm_rope_out,
+                              reference.add_rmsnorm_out)
+
+
+class _LazyTriton:
+    """Triton kernels for one overload: import the backend on the first call. For ``default`` (auto) a failed
+    import falls back to the reference with one warning; for ``triton`` (requested) it raises."""
+
+    def __init__(self, fallback: bool):
+        self.fallback = fallback
+        self.split_out = self.norm_out = None
+
+    def _kernels(self):
+        if self.split_out is None:
+            module, reason = _load("triton")
+            if module is None:
+                if not self.fallback:
+                    raise RuntimeError(f"qkvfuse: backend 'triton' was requested but is unavailable: {reason}")
+                _fall_back("triton", reason)
+                module = reference
+            self.split_out, self.norm_out = module.split_qkv_rmsnorm_rope_out, module.add_rmsnorm_out
+        return self
+
+    def split(self, *args):
+        self._kernels().split_out(*args)
+
+    def norm(self, *args):
+        self._kernels().norm_out(*args)
+
+
+for _overload, _keys in (("default", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
+    _lazy = _LazyTriton(fallback=_overload == "default")
+    for _key in _keys:
+        _library.register_kernels(_impl, _overload, _key, _lazy.split, _lazy.norm)
+
+from . import cpu as _cpu  # noqa: E402  (registers the lazily built native kernels for CPU tensors)
+
+_cpu.register_lazy_kernels(lambda reason: _fall_back("cpu", reason))

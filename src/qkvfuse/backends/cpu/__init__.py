@@ -1,16 +1,16 @@
-"""Native CPU backend: C++ kernels against ATen, registered as the ``CPU`` implementation of ``torch.ops.qkvfuse``.
+"""Native CPU backend: C++ kernels against ATen, the ``CPU`` kernels of the ops' ``default`` overload.
 
-The sources next to this file are compiled with :func:`torch.utils.cpp_extension.load` (ninja) the first time
-the backend is needed -- never at install time, where pip's build isolation would pull another torch -- and
-the library is cached outside the source tree (see :func:`build_directory`). Loading it registers, from C++
-(``TORCH_LIBRARY_IMPL(qkvfuse, CPU, m)``), all five ops defined in :mod:`qkvfuse.ops`, so eager calls and
-``torch.compile`` graphs on CPU tensors reach the native kernels through the dispatcher without a Python
-frame in between.
+At ``import qkvfuse`` (:func:`register_lazy_kernels`) a Python kernel is registered for the ``CPU`` key that, on
+the first call, builds the library (a plain shared library, compiled once per version of its sources and
+cached: see :mod:`.build`) and loads it; loading registers the C++ kernels from C++
+(``TORCH_LIBRARY_IMPL(qkvfuse, CPU, m)``) in place of the Python one, so every later call -- eager, traced,
+exported or compiled -- reaches the native kernel through the dispatcher without a Python frame in between.
+``python -m qkvfuse build`` (:func:`prebuild`) builds ahead of time.
 
 Vector width follows ``torch.backends.cpu.get_cpu_capability()`` (AVX-512, AVX2 or ATen's portable
 ``DEFAULT`` vectors); ``QKVFUSE_CPU_CAPABILITY`` overrides it. A machine that cannot build the library (no
-C++ compiler, no ninja) gets ``available() == (False, reason)``: the registry then falls back to the reference
-backend with one warning when the backend was chosen automatically.
+C++ compiler) gets ``available() == (False, reason)``; the lazy kernel then falls back to the reference backend
+with one warning (an explicit ``backend="cpu"`` raises instead).
 """
 
 from __future__ import annotations
@@ -18,22 +18,18 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
 
-from ... import ops as _ops  # the schemas must exist before the library registers kernels for them
+from ... import _library, reference
 
-__all__ = ["available", "build_directory", "load_library", "split_qkv_rmsnorm_rope_out", "add_rmsnorm_out",
-           "DISPATCH_DEVICE_TYPES"]
+__all__ = ["available", "load_library", "prebuild", "register_lazy_kernels", "split_qkv_rmsnorm_rope_out",
+           "add_rmsnorm_out"]
 
-# The public ops send CPU tensors through torch.ops.qkvfuse.* (the C++ registration), not through the
-# Python functions below.
-DISPATCH_DEVICE_TYPES = ("cpu",)
-
-_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "python_entry.cpp")
-_HEADERS = ("vec_io.h", "entry.h")
+_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp")
 # ATen's vector headers pick their implementation from CPU_CAPABILITY*; the -m flags are the ones torch's
 # own build uses for the same capability. -ffp-contract=off keeps the scalar tails free of compiler-chosen
 # FMAs (the kernels place theirs explicitly). OpenMP pragmas inside at::parallel_for need -fopenmp at
@@ -46,10 +42,7 @@ _CAPABILITY_FLAGS = {
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall"]
 
 _state: Optional[Tuple[bool, str]] = None
-# The library as a Python module once loaded: its ``split`` / ``split_inplace`` / ``add_rmsnorm`` are the fast
-# path of qkvfuse.ops for CPU tensors, ``bind`` what they check a call's backend choice against
-# (python_entry.cpp).
-entry = None
+_lock = threading.RLock()
 
 
 def capability() -> str:
@@ -76,15 +69,11 @@ def build_directory(cap: Optional[str] = None) -> Path:
 
 def load_library(verbose: bool = False) -> str:
     """Build (if needed) and load the native library; returns its path. Raises if it cannot be built."""
-    global entry
     from torch.utils import cpp_extension
 
-    # The two usual reasons a machine cannot build, said plainly before cpp_extension says them at length.
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)")
-    if not cpp_extension.is_ninja_available():
-        raise RuntimeError("ninja is not installed (pip install ninja)")
     cap = capability()
     here = Path(__file__).resolve().parent
     build_dir = build_directory(cap)
@@ -92,15 +81,9 @@ def load_library(verbose: bool = False) -> str:
     flags: List[str] = _COMMON_FLAGS + _CAPABILITY_FLAGS[cap]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
-    entry = cpp_extension.load(
-        name=f"qkvfuse_cpu_{cap.lower()}",
-        sources=[str(here / s) for s in _SOURCES],
-        extra_cflags=flags,
-        extra_include_paths=[str(here)],
-        build_directory=str(build_dir),
-        is_python_module=True,
-        verbose=verbose,
-    )
+    cpp_extension.load(name=f"qkvfuse_cpu_{cap.lower()}", sources=[str(here / s) for s in _SOURCES],
+                       extra_cflags=flags, extra_include_paths=[str(here)], build_directory=str(build_dir),
+                       is_python_module=False, verbose=verbose)
     return str(build_dir)
 
 
@@ -115,26 +98,81 @@ def _summary(exc: BaseException) -> str:
 
 
 def available() -> Tuple[bool, str]:
-    """``(True, "")`` once the native library is built and loaded, else ``(False, reason)``; tried once."""
+    """``(True, "")`` once the native library is built and loaded (its C++ kernels registered), else
+    ``(False, reason)``; tried once per process."""
     global _state
-    if _state is None:
-        try:
-            load_library()
-            _state = (True, "")
-        except Exception as exc:  # a missing compiler or ninja: the registry falls back to the reference
-            _state = (False, _summary(exc))
+    with _lock:
+        if _state is None:
+            # The lazy Python kernel makes way first: the library registers the C++ kernels when it loads.
+            if _lazy_lib is not None:
+                _lazy_lib._destroy()
+            try:
+                load_library()
+                _state = (True, "")
+            except Exception as exc:  # a missing compiler, a failed build: the lazy kernel falls back
+                _state = (False, _summary(exc))
+                if _fall_back is not None:
+                    _register_lazy()
     return _state
+
+
+def prebuild() -> str:
+    """Build and load the native library now (``python -m qkvfuse build``); returns its folder. Raises
+    ``RuntimeError`` with the reason when it cannot be built."""
+    ok, reason = available()
+    if not ok:
+        raise RuntimeError(reason)
+    return str(build_directory())
+
+
+# --------------------------------------------------------------------------------------------------------
+# The lazy kernel: registered at import for the default overload's CPU key; the first call builds and loads
+# the library, after which the dispatcher calls the C++ kernels directly (this Python kernel is destroyed).
+# --------------------------------------------------------------------------------------------------------
+_lazy_lib: Optional[torch.library.Library] = None
+_fall_back = None
+
+
+def _first_call_split(*args) -> None:
+    ok, reason = available()
+    if not ok:
+        _fall_back(reason)
+        return reference.split_qkv_rmsnorm_rope_out(*args)
+    split_qkv_rmsnorm_rope_out(*args)
+
+
+def _first_call_norm(*args) -> None:
+    ok, reason = available()
+    if not ok:
+        _fall_back(reason)
+        return reference.add_rmsnorm_out(*args)
+    add_rmsnorm_out(*args)
+
+
+def register_lazy_kernels(fall_back) -> None:
+    """Register the building-on-first-call kernels (``fall_back(reason)`` warns when the build fails)."""
+    global _fall_back
+    if _fall_back is None:
+        _fall_back = fall_back
+        _register_lazy()
+
+
+def _register_lazy() -> None:
+    global _lazy_lib
+    _lazy_lib = torch.library.Library("qkvfuse", "IMPL")
+    _library.register_kernels(_lazy_lib, "default", "CPU", _first_call_split, _first_call_norm)
 
 
 def split_qkv_rmsnorm_rope_out(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
                                k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_out,
                                k_out, v_out) -> None:
     """The native kernel with the reference signature (validated input; see :mod:`qkvfuse.reference`)."""
-    torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads,
-                                                 head_dim, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
-                                                 list(mrope_section or ()), mrope_interleaved, q_out, k_out, v_out)
+    rope = _library.encode_rope(is_neox, mrope_section, mrope_interleaved)
+    torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias,
+                                                         k_bias, num_q_heads, num_kv_heads, eps, rope, q_out, k_out,
+                                                         v_out)
 
 
 def add_rmsnorm_out(x, residual, weight, bias, eps, y_out, residual_out) -> None:
     """The native kernel with the reference signature (validated input; see :mod:`qkvfuse.reference`)."""
-    torch.ops.qkvfuse.add_rmsnorm_out(x, residual, weight, bias, eps, y_out, residual_out)
+    torch.ops.qkvfuse.add_rmsnorm_out.default(x, residual, weight, bias, eps, y_out, residual_out)

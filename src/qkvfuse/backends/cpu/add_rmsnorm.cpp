@@ -2,7 +2,7 @@
 // the first forms s = x + residual rounded to the I/O dtype (stored as residual_out) and sums its squares, the
 // second normalises s -- re-read from residual_out, still in L1/L2 -- into y. Each row's bits depend only on
 // that row, never on the thread split or on T.
-#include "entry.h"
+#include "optional_ref.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -264,64 +264,7 @@ std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residua
   return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps);
 }
 
-bool valid_rows(const Tensor& t, const Tensor& x) {
-  return t.device().is_cpu() && t.scalar_type() == x.scalar_type() && t.dim() == 2 && t.sizes() == x.sizes() &&
-         (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1)));
-}
-
-bool valid_norm_vector(const Tensor& t, int64_t H, at::ScalarType io) {
-  return t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == io) && t.dim() == 1 &&
-         t.size(0) == H;
-}
-
-// The tensor rules of qkvfuse.ops._validate_norm, as a predicate (entry.h has the contract).
-bool norm_plainly_valid(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
-                        double eps) {
-  if (!(eps >= 0.0 && eps < INFINITY)) return false;
-  const at::ScalarType io = x.scalar_type();
-  if (!x.device().is_cpu() || !(io == at::kFloat || io == at::kBFloat16 || io == at::kHalf) || x.dim() != 2 ||
-      x.size(1) < 1 || (x.numel() != 0 && (x.stride(1) != 1 || x.stride(0) < x.size(1)))) {
-    return false;
-  }
-  if (residual.has_value() && !valid_rows(*residual, x)) return false;
-  return valid_norm_vector(weight, x.size(1), io) && (!bias.has_value() || valid_norm_vector(*bias, x.size(1), io));
-}
-
 }  // namespace
-
-std::vector<Tensor> add_rmsnorm_checked(const Tensor& x, const OptRef& residual, const Tensor& weight,
-                                        const OptRef& bias, double eps) {
-  if (!norm_plainly_valid(x, residual, weight, bias, eps)) return {};
-  auto [y, r_out] = add_rmsnorm_impl(x, residual, weight, bias, eps);
-  return {y, residual.has_value() ? r_out : x};
-}
-
-bool add_rmsnorm_checked_out(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
-                             double eps, const Tensor& y_out, const OptRef& residual_out) {
-  if (!norm_plainly_valid(x, residual, weight, bias, eps) || residual.has_value() != residual_out.has_value()) {
-    return false;
-  }
-  // qkvfuse.ops._check_outputs for (y_out, residual_out): x's layout, and no overlap with an input or with
-  // each other, except y_out exactly aliasing x and residual_out exactly aliasing residual.
-  const Tensor* outs[2] = {&y_out, residual_out.has_value() ? &*residual_out : nullptr};
-  const Tensor* inputs[4] = {&x, residual.has_value() ? &*residual : nullptr, &weight,
-                             bias.has_value() ? &*bias : nullptr};
-  for (int i = 0; i < 2; ++i) {
-    if (outs[i] == nullptr) continue;
-    const Tensor& o = *outs[i];
-    if (!valid_rows(o, x)) return false;
-    for (int j = 0; j < 4; ++j) {
-      if (inputs[j] == nullptr || !overlap(span(o), span(*inputs[j]))) continue;
-      const Tensor& in = *inputs[j];
-      const bool own = j == i && o.const_data_ptr() == in.const_data_ptr() && o.strides() == in.strides();
-      if (!own) return false;
-    }
-  }
-  if (outs[1] != nullptr && overlap(span(y_out), span(*outs[1]))) return false;
-  add_rmsnorm_out_impl(x, residual, weight, bias, eps, y_out, residual_out);
-  return true;
-}
-
 }  // namespace qkvfuse_cpu
 
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {

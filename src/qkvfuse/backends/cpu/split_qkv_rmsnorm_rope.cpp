@@ -7,7 +7,7 @@
 // threads or on the other tokens in the batch.
 // bf16 heads of the published shapes (128 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
 // specialised path (fast_heads).
-#include "entry.h"
+#include "optional_ref.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -711,161 +711,68 @@ void split_qkv_rmsnorm_rope_inplace_impl(const Tensor& qkv, const Tensor& positi
   run(p, qkv.scalar_type());
 }
 
+// The rope argument of the schemas (qkvfuse._library.encode_rope, the definition): bit 0 NeoX pairs, bit 1
+// mRoPE, bit 2 interleaved mRoPE, then the three section sizes in 10 bits each from bit 8.
+struct Rope {
+  bool neox, mrope, interleaved;
+  int64_t sections[3];
+};
+
+Rope decode_rope(int64_t code) {
+  Rope r{(code & 1) != 0, (code & 2) != 0, (code & 4) != 0, {0, 0, 0}};
+  if (r.mrope) {
+    for (int i = 0; i < 3; ++i) r.sections[i] = (code >> (8 + 10 * i)) & 1023;
+  }
+  return r;
+}
+
+// head_dim is qkv's width over the head count (the schema does not repeat it).
+int64_t head_dim(const Tensor& qkv, int64_t hq, int64_t hkv) {
+  TORCH_CHECK(qkv.dim() == 2 && hq >= 1 && hkv >= 1 && qkv.size(1) % (hq + 2 * hkv) == 0,
+              "qkvfuse cpu kernel: qkv ", qkv.sizes(), " is not (T, (num_q_heads + 2 * num_kv_heads) * head_dim)");
+  return qkv.size(1) / (hq + 2 * hkv);
+}
+
 // The dispatcher's kernels (TORCH_LIBRARY_IMPL below): the schema's optional tensors, borrowed.
-void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
-                                const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
-                                c10::IntArrayRef mrope_section, bool mrope_interleaved, const Tensor& q_out,
-                                const Tensor& k_out, const Tensor& v_out) {
-  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight),
-                                  borrow(q_bias), borrow(k_bias), eps, is_neox, mrope_section, mrope_interleaved,
-                                  q_out, k_out, v_out);
+void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                                const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                                const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
+                                const Tensor& q_out, const Tensor& k_out, const Tensor& v_out) {
+  const Rope r = decode_rope(rope);
+  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+                                  borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
+                                  r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
+                                  r.interleaved, q_out, k_out, v_out);
 }
 
-std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
-    const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv, int64_t D,
-    const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias,
-    double eps, bool is_neox, c10::IntArrayRef mrope_section, bool mrope_interleaved) {
-  return split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight),
-                                     borrow(q_bias), borrow(k_bias), eps, is_neox, mrope_section,
-                                     mrope_interleaved);
+std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(const Tensor& qkv, const Tensor& positions,
+                                                          const Tensor& cache, const OptTensor& q_weight,
+                                                          const OptTensor& k_weight, const OptTensor& q_bias,
+                                                          const OptTensor& k_bias, int64_t hq, int64_t hkv,
+                                                          double eps, int64_t rope) {
+  const Rope r = decode_rope(rope);
+  return split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+                                     borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
+                                     r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
+                                     r.interleaved);
 }
 
-void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                    int64_t hkv, int64_t D, const OptTensor& q_weight, const OptTensor& k_weight,
-                                    const OptTensor& q_bias, const OptTensor& k_bias, double eps, bool is_neox,
-                                    c10::IntArrayRef mrope_section, bool mrope_interleaved) {
-  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight),
-                                      borrow(q_bias), borrow(k_bias), eps, is_neox, mrope_section,
-                                      mrope_interleaved);
+void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                                    const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                                    const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope) {
+  const Rope r = decode_rope(rope);
+  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+                                      borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
+                                      r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
+                                      r.interleaved);
 }
 
-bool float_dtype(const Tensor& t) { return is_float_type(t.scalar_type()); }
-
-bool valid_vector(const OptRef& t, int64_t D, at::ScalarType io) {
-  return !t.has_value() || (t->device().is_cpu() && (t->scalar_type() == at::kFloat || t->scalar_type() == io) &&
-                            t->dim() == 1 && t->size(0) == D);
-}
-
-// The tensor half of qkvfuse.ops._validate_split as a predicate, rule for rule; the Python side has checked
-// the scalar arguments' types and values. False sends the caller to the Python validator, which raises the
-// user-facing error (or, should this predicate ever be stricter, runs the ordinary path).
-bool plainly_valid(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                   int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
-                   const OptRef& k_bias, double eps, c10::IntArrayRef section, bool mrope) {
-  if (hq < 1 || hkv < 1 || D < 2 || D % 2 != 0 || D > kMaxHeadDim || !(eps >= 0.0 && eps < INFINITY)) return false;
-  const int64_t width = (hq + 2 * hkv) * D;
-  if (!qkv.device().is_cpu() || !float_dtype(qkv) || qkv.dim() != 2 || qkv.size(1) != width) return false;
-  if (qkv.numel() != 0 && (qkv.stride(1) != 1 || qkv.stride(0) < width)) return false;
-  const int64_t T = qkv.size(0);
-  if (!cache.device().is_cpu() || !float_dtype(cache) || cache.dim() != 2 || cache.size(0) < 1) return false;
-  const int64_t R = cache.size(1);
-  if (R < 2 || R % 2 != 0 || R > D || cache.stride(1) != 1 || cache.stride(0) < R) return false;
-  if (!positions.device().is_cpu() ||
-      (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong)) {
-    return false;
-  }
-  if (mrope) {
-    if (section.size() != 3 || section[0] < 0 || section[1] < 0 || section[2] < 0 ||
-        section[0] + section[1] + section[2] != R / 2 || positions.dim() != 2 || positions.size(0) != 3 ||
-        positions.size(1) != T) {
-      return false;
-    }
-  } else if (!section.empty() || positions.dim() != 1 || positions.size(0) != T) {
-    return false;
-  }
-  if (q_weight.has_value() != k_weight.has_value()) return false;
-  if (!q_weight.has_value() && (q_bias.has_value() || k_bias.has_value())) return false;
-  const at::ScalarType io = qkv.scalar_type();
-  return valid_vector(q_weight, D, io) && valid_vector(k_weight, D, io) && valid_vector(q_bias, D, io) &&
-         valid_vector(k_bias, D, io);
-}
-
-// The rules of qkvfuse.ops._check_outputs for (q_out, k_out, v_out), as a predicate: shape, dtype, device,
-// layout, and no overlap with any input or with each other, except an output that is exactly its own slice
-// of qkv (same pointer, shape and strides).
-bool plainly_valid_outputs(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                           const OptRef* const norm[4], int64_t hq, int64_t hkv, int64_t D, const Tensor* outs[3]) {
-  const int64_t widths[3] = {hq * D, hkv * D, hkv * D}, offsets[3] = {0, hq * D, (hq + hkv) * D};
-  const int64_t T = qkv.size(0);
-  std::pair<intptr_t, intptr_t> inputs[7] = {span(qkv), span(positions), span(cache)};
-  size_t n_inputs = 3;
-  for (int i = 0; i < 4; ++i) {
-    if (norm[i]->has_value()) inputs[n_inputs++] = span(**norm[i]);
-  }
-  std::pair<intptr_t, intptr_t> out_spans[3];
-  for (int i = 0; i < 3; ++i) {
-    const Tensor& o = *outs[i];
-    if (!o.device().is_cpu() || o.scalar_type() != qkv.scalar_type() || o.dim() != 2 || o.size(0) != T ||
-        o.size(1) != widths[i] || (o.numel() != 0 && (o.stride(1) != 1 || o.stride(0) < o.size(1)))) {
-      return false;
-    }
-    out_spans[i] = span(o);
-    for (size_t j = 0; j < n_inputs; ++j) {
-      if (!overlap(out_spans[i], inputs[j])) continue;
-      const bool own_slice = j == 0 && o.const_data_ptr() == static_cast<const char*>(qkv.const_data_ptr()) +
-                                                               offsets[i] * qkv.element_size() &&
-                             o.stride(0) == qkv.stride(0) && o.stride(1) == qkv.stride(1);
-      if (!own_slice) return false;
-    }
-    for (int j = 0; j < i; ++j) {
-      if (overlap(out_spans[i], out_spans[j])) return false;
-    }
-  }
-  return true;
+std::vector<int64_t> decoded_rope(int64_t code) {
+  const Rope r = decode_rope(code);
+  return {r.neox, r.mrope, r.interleaved, r.sections[0], r.sections[1], r.sections[2]};
 }
 
 }  // namespace
-
-// The entry points of entry.h (declared there, with their contract).
-std::vector<Tensor> split_checked(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                  int64_t hkv, int64_t D, const OptRef& q_weight, const OptRef& k_weight,
-                                  const OptRef& q_bias, const OptRef& k_bias, double eps, bool is_neox,
-                                  c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
-  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
-                     mrope)) {
-    return {};
-  }
-  auto [q, k, v] = split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias,
-                                          eps, is_neox, mrope_section, mrope_interleaved);
-  return {q, k, v};
-}
-
-bool split_checked_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
-                       int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
-                       const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
-                       bool mrope, bool mrope_interleaved, const Tensor& q_out, const Tensor& k_out,
-                       const Tensor& v_out) {
-  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
-                     mrope)) {
-    return false;
-  }
-  const OptRef* const norm[4] = {&q_weight, &k_weight, &q_bias, &k_bias};
-  const Tensor* outs[3] = {&q_out, &k_out, &v_out};
-  if (!plainly_valid_outputs(qkv, positions, cache, norm, hq, hkv, D, outs)) return false;
-  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
-                             mrope_section, mrope_interleaved, q_out, k_out, v_out);
-  return true;
-}
-
-std::vector<Tensor> split_checked_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                                          int64_t hq, int64_t hkv, int64_t D, const OptRef& q_weight,
-                                          const OptRef& k_weight, const OptRef& q_bias,
-                                          const OptRef& k_bias, double eps, bool is_neox,
-                                          c10::IntArrayRef mrope_section, bool mrope, bool mrope_interleaved) {
-  if (!plainly_valid(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, mrope_section,
-                     mrope)) {
-    return {};
-  }
-  const auto target = span(qkv);
-  if (overlap(target, span(positions)) || overlap(target, span(cache))) return {};
-  for (const OptRef* t : {&q_weight, &k_weight, &q_bias, &k_bias}) {
-    if (t->has_value() && overlap(target, span(**t))) return {};
-  }
-  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps,
-                                 is_neox, mrope_section, mrope_interleaved);
-  return qkv.split_with_sizes({hq * D, hkv * D, hkv * D}, 1);  // one op for the three views (each op ~2 us)
-}
 
 namespace {
 
@@ -905,6 +812,7 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
 // Introspection for tests: the kernel's copy of the mRoPE axis rule, its parallel grain, its bf16 rounding.
 TORCH_LIBRARY(qkvfuse_cpu, m) {
   m.def("mrope_axis_map(int half, int[] mrope_section, bool interleaved) -> int[]", &qkvfuse_cpu::mrope_axis_map);
+  m.def("decode_rope(int rope) -> int[]", &qkvfuse_cpu::decoded_rope);
   m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
 #if defined(CPU_CAPABILITY_AVX2)
   m.def("pack_rne_blocks(Tensor x) -> Tensor", &qkvfuse_cpu::pack_rne_blocks);

@@ -1,10 +1,11 @@
 """The Triton backend: one kernel source for NVIDIA/AMD GPUs (``cuda``), Intel GPUs (``xpu``) and Ascend NPUs
 (``npu``, through triton-ascend: untested), and for CPU tensors under ``TRITON_INTERPRET=1``.
 
-Importing this module on a machine with such a device registers the launchers for the ``CUDA``, ``XPU`` and
-``PrivateUse1`` dispatch keys of ``torch.ops.qkvfuse.*``, so the public ops reach them through the dispatcher
-(one opaque op under ``torch.compile``). On a CPU-only machine it registers nothing; with ``TRITON_INTERPRET=1``
-set before import, ``backend="triton"`` runs the same kernels on CPU tensors (how CI tests them).
+The launchers here are the kernels of the ops' ``triton`` overload (every device key) and of the ``default``
+overload's ``CUDA``, ``XPU`` and ``PrivateUse1`` keys; :mod:`qkvfuse.backends` registers them at ``import
+qkvfuse`` behind a first-call import of this module (importing Triton costs seconds). With
+``TRITON_INTERPRET=1`` set before Triton is imported, ``backend="triton"`` runs the same kernels on CPU tensors
+(how CI tests them).
 """
 
 from __future__ import annotations
@@ -13,19 +14,16 @@ from typing import Tuple
 
 import torch
 
-from ... import ops
 from .launch import INTERPRET, add_rmsnorm_out, split_qkv_rmsnorm_rope_out
 
-__all__ = ["available", "split_qkv_rmsnorm_rope_out", "add_rmsnorm_out", "DISPATCH_DEVICE_TYPES"]
+__all__ = ["available", "split_qkv_rmsnorm_rope_out", "add_rmsnorm_out", "PRESENT_DEVICE_TYPES"]
 
-# Device types whose tensors reach this backend through torch.ops.qkvfuse (see qkvfuse.ops._kernel).
-DISPATCH_DEVICE_TYPES = ("cuda", "xpu", "npu")
-_DISPATCH_KEYS = {"cuda": "CUDA", "xpu": "XPU", "npu": "PrivateUse1"}
+DEVICE_TYPES = ("cuda", "xpu", "npu")
 
 
 def _present_device_types() -> Tuple[str, ...]:
     present = []
-    for device_type in DISPATCH_DEVICE_TYPES:
+    for device_type in DEVICE_TYPES:
         module = getattr(torch, device_type, None)  # torch.npu exists only once torch_npu is imported
         try:
             if module is not None and module.is_available():
@@ -36,10 +34,6 @@ def _present_device_types() -> Tuple[str, ...]:
 
 
 PRESENT_DEVICE_TYPES = _present_device_types()
-
-for _device_type in PRESENT_DEVICE_TYPES:
-    ops.register_split_kernels(_DISPATCH_KEYS[_device_type], split_qkv_rmsnorm_rope_out)
-    ops.register_norm_kernels(_DISPATCH_KEYS[_device_type], add_rmsnorm_out)
 
 
 def available() -> Tuple[bool, str]:

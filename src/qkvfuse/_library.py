@@ -1,0 +1,187 @@
+"""The bottom layer: the ``torch.library`` schemas of every qkvfuse op, their fake kernels, and kernel registration.
+
+Nothing else of qkvfuse is imported here; backends register their kernels into these schemas, and the public
+layer (:mod:`qkvfuse.ops`) validates arguments and calls the ops. There is one call path:
+public function (or bound object) -> validation -> ``torch.ops.qkvfuse.*`` -> the kernel the dispatcher picks.
+
+Ops (namespace ``qkvfuse``), each with three overloads that share one schema:
+
+* ``split_qkv_rmsnorm_rope`` -- functional, returns ``(q, k, v)``;
+* ``split_qkv_rmsnorm_rope_out`` -- writes ``q_out, k_out, v_out``;
+* ``split_qkv_rmsnorm_rope_inplace`` -- rewrites the Q and K heads inside ``qkv``;
+* ``add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias); without a residual the second
+  output of the functional form is an empty placeholder.
+
+Overloads name the backend: ``default`` is "auto" (the dispatcher picks by device: the native kernel for
+``CPU``, Triton for ``CUDA``/``XPU``/``PrivateUse1``, the reference elsewhere), ``reference`` the plain-PyTorch
+specification on any device, ``triton`` the Triton kernels (CPU tensors under ``TRITON_INTERPRET=1``).
+:func:`qkvfuse.backends.resolve_backend` maps a ``backend=`` argument to an overload name.
+
+The split schema is lean (a call parses fewer arguments): ``head_dim`` is ``qkv.shape[1] // (num_q_heads +
+2 * num_kv_heads)``, the rotary dim is ``cos_sin_cache.shape[1]``, and the rotation style and the mRoPE layout
+travel in one int, ``rope`` (:func:`encode_rope`). Raw ``torch.ops`` calls assume validated input.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["OVERLOADS", "encode_rope", "decode_rope", "register_kernels", "check_positions", "MAX_HEAD_DIM"]
+
+OVERLOADS = ("default", "reference", "triton")
+MAX_HEAD_DIM = 512
+
+# --------------------------------------------------------------------------------------------------------
+# The rope code: bit 0 NeoX pairs, bit 1 mRoPE, bit 2 interleaved mRoPE, then the three section sizes in
+# 10 bits each (rotary_dim // 2 <= 256). The C++ kernels decode the same layout (decode_rope in
+# backends/cpu/split_qkv_rmsnorm_rope.cpp); a test round-trips codes through both.
+# --------------------------------------------------------------------------------------------------------
+_SECTION_BITS = 10
+_SECTION_SHIFT = (8, 18, 28)
+
+
+def encode_rope(is_neox: bool, mrope_section: Sequence[int] = (), mrope_interleaved: bool = False) -> int:
+    """The ``rope`` argument of the split ops for validated arguments (``mrope_section`` empty for RoPE)."""
+    code = int(bool(is_neox))
+    if mrope_section:
+        code |= 2 | (4 if mrope_interleaved else 0)
+        for size, shift in zip(mrope_section, _SECTION_SHIFT):
+            code |= int(size) << shift
+    return code
+
+
+def decode_rope(code: int) -> Tuple[bool, Tuple[int, ...], bool]:
+    """``(is_neox, mrope_section, mrope_interleaved)``; ``mrope_section`` is ``()`` for plain RoPE."""
+    mask = (1 << _SECTION_BITS) - 1
+    sections = tuple((code >> shift) & mask for shift in _SECTION_SHIFT) if code & 2 else ()
+    return bool(code & 1), sections, bool(code & 4)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Schemas.
+# --------------------------------------------------------------------------------------------------------
+_SPLIT_ARGS = ("Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor? k_weight, Tensor? q_bias, "
+               "Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope")
+_NORM_ARGS = "Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps"
+
+_lib = torch.library.Library("qkvfuse", "DEF")
+for _overload in OVERLOADS:
+    _name = "" if _overload == "default" else f".{_overload}"
+    _lib.define(f"split_qkv_rmsnorm_rope{_name}(Tensor qkv, {_SPLIT_ARGS}) -> (Tensor, Tensor, Tensor)")
+    _lib.define(f"split_qkv_rmsnorm_rope_out{_name}(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) q_out, Tensor(b!) k_out, "
+                "Tensor(c!) v_out) -> ()")
+    _lib.define(f"split_qkv_rmsnorm_rope_inplace{_name}(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
+    _lib.define(f"add_rmsnorm{_name}({_NORM_ARGS}) -> (Tensor, Tensor)")
+    _lib.define(f"add_rmsnorm_out{_name}({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()")
+
+
+def head_dim_of(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> int:
+    return qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+
+
+def split_outputs(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
+    """Fresh ``(q, k, v)`` outputs for ``qkv``."""
+    T, D = qkv.shape[0], head_dim_of(qkv, num_q_heads, num_kv_heads)
+    return (qkv.new_empty((T, num_q_heads * D)), qkv.new_empty((T, num_kv_heads * D)),
+            qkv.new_empty((T, num_kv_heads * D)))
+
+
+def inplace_views(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
+    """``qkv``'s ``(q, k, v)`` column views (one op for the three)."""
+    D = head_dim_of(qkv, num_q_heads, num_kv_heads)
+    return tuple(qkv.split_with_sizes([num_q_heads * D, num_kv_heads * D, num_kv_heads * D], dim=1))
+
+
+def norm_outputs(x: torch.Tensor, residual: Optional[torch.Tensor]):
+    return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
+
+
+for _overload in OVERLOADS:
+    _suffix = "" if _overload == "default" else f".{_overload}"
+
+    @torch.library.register_fake(f"qkvfuse::split_qkv_rmsnorm_rope{_suffix}", lib=_lib)
+    def _split_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads,
+                    eps, rope):
+        return split_outputs(qkv, num_q_heads, num_kv_heads)
+
+    @torch.library.register_fake(f"qkvfuse::add_rmsnorm{_suffix}", lib=_lib)
+    def _norm_fake(x, residual, weight, bias, eps):
+        return norm_outputs(x, residual)
+
+    for _op in ("split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm_out"):
+        torch.library.register_fake(f"qkvfuse::{_op}{_suffix}", lambda *args: None, lib=_lib)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Registration. Kernels are written against the *reference signature* (:mod:`qkvfuse.reference`):
+#   split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, mrope_section,
+#             mrope_interleaved, q_out, k_out, v_out)
+#   norm_out(x, residual, weight, bias, eps, y_out, residual_out)
+# and adapted here to the schemas (functional and in-place forms derived from the out= form).
+# --------------------------------------------------------------------------------------------------------
+SplitOut = Callable[..., None]
+NormOut = Callable[..., None]
+
+
+def register_kernels(lib: torch.library.Library, overload: str, dispatch_key: str, split_out: SplitOut,
+                     norm_out: NormOut) -> None:
+    """Register reference-signature kernels for all five ops' ``overload`` on ``dispatch_key`` through ``lib``
+    (a ``torch.library.Library("qkvfuse", "IMPL")`` owned by the caller, which may ``_destroy()`` it)."""
+    suffix = "" if overload == "default" else f".{overload}"
+
+    def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out):
+        check_positions(positions, cache.shape[0])  # before any output is written
+        is_neox, sections, interleaved = decode_rope(rope)
+        split_out(qkv, positions, cache, hq, hkv, head_dim_of(qkv, hq, hkv), q_w, k_w, q_b, k_b, eps, is_neox,
+                  sections, interleaved, q_out, k_out, v_out)
+
+    def functional(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
+        outs = split_outputs(qkv, hq, hkv)
+        out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, *outs)
+        return outs
+
+    def inplace(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
+        out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, *inplace_views(qkv, hq, hkv))
+
+    def norm_functional(x, residual, weight, bias, eps):
+        y, residual_out = norm_outputs(x, residual)
+        norm_out(x, residual, weight, bias, eps, y, residual_out if residual is not None else None)
+        return y, residual_out
+
+    lib.impl(f"split_qkv_rmsnorm_rope{suffix}", functional, dispatch_key)
+    lib.impl(f"split_qkv_rmsnorm_rope_out{suffix}", out, dispatch_key)
+    lib.impl(f"split_qkv_rmsnorm_rope_inplace{suffix}", inplace, dispatch_key)
+    lib.impl(f"add_rmsnorm{suffix}", norm_functional, dispatch_key)
+    lib.impl(f"add_rmsnorm_out{suffix}", norm_out, dispatch_key)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The position range rule, shared by the Python kernels. CPU kernels raise before writing any output (no
+# host sync is involved); accelerator kernels clamp positions into the table and never read outside it, and
+# check only when QKVFUSE_CHECK_POSITIONS=1 (a host sync per call; read once, at import).
+# --------------------------------------------------------------------------------------------------------
+CHECK_POSITIONS_ON_ACCELERATORS = os.environ.get("QKVFUSE_CHECK_POSITIONS", "") == "1"
+
+
+def positions_error(lo: int, hi: int, max_position: int) -> ValueError:
+    return ValueError(f"positions: expected values in [0, {max_position}) (cos_sin_cache rows), "
+                      f"got values in [{lo}, {hi}]")
+
+
+def check_positions(positions: torch.Tensor, max_position: int) -> None:
+    """Raise :func:`positions_error` for positions outside ``[0, max_position)``, where that costs no host sync
+    (CPU tensors), or on accelerators when ``QKVFUSE_CHECK_POSITIONS=1`` outside graph capture."""
+    if positions.numel() == 0:
+        return
+    if positions.device.type != "cpu":
+        if not CHECK_POSITIONS_ON_ACCELERATORS:
+            return
+        capturing = getattr(torch.get_device_module(positions.device), "is_current_stream_capturing", None)
+        if capturing is not None and capturing():
+            return
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= max_position:
+        raise positions_error(lo, hi, max_position)
