@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import qkvfuse
+from qkvfuse._library import encode_rope
 from qkvfuse.backends import available_backends
 from qkvfuse.rope import mrope_axis_map
-from qkvfuse.testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
+from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
                              oracle_add_rmsnorm, oracle_split, poisoned_like, unfused_add_rmsnorm, unfused_split)
 
 REASON = available_backends()["cpu"]
@@ -35,11 +36,10 @@ OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnor
 
 def _raw_split_args(kwargs):
     """Positional arguments of ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope*`` (no Python validation)."""
-    section = kwargs["mrope_section"]
-    return (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
-            kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
-            kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
-            list(section) if section else [], kwargs["mrope_interleaved"])
+    rope = encode_rope(kwargs["is_neox"], kwargs["mrope_section"] or (), kwargs["mrope_interleaved"])
+    return (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs.get("q_weight"),
+            kwargs.get("k_weight"), kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["num_q_heads"],
+            kwargs["num_kv_heads"], kwargs["eps"], rope)
 
 
 def _bits(t):
@@ -56,8 +56,11 @@ def _with_threads(n, fn):
 
 
 def test_all_ops_have_a_native_cpu_kernel():
+    """Once built, the default overload's CPU kernels are the C++ ones (the lazy Python kernel is gone)."""
     for op in OPS:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"qkvfuse::{op}", "CPU"), op
+        cpu_line = torch._C._dispatch_dump(f"qkvfuse::{op}").split("\nCPU:")[1].splitlines()[0]
+        assert ".cpp:" in cpu_line, cpu_line
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["contiguous", "interleaved"])
@@ -131,9 +134,9 @@ def test_kernel_range_check_raises_before_writing(mrope, bad):
 
 
 @pytest.mark.parametrize("T", [2, 300], ids=["decode", "gil-released"])
-def test_public_fast_path_range_check_raises_before_writing(T):
-    """Through the public functions (the native entry, which releases the GIL for large calls): out-of-range
-    positions raise ValueError naming positions, with every output (and qkv, in place) untouched."""
+def test_public_range_check_raises_before_writing(T):
+    """Through the public functions (the kernel releases the GIL for large calls): out-of-range positions raise
+    ValueError naming positions, with every output (and qkv, in place) untouched."""
     case = SplitCase(T=T, num_q_heads=8, num_kv_heads=2, head_dim=128, rotary_dim=128, max_position=512)
     kwargs = make_split_inputs(case)
     positions = kwargs["positions"].clone()
@@ -234,7 +237,7 @@ def test_portable_default_vectors_build_and_match_oracle(tmp_path):
     script = """
         import json, torch, qkvfuse
         from qkvfuse.backends import available_backends
-        from qkvfuse.testing import (SplitCase, check_split_outputs, make_split_inputs, oracle_split,
+        from qkvfuse._verify import (SplitCase, check_split_outputs, make_split_inputs, oracle_split,
                                      unfused_split)
         assert available_backends()["cpu"] == "", available_backends()["cpu"]
         failures = []
@@ -252,210 +255,6 @@ def test_portable_default_vectors_build_and_match_oracle(tmp_path):
     """
     result = _run_child(script, {"QKVFUSE_CPU_CAPABILITY": "DEFAULT", "QKVFUSE_BUILD_DIR": str(tmp_path)}, 900)
     assert result == {"failures": [], "capability": "DEFAULT"}
-
-
-def test_functional_fast_path_skips_python_validation_only_for_valid_input(monkeypatch):
-    """Valid CPU input reaches the kernel without ``_validate_split`` (its C++ predicate checks the tensors);
-    anything the predicate doubts goes through the Python validator, which raises the documented error."""
-    from qkvfuse import ops
-
-    kwargs = make_split_inputs(SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32,
-                                         mrope_section=(6, 5, 5), mrope_interleaved=True))
-    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
-    seen = []
-    validate = ops._validate_split
-    monkeypatch.setattr(ops, "_validate_split", lambda *a: seen.append(a) or validate(*a))
-    fast = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
-    assert not seen and all(torch.equal(a, b) for a, b in zip(expected, fast))
-    bad_calls = {  # one per rule family of plainly_valid; each must raise through the Python validator
-        "q_weight": dict(kwargs, q_weight=kwargs["q_weight"].to(torch.float16)),
-        "positions": dict(kwargs, positions=kwargs["positions"][0]),
-        "mrope_section": dict(kwargs, mrope_section=(6, 5, 6)),
-        "cos_sin_cache": dict(kwargs, cos_sin_cache=kwargs["cos_sin_cache"][:, :31]),
-        "qkv": dict(kwargs, qkv=kwargs["qkv"][:, :-2]),
-        "eps": dict(kwargs, eps=float("nan")),
-        "head_dim": dict(kwargs, head_dim=True),
-    }
-    for arg, bad in bad_calls.items():
-        with pytest.raises((ValueError, TypeError), match=f"^{arg}"):
-            qkvfuse.split_qkv_rmsnorm_rope(**bad, backend="cpu")
-    assert len(seen) == len(bad_calls)
-
-    # out=: fresh buffers and an output exactly aliasing its own slice of qkv take the fast path too.
-    seen.clear()
-    qkv = kwargs["qkv"].clone()
-    own = (qkv[:, :128], poisoned_like(torch.empty(3, 64, dtype=qkv.dtype), 8),
-           poisoned_like(torch.empty(3, 64, dtype=qkv.dtype)))
-    result = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, qkv=qkv), out=own, backend="cpu")
-    assert not seen and all(r is o for r, o in zip(result, own))
-    assert all(torch.equal(a, b) for a, b in zip(expected, result))
-    fresh = [poisoned_like(torch.empty(3, n, dtype=qkv.dtype)) for n in (128, 64, 64)]
-    with pytest.raises(ValueError, match="^q_out: expected no overlap with an input"):
-        qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, qkv=qkv), out=(qkv[:, 64:192], *fresh[1:]), backend="cpu")
-    shared = poisoned_like(torch.empty(3, 128, dtype=qkv.dtype))
-    with pytest.raises(ValueError, match="^k_out: .*overlapping v_out"):
-        qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=(fresh[0], shared[:, :64], shared[:, 32:96]), backend="cpu")
-    assert len(seen) == 2
-
-    # In place (split_qkv_rmsnorm_rope_): the views of qkv, rewritten, without the Python validator.
-    seen.clear()
-    rest = {k: v for k, v in kwargs.items() if k != "qkv"}
-    qkv = kwargs["qkv"].clone()
-    views = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **rest, backend="cpu")
-    assert not seen and all(torch.equal(a, b) for a, b in zip(expected, views))
-    assert views[0].data_ptr() == qkv.data_ptr() and views[2].stride() == qkv.stride()
-    fp32 = kwargs["qkv"].float()
-    with pytest.raises(ValueError, match="^qkv: expected an in-place target that overlaps no other input"):
-        qkvfuse.split_qkv_rmsnorm_rope_(fp32, **dict(rest, positions=fp32.view(torch.int32)[:, :3].t()), backend="cpu")
-    assert len(seen) == 1
-
-
-def test_add_rmsnorm_fast_path_skips_python_validation_only_for_valid_input(monkeypatch):
-    """add_rmsnorm on plain CPU tensors reaches the kernel through the native entry without ``_validate_norm``
-    (``norm_plainly_valid`` / ``add_rmsnorm_checked_out`` check the tensors): functional, fresh out=, the
-    in-place aliasing out=(x, residual) and no residual, each judged against the float64 oracle. Whatever they
-    doubt goes through the Python validator and raises the documented error."""
-    from qkvfuse import ops
-
-    kw = make_norm_inputs(5, 96, torch.bfloat16, residual=True, bias=True, seed=3)
-    plain = dict(kw, residual=None)
-
-    def judged(result, kwargs):
-        report = check_norm_outputs(result, oracle_add_rmsnorm(**kwargs), unfused_add_rmsnorm(**kwargs),
-                                    kwargs["x"], kwargs["residual"])
-        assert report.ok, report.detail
-
-    seen = []
-    validate = ops._validate_norm
-    monkeypatch.setattr(ops, "_validate_norm", lambda *a: seen.append(a) or validate(*a))
-    judged(qkvfuse.add_rmsnorm(**kw, backend="cpu"), kw)
-    outs = (poisoned_like(kw["x"]), poisoned_like(kw["x"]))
-    result = qkvfuse.add_rmsnorm(**kw, out=list(outs), backend="cpu")
-    assert all(r is o for r, o in zip(result, outs))
-    judged(result, kw)
-    x, residual = kw["x"].clone(), kw["residual"].clone()
-    result = qkvfuse.add_rmsnorm(**dict(kw, x=x, residual=residual), out=(x, residual), backend="cpu")
-    assert result[0] is x and result[1] is residual
-    judged(result, kw)
-    y, same = qkvfuse.add_rmsnorm(**plain, out=(poisoned_like(kw["x"]), "ignored"), backend="cpu")
-    assert same is kw["x"]
-    judged((y, same), plain)
-    assert not seen
-    bad_calls = {  # one per rule family; each must raise through the Python validator
-        "x": dict(kw, x=kw["x"].to(torch.int32)),
-        "residual": dict(kw, residual=kw["residual"][:, :-1]),
-        "weight": dict(kw, weight=kw["weight"].to(torch.float16)),
-        "bias": dict(kw, bias=kw["bias"][:-1]),
-        "eps": dict(kw, eps=-1.0),
-        "y_out": dict(kw, out=(kw["x"][:, :-1], poisoned_like(kw["x"]))),
-        "residual_out": dict(kw, out=(poisoned_like(kw["x"]), kw["x"])),
-    }
-    for arg, bad in bad_calls.items():
-        with pytest.raises((ValueError, TypeError), match=f"^{arg}"):
-            qkvfuse.add_rmsnorm(**bad, backend="cpu")
-    assert len(seen) == len(bad_calls)
-
-
-def _entry_split(kwargs, out=None):
-    """``backends.cpu.entry.split`` with the public function's arguments, in its order."""
-    import qkvfuse.backends.cpu as cpu
-
-    k = kwargs
-    return cpu.entry.split(k["qkv"], k["positions"], k["cos_sin_cache"], k["num_q_heads"], k["num_kv_heads"],
-                           k["head_dim"], k.get("q_weight"), k.get("k_weight"), k.get("q_bias"), k.get("k_bias"),
-                           k["eps"], k["is_neox"], k["mrope_section"], k["mrope_interleaved"], out)
-
-
-def test_fast_entry_leaves_observed_and_unusual_calls_to_the_dispatcher():
-    """The Python entry (python_entry.cpp) runs the kernel only for plain calls. Under a profiler, a dispatch
-    mode or autograd, with a tensor subclass or a scalar of another Python type, it returns None and the public
-    function goes through ``torch.ops.qkvfuse`` -- where the profiler and the mode see the op -- with the same
-    result."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    kwargs = make_split_inputs(SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32))
-    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
-    assert all(torch.equal(a, b) for a, b in zip(expected, _entry_split(kwargs)))
-    with torch.inference_mode():  # inference tensors are plain tensors too
-        small = make_split_inputs(SplitCase(T=2, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64))
-        assert _entry_split(small) is not None
-
-    with torch.profiler.profile() as prof:
-        assert _entry_split(kwargs) is None
-        profiled = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
-    assert any(e.name == "qkvfuse::split_qkv_rmsnorm_rope" for e in prof.events())
-
-    class Log(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    with Log() as log:
-        assert _entry_split(kwargs) is None
-        logged = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend="cpu")
-    assert torch.ops.qkvfuse.split_qkv_rmsnorm_rope.default in log.seen
-
-    weight = kwargs["q_weight"].clone().requires_grad_()
-    with_grad = dict(kwargs, q_weight=weight)
-    assert _entry_split(with_grad) is None
-    with torch.no_grad():
-        assert _entry_split(with_grad) is not None
-
-    class Sub(torch.Tensor):
-        pass
-
-    assert _entry_split(dict(kwargs, qkv=kwargs["qkv"].as_subclass(Sub))) is None
-    assert _entry_split(dict(kwargs, num_q_heads=2.0)) is None
-    assert _entry_split(dict(kwargs, eps=torch.tensor(1e-6))) is None
-    assert _entry_split(dict(kwargs, mrope_section=(6, 5, 2**70))) is None
-    for result in (profiled, logged):
-        assert all(torch.equal(a, b) for a, b in zip(expected, result))
-
-
-def test_bound_entry_follows_the_backend_argument_the_environment_and_the_registry(monkeypatch):
-    """Once bound, the public functions call the entry with their ``backend`` argument and it decides by itself
-    whether the call is the cpu backend's: ``"cpu"``/``"auto"``, or None with ``$QKVFUSE_BACKEND`` unset, empty,
-    ``cpu`` or ``auto``. Any other choice (the reference backend, a bad name: the validating path says why), or
-    a registry whose "cpu" is no longer this module, returns None."""
-    import qkvfuse.backends as registry
-    import qkvfuse.backends.cpu as cpu
-    from qkvfuse import ops
-
-    kwargs = make_split_inputs(SplitCase(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32))
-    expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs)  # a plain CPU call: binds the entry
-    assert ops._NATIVE is cpu.entry
-
-    def taken(backend):
-        k = kwargs
-        got = cpu.entry.split(k["qkv"], k["positions"], k["cos_sin_cache"], k["num_q_heads"], k["num_kv_heads"],
-                              k["head_dim"], k.get("q_weight"), k.get("k_weight"), k.get("q_bias"), k.get("k_bias"),
-                              k["eps"], k["is_neox"], k["mrope_section"], k["mrope_interleaved"], None, backend)
-        if got is not None:
-            assert all(torch.equal(a, b) for a, b in zip(expected, got))
-        return got is not None
-
-    monkeypatch.delenv("QKVFUSE_BACKEND", raising=False)
-    assert taken(None) and taken("cpu") and taken("auto")
-    assert not taken("reference") and not taken("triton") and not taken("CPU") and not taken(1)
-    for value, expect in (("", True), ("cpu", True), ("auto", True), ("reference", False), ("nonsense", False)):
-        monkeypatch.setenv("QKVFUSE_BACKEND", value)
-        assert taken(None) is expect, value
-        assert taken("cpu")  # the argument wins over the environment
-    monkeypatch.setenv("QKVFUSE_BACKEND", "nonsense")
-    with pytest.raises(ValueError, match="^QKVFUSE_BACKEND"):
-        qkvfuse.split_qkv_rmsnorm_rope(**kwargs)
-    monkeypatch.delenv("QKVFUSE_BACKEND")
-    with monkeypatch.context() as m:
-        m.setitem(registry._loaded, "cpu", object())  # another module registered as "cpu"
-        assert not taken(None) and not taken("cpu")
-    assert taken(None)
-
-    meta = torch.empty(3, 4, device="meta")
-    assert ops._bind_native(meta, None) is None  # a non-CPU tensor never loads (or builds) the cpu backend
 
 
 def test_specialised_bf16_rounding_is_round_to_nearest_even():

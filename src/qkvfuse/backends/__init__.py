@@ -108,7 +108,9 @@ def _select_uncached(backend: Optional[str], device_type: str, source: str) -> s
     if serves is not None and device_type not in serves:
         raise ValueError(f"{source}: backend {backend!r} does not run {device_type} tensors "
                          f"(it serves {', '.join(serves)})")
-    get_backend(backend)  # raises, naming the reason, when it cannot run here
+    module, reason = _load(backend)
+    if module is None:
+        raise RuntimeError(f"qkvfuse: backend {backend!r} was requested but is unavailable: {reason}")
     return _OVERLOAD[backend]
 
 

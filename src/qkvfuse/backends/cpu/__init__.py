@@ -16,8 +16,6 @@ with one warning (an explicit ``backend="cpu"`` raises instead).
 from __future__ import annotations
 
 import os
-import shutil
-import sys
 import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -25,6 +23,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ... import _library, reference
+from .build import build_library, cache_root, library_key
 
 __all__ = ["available", "load_library", "prebuild", "register_lazy_kernels", "split_qkv_rmsnorm_rope_out",
            "add_rmsnorm_out"]
@@ -54,46 +53,42 @@ def capability() -> str:
     return requested if requested in _CAPABILITY_FLAGS else "DEFAULT"
 
 
-def build_directory(cap: Optional[str] = None) -> Path:
-    """Where the library is built and cached: ``$QKVFUSE_BUILD_DIR``, else ``$TORCH_EXTENSIONS_DIR/qkvfuse``,
-    else ``~/.cache/qkvfuse`` (``$XDG_CACHE_HOME`` respected), one subfolder per torch version, Python
-    version and capability so that a torch upgrade never loads a stale binary."""
-    root = os.environ.get("QKVFUSE_BUILD_DIR")
-    if not root:
-        ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR")
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(ext_dir, "qkvfuse") if ext_dir else os.path.join(cache, "qkvfuse")
-    tag = f"torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}-{(cap or capability()).lower()}"
-    return Path(root) / tag.replace("+", "_")
+_HERE = Path(__file__).resolve().parent
 
 
-def load_library(verbose: bool = False) -> str:
-    """Build (if needed) and load the native library; returns its path. Raises if it cannot be built."""
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (install g++ or set CXX)")
-    cap = capability()
-    here = Path(__file__).resolve().parent
-    build_dir = build_directory(cap)
-    build_dir.mkdir(parents=True, exist_ok=True)
+def _build_inputs(cap: str) -> Tuple[str, List[Path], List[str]]:
+    """Name, sources and compiler flags of the library for capability ``cap``."""
     flags: List[str] = _COMMON_FLAGS + _CAPABILITY_FLAGS[cap]
     if cap != "DEFAULT":
         flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
-    cpp_extension.load(name=f"qkvfuse_cpu_{cap.lower()}", sources=[str(here / s) for s in _SOURCES],
-                       extra_cflags=flags, extra_include_paths=[str(here)], build_directory=str(build_dir),
-                       is_python_module=False, verbose=verbose)
-    return str(build_dir)
+    return f"qkvfuse_cpu_{cap.lower()}", [_HERE / s for s in _SOURCES], flags
+
+
+def build_directory(cap: Optional[str] = None) -> Path:
+    """Where the library for ``cap`` (default :func:`capability`) is cached: ``<cache_root()>/<key>``, the key
+    hashing the sources and headers, the flags, torch, Python and the compiler (:func:`.build.library_key`);
+    just :func:`.build.cache_root` when no compiler is installed (the key is then unknown)."""
+    name, sources, flags = _build_inputs(cap or capability())
+    try:
+        return cache_root() / library_key(name, sources, include_dirs=[_HERE], extra_cflags=flags)
+    except RuntimeError:
+        return cache_root()
+
+
+def load_library(verbose: bool = False) -> str:
+    """Build (once per version of the sources: :func:`.build.build_library`) and load the native library;
+    returns the path of the ``.so``. Raises ``RuntimeError`` with the reason if it cannot be built."""
+    name, sources, flags = _build_inputs(capability())
+    path = build_library(name, sources, include_dirs=[_HERE], extra_cflags=flags, verbose=verbose)
+    torch.ops.load_library(str(path))
+    return str(path)
 
 
 def _summary(exc: BaseException) -> str:
-    """One line out of a build failure (cpp_extension puts the whole compiler log in the message)."""
+    """One line out of a build failure (the builder's first line names the compiler error)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    first = lines[0] if lines else type(exc).__name__
-    error = next((line for line in lines[1:] if "error" in line.lower() or "not found" in line.lower()), "")
-    detail = first[:160] + (f" ... {error[:200]}" if error and error not in first else "")
-    return (f"the native CPU kernel could not be built: {detail} (build folder {build_directory()}; set "
+    first = lines[0][:300] if lines else type(exc).__name__
+    return (f"the native CPU kernel could not be built: {first} (cache {cache_root()}; set "
             f"QKVFUSE_BACKEND=reference to skip it)")
 
 
@@ -117,12 +112,13 @@ def available() -> Tuple[bool, str]:
 
 
 def prebuild() -> str:
-    """Build and load the native library now (``python -m qkvfuse build``); returns its folder. Raises
-    ``RuntimeError`` with the reason when it cannot be built."""
+    """Build and load the native library now (``python -m qkvfuse build``); returns the path of the ``.so``.
+    Raises ``RuntimeError`` with the reason when it cannot be built."""
     ok, reason = available()
     if not ok:
         raise RuntimeError(reason)
-    return str(build_directory())
+    name, sources, flags = _build_inputs(capability())
+    return str(build_library(name, sources, include_dirs=[_HERE], extra_cflags=flags))  # the fast path now
 
 
 # --------------------------------------------------------------------------------------------------------
