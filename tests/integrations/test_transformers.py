@@ -1,8 +1,8 @@
 """apply_qkvfuse on transformers' own modeling code: tiny random-weight models, patched vs unpatched.
 
 Every family of issue 5 (Qwen3, Qwen3-MoE, Qwen3-VL with an image, GLM-4.7, GLM-4.5-Air, GLM-4.5V with an
-image) is checked with the harness of ``qkvfuse.integrations.verify_models`` (the same checks ``verify``
-prints) and the tolerances of ``qkvfuse.testing.accuracy``:
+image) is checked with the harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the
+tolerances of ``qkvfuse._verify.accuracy``:
 
 * fp32 prefill logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched logits|;
 * fp32 greedy generation of 24 tokens with the KV cache: identical tokens, every step's logits within 1e-4
@@ -28,12 +28,12 @@ from torch import nn
 pytest.importorskip("transformers")
 
 import qkvfuse.ops
+from qkvfuse._verify import models as vm
+from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
+from qkvfuse._verify.tiny_models import (TINY_MODELS, build_tiny_model, image_token_count, tiny_config,
+                                         tiny_image_prompt, tiny_prompt)
 from qkvfuse.integrations import transformers as hf
-from qkvfuse.integrations import verify_models as vm
-from qkvfuse.integrations.tiny_models import (TINY_MODELS, build_tiny_model, image_token_count, tiny_config,
-                                              tiny_image_prompt, tiny_prompt)
 from qkvfuse.presets import get_preset
-from qkvfuse.testing.accuracy import MODEL_FP32_LOGIT_RTOL
 
 FAMILIES = list(TINY_MODELS)
 IMAGE_FAMILIES = [name for name, spec in TINY_MODELS.items() if spec.image]
@@ -49,9 +49,10 @@ def _one_thread():
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """Counts of the fused ops the patched model calls (proves the patch is not silently bypassed)."""
+    """Counts of the fused ops the patched model calls (proves the patch is not silently bypassed): the layers'
+    bound objects' in-place prepare and add+norm calls."""
     calls = {"split": 0, "norm": 0}
-    split, norm = qkvfuse.ops.split_qkv_rmsnorm_rope_, qkvfuse.ops.add_rmsnorm
+    split, norm = qkvfuse.QKNormRope.inplace, qkvfuse.AddRMSNorm.__call__
 
     def counting_split(*args, **kwargs):
         calls["split"] += 1
@@ -61,8 +62,8 @@ def op_calls(monkeypatch):
         calls["norm"] += 1
         return norm(*args, **kwargs)
 
-    monkeypatch.setattr(qkvfuse.ops, "split_qkv_rmsnorm_rope_", counting_split)
-    monkeypatch.setattr(qkvfuse.ops, "add_rmsnorm", counting_norm)
+    monkeypatch.setattr(qkvfuse.QKNormRope, "inplace", counting_split)
+    monkeypatch.setattr(qkvfuse.AddRMSNorm, "__call__", counting_norm)
     return calls
 
 
@@ -477,3 +478,29 @@ def test_glm47_real_attention_geometry():
     assert report, report.detail
     report = vm.check_generation("GLM-4.7", model=model, new_tokens=8, inputs={"input_ids": tiny_prompt(1, 16)})
     assert report, report.detail
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7"])
+def test_grad_mode_runs_the_unfused_layers_with_gradients_of_the_unpatched_model(name, op_calls):
+    """The fused ops are inference only: a forward that records autograd takes transformers' own layers (one
+    warning), so the loss and every gradient equal the unpatched model's; under no_grad the fused path runs."""
+    model = build_tiny_model(name)
+    reference = build_tiny_model(name)
+    hf.apply_qkvfuse(model)
+    ids = tiny_prompt(1, 6)
+    hf._warned_unfused.clear()
+    with pytest.warns(RuntimeWarning, match="inference only"):
+        loss = model(ids).logits.float().square().mean()
+    loss.backward()
+    ref_loss = reference(ids).logits.float().square().mean()
+    ref_loss.backward()
+    assert op_calls == {"split": 0, "norm": 0}
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for n, p in reference.named_parameters():
+        if p.grad is not None:
+            assert grads[n] is not None, n
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    with torch.no_grad():
+        model(ids)
+    assert op_calls == {"split": _layers(model), "norm": _layers(model)}

@@ -20,11 +20,17 @@ and checked at patch time against the inverse frequencies and attention scaling 
 module; the mRoPE sections are the rotary module's own (transformers' default when the config omits them).
 Qwen3-VL is always interleaved: transformers never reads ``mrope_interleaved``.
 
+Each layer holds bound ops (:class:`qkvfuse.QKNormRope`, :class:`qkvfuse.AddRMSNorm`) built once per table
+and norm weights, so a decode step pays only the per-call checks.
+
 Weights. q/k/v projection weights (and biases) are concatenated once, at patch time, and each projection's
 parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
 views are broken later (``model.to(...)``, a parameter replaced), the next forward re-concatenates.
 
-The patched model is for inference: the fused ops have no autograd formula. The captured positions live on
+The patched model is for inference: the fused ops have no autograd formula. A call that must record autograd
+(grad mode on and an input or parameter that requires grad, e.g. a plain ``model(ids)`` outside
+``torch.no_grad()``) runs transformers' unfused code for that layer, with one warning, so gradients are those of
+the unpatched model. The captured positions live on
 the text model, so one patched model must not run two forwards concurrently from different threads (its
 transformers state, e.g. Qwen3-VL's ``rope_deltas``, has the same limit).
 """
@@ -194,7 +200,32 @@ class _FusedAttention:
         self.eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward")
         self.weight: Optional[torch.Tensor] = None
         self.bias: Optional[torch.Tensor] = None
+        self._bound: Optional[ops.QKNormRope] = None
         self.fuse()
+
+    def bound(self, attn: nn.Module, device: torch.device) -> ops.QKNormRope:
+        """The layer's :class:`qkvfuse.QKNormRope`, built once per table and norm weights (rebuilt when the
+        model moves to another device or a norm weight is replaced)."""
+        table = self.rope.table(device)
+        q_w = attn.q_norm.weight if self.qk_norm else None
+        k_w = attn.k_norm.weight if self.qk_norm else None
+        bound = self._bound
+        if (bound is None or bound.config.cos_sin_cache is not table or bound.config.q_weight is not q_w
+                or bound.config.k_weight is not k_w):
+            bound = self._bound = ops.QKNormRope(
+                self.num_q_heads, self.num_kv_heads, self.head_dim, table, q_weight=q_w, k_weight=k_w, eps=self.eps,
+                is_neox=True, mrope_section=self.rope.mrope_section, mrope_interleaved=self.rope.mrope_interleaved,
+                backend=self.backend)
+        return bound
+
+    def needs_autograd(self, attn: nn.Module, hidden_states: torch.Tensor) -> bool:
+        """Whether this call must build an autograd graph (the fused ops are inference only)."""
+        if not torch.is_grad_enabled():
+            return False
+        params = [p for proj in self.projections for p in (proj.weight, proj.bias) if p is not None]
+        if self.qk_norm:
+            params += [attn.q_norm.weight, attn.k_norm.weight]
+        return hidden_states.requires_grad or any(p.requires_grad for p in params)
 
     def fuse(self) -> None:
         """Concatenate q/k/v weights (and biases) and make each projection's parameters views into them."""
@@ -248,6 +279,10 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
     reads the fp32 table at the positions the rotary module received.
     """
     fused: _FusedAttention = self._qkvfuse
+    if fused.needs_autograd(self, hidden_states):
+        _warn_unfused(type(self).__name__)
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)
     rope = fused.rope
     input_shape = hidden_states.shape[:-1]
     batch, seq = (1, input_shape[0]) if len(input_shape) == 1 else input_shape
@@ -261,12 +296,7 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
         weight, bias = fused.qkv_params()
         qkv = F.linear(flat, weight, bias)  # [B*T, (Hq + 2Hkv) * D]
     positions = _flat_positions(rope.captured, batch, seq, rope.mrope_section is not None)
-    q, k, v = ops.split_qkv_rmsnorm_rope_(
-        qkv, positions, rope.table(qkv.device), hq, hkv, d,
-        q_weight=self.q_norm.weight if fused.qk_norm else None,
-        k_weight=self.k_norm.weight if fused.qk_norm else None,
-        eps=fused.eps, is_neox=True, mrope_section=rope.mrope_section, mrope_interleaved=rope.mrope_interleaved,
-        backend=fused.backend)
+    q, k, v = fused.bound(self, qkv.device).inplace(qkv, positions)
     # Views into qkv (row stride = its width) reshaped to transformers' [B, H, T, D].
     query_states = q.view(*input_shape, hq, d).transpose(-3, -2)
     key_states = k.view(*input_shape, hkv, d).transpose(-3, -2)
@@ -291,6 +321,25 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
 class _FusedLayer:
     arg_names: Tuple[str, ...]  # the original forward's parameters after hidden_states, for positional calls
     backend: Optional[str]
+    _bound: Optional[ops.AddRMSNorm] = None
+
+    def bound(self, norm: nn.Module) -> ops.AddRMSNorm:
+        """The layer's :class:`qkvfuse.AddRMSNorm` (rebuilt when the norm weight is replaced or moved)."""
+        bound = self._bound
+        if bound is None or bound.config.weight is not norm.weight or bound.config.eps != norm.variance_epsilon:
+            bound = self._bound = ops.AddRMSNorm(norm.weight, norm.variance_epsilon, backend=self.backend)
+        return bound
+
+
+_warned_unfused: set = set()
+
+
+def _warn_unfused(where: str) -> None:
+    if where not in _warned_unfused:
+        _warned_unfused.add(where)
+        warnings.warn(f"qkvfuse: {where} runs transformers' unfused code while autograd records (grad mode on and "
+                      f"an input or parameter requires grad): the fused ops are inference only. Run under "
+                      f"torch.no_grad() or torch.inference_mode() for the fused path.", RuntimeWarning, stacklevel=3)
 
 
 def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
@@ -299,15 +348,17 @@ def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
     Fusion stays inside the layer: Qwen3-VL adds DeepStack features to the hidden states between layers.
     """
     fused: _FusedLayer = self._qkvfuse
+    norm = self.post_attention_layernorm
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or norm.weight.requires_grad):
+        _warn_unfused(type(self).__name__)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     if args:
         kwargs.update(zip(fused.arg_names, args))
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
     shape = hidden_states.shape
-    norm = self.post_attention_layernorm
-    normed, residual = ops.add_rmsnorm(hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]),
-                                       norm.weight, norm.variance_epsilon, backend=fused.backend)
+    normed, residual = fused.bound(norm)(hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]))
     hidden_states = self.mlp(normed.view(shape))
     return residual.view(shape) + hidden_states
 
