@@ -112,7 +112,7 @@ def test_cell_check_catches_a_wrong_kernel(monkeypatch, mutation):
 
     import qkvfuse
     from qkvfuse.benchmarks import harness
-    from qkvfuse.testing import SplitCase, make_split_inputs
+    from qkvfuse._verify import SplitCase, make_split_inputs
 
     def broken(*args, out, backend, **kw):
         q, k, v = qkvfuse.split_qkv_rmsnorm_rope(*args, out=out, backend="reference", **kw)

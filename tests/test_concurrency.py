@@ -4,13 +4,13 @@
 * repeated calls on the same inputs give identical bits;
 * 1 vs 2 intra-op threads (``torch.set_num_threads``) give identical bits, at a T large enough to be split.
 
-The checks live in ``qkvfuse.testing.failure_modes`` (the verify section runs them too).
+The checks live in ``qkvfuse._verify.failure_modes`` (the verify section runs them too).
 """
 
 import pytest
 import torch
 
-import qkvfuse.testing.failure_modes as fm
+import qkvfuse._verify.failure_modes as fm
 
 
 def test_four_threads_match_serial(backend):

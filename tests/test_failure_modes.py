@@ -1,13 +1,13 @@
 """One test per public failure mode of fused QK-norm/RoPE kernels (the list in the project notes).
 
-Each test runs every backend through a check in :mod:`qkvfuse.testing.failure_modes` (the verify section
+Each test runs every backend through a check in :mod:`qkvfuse._verify.failure_modes` (the verify section
 runs the same checks). The comment above each test names the deliberate mutation of the reference that it
 catches; ``tests/test_mutations.py`` applies each mutation and shows that the test then fails.
 """
 
 import pytest
 
-import qkvfuse.testing.failure_modes as fm
+import qkvfuse._verify.failure_modes as fm
 
 
 # Mutation "partial_rotary_large": pass-through dims [R, D) of Q heads whose token x head index is at or

@@ -1,21 +1,21 @@
 """Fuzzing: hypothesis over random valid configurations, every backend against the float64 oracle.
 
-The configuration space is ``qkvfuse.testing.failure_modes.draw_split_case`` / ``draw_norm_case`` (shared
+The configuration space is ``qkvfuse._verify.failure_modes.draw_split_case`` / ``draw_norm_case`` (shared
 with the verify section's fuzz-lite rows): T (0 included), head_dim 2..512, rotary dim full/half/2/32/D-2,
 head counts, QK-norm and bias on/off, NeoX/GPT-J, RoPE and both mRoPE layouts with arbitrary sections,
 image/decode rows, all dtypes of qkv, cache, weights and positions, strided rows, tiny tables, out= /
 functional / in-place. Each example is checked under the accuracy rule with NaN-poisoned outputs.
 Hypothesis shrinks a failure to the plainest configuration (the first option of every choice).
 
-CI runs 100 derandomized examples per backend and op (reproducible); ``-m slow`` runs 1 000 with a fresh
-random seed each time. Triton examples are interpreter-sized (``small=True``).
+CI runs 100 derandomized examples per backend, device and op (reproducible); ``-m slow`` runs 1 000 with a fresh
+random seed each time. Triton examples on CPU tensors are interpreter-sized (``small=True``).
 """
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-import qkvfuse.testing.failure_modes as fm
+import qkvfuse._verify.failure_modes as fm
 
 COUNTS = {}
 
@@ -37,44 +37,44 @@ def _chooser(data):
     return choose
 
 
-def _split_example(backend, data):
-    drawn = fm.draw_split_case(_chooser(data), small=backend == "triton")
+def _split_example(pair, data):
+    drawn = fm.draw_split_case(_chooser(data), small=pair.interpreted)
     note(f"case={drawn[0]}, seed={drawn[1]}, mode={drawn[2]}, out_row_pad={drawn[3]}")
-    fm.check_split_case(backend, drawn)
-    COUNTS[("split", backend)] = COUNTS.get(("split", backend), 0) + 1
+    fm.check_split_case(pair.backend, drawn, device=pair.device)
+    COUNTS[("split", pair)] = COUNTS.get(("split", pair), 0) + 1
 
 
-def _norm_example(backend, data):
-    drawn = fm.draw_norm_case(_chooser(data), small=backend == "triton")
+def _norm_example(pair, data):
+    drawn = fm.draw_norm_case(_chooser(data), small=pair.interpreted)
     note(f"case={drawn[0]}, seed={drawn[1]}")
-    fm.check_norm_case(backend, drawn)
-    COUNTS[("norm", backend)] = COUNTS.get(("norm", backend), 0) + 1
+    fm.check_norm_case(pair.backend, drawn, device=pair.device)
+    COUNTS[("norm", pair)] = COUNTS.get(("norm", pair), 0) + 1
 
 
 @CI
 @given(data=st.data())
-def test_fuzz_split(backend, data):
-    _split_example(backend, data)
+def test_fuzz_split(backend_device, data):
+    _split_example(backend_device, data)
 
 
 @CI
 @given(data=st.data())
-def test_fuzz_add_rmsnorm(backend, data):
-    _norm_example(backend, data)
+def test_fuzz_add_rmsnorm(backend_device, data):
+    _norm_example(backend_device, data)
 
 
 @pytest.mark.slow
 @SLOW
 @given(data=st.data())
-def test_fuzz_split_slow(backend, data):
-    _split_example(backend, data)
+def test_fuzz_split_slow(backend_device, data):
+    _split_example(backend_device, data)
 
 
 @pytest.mark.slow
 @SLOW
 @given(data=st.data())
-def test_fuzz_add_rmsnorm_slow(backend, data):
-    _norm_example(backend, data)
+def test_fuzz_add_rmsnorm_slow(backend_device, data):
+    _norm_example(backend_device, data)
 
 
 def test_fuzz_shrinks_to_a_minimal_case():

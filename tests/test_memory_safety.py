@@ -1,6 +1,6 @@
 """Memory safety: every backend run with all inputs and outputs placed flush against inaccessible pages.
 
-``qkvfuse.testing.guarded`` puts each tensor in its own mapping, ending (or starting) exactly at a
+``qkvfuse._verify.guarded`` puts each tensor in its own mapping, ending (or starting) exactly at a
 ``PROT_NONE`` page, so one byte read or written out of bounds is a segmentation fault. The edge cases (T=1,
 odd head counts, head_dim 2/80/96/192/512, partial rotary, positions 0 and max_position - 1, strided rows,
 stride-0 mRoPE rows, in-place, both ops) run in one child process per backend; a crash fails the case it
@@ -13,13 +13,13 @@ import sys
 import textwrap
 
 import pytest
-from child_records import assert_child_call_ok, child_records
+from _support.child_records import assert_child_call_ok, child_records
 
-from qkvfuse.testing import guarded
+from qkvfuse._verify import guarded
 
 def _results(backend):
     """``(results by call name, exit code, call that was running when the child died, stderr tail)``."""
-    return child_records("qkvfuse.testing.guarded", backend)
+    return child_records("qkvfuse._verify.guarded", backend)
 
 
 @pytest.mark.parametrize("case", guarded.case_ids())
@@ -32,7 +32,7 @@ def test_guard_page_really_faults(align, offset):
     """The harness itself: touching the byte just past the tensor (before it, for align=start) crashes."""
     code = textwrap.dedent(f"""
         import ctypes, torch
-        from qkvfuse.testing.guarded import guarded_copy
+        from qkvfuse._verify.guarded import guarded_copy
         t = guarded_copy(torch.arange(12, dtype=torch.float32).view(3, 4), {align!r}, row_pad=5)
         assert t.tolist() == torch.arange(12.0).view(3, 4).tolist() and t.stride() == (9, 1)
         edge = t.data_ptr() + ((2 * 9 + 3 + 1) * 4 if {offset} == 0 else -1)

@@ -1,23 +1,28 @@
-"""Proof that the failure-mode tests have teeth: each deliberate mutation of the reference makes its test fail.
+"""Proof that the failure-mode tests have teeth: each deliberate mutation of the reference makes its check fail.
 
 Every mutation reproduces one public bug of a fused kernel inside :mod:`qkvfuse.reference` (or, for the
-layout checks, inside the public op), is applied with ``unittest.mock.patch`` and the matching test in
-``tests/test_failure_modes.py`` is run on the reference backend: at least one of its parametrisations must
-fail. ``python tests/test_mutations.py`` prints the table (mutation, test, failing cases).
+layout checks, inside the public op), is applied with ``unittest.mock.patch`` and the check of
+:mod:`qkvfuse._verify.failure_modes` that ``tests/test_failure_modes.py`` runs for it (the test's comment names
+the mutation) is run on the reference backend, with the test's parametrisations. A mutation is caught only
+when at least one of them fails an assertion (``AssertionError`` or ``pytest.fail``); a check that crashes with
+any other exception has not caught it, it has broken. ``python tests/test_mutations.py`` prints the table
+(mutation, check, caught cases, crashes).
 """
 
 import contextlib
 import sys
 import time
+import warnings
 from unittest import mock
 
 import pytest
 import torch
 
 import qkvfuse
+import qkvfuse._verify.failure_modes as fm
 import qkvfuse.reference as ref
-import test_failure_modes as t
-from qkvfuse.testing.failure_modes import KNORM_RATIOS, NON_POW2_HEAD_DIMS, PARTIAL_ROTARY_THRESHOLD
+from qkvfuse import _library
+from qkvfuse._verify.failure_modes import KNORM_RATIOS, NON_POW2_HEAD_DIMS, PARTIAL_ROTARY_THRESHOLD
 
 _split = ref.split_qkv_rmsnorm_rope_out
 _norm = ref.add_rmsnorm_out
@@ -109,73 +114,103 @@ def _accept_3d_views(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, h
     return _public_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, **kwargs)
 
 
-# name -> (patches [(object, attribute, replacement)], test function, parametrisations)
+# name -> (patches [(object, attribute, replacement)], check, parametrisations of its test)
 MUTATIONS = {
     "partial_rotary_large": ([(ref, "split_qkv_rmsnorm_rope_out", _partial_rotary_large)],
-                             t.test_partial_rotary_above_10240_token_heads, [{}]),
+                             fm.check_partial_rotary_large, [{}]),
     "rotary_dim_default": ([(ref, "split_qkv_rmsnorm_rope_out", _rotary_dim_default)],
-                           t.test_rotary_dim_taken_from_cache,
+                           fm.check_rotary_dim_from_cache,
                            [dict(head_dim=d, rotary_dim=r) for d, r in ((128, 64), (128, 32), (80, 40))]),
-    "mrope_drop_hw": ([(ref, "_cos_sin", _mrope_drop_hw)], t.test_mrope_image_tokens_use_height_width_rows,
+    "mrope_drop_hw": ([(ref, "_cos_sin", _mrope_drop_hw)], fm.check_mrope_image_rows,
                       [dict(interleaved=True), dict(interleaved=False)]),
-    "mrope_packed_positions": ([(ref, "_cos_sin", _mrope_packed_positions)], t.test_mrope_decode_equal_rows_is_rope,
+    "mrope_packed_positions": ([(ref, "_cos_sin", _mrope_packed_positions)], fm.check_mrope_decode_rows,
                                [dict(interleaved=True), dict(interleaved=False)]),
-    "k_variance_zero": ([(ref, "split_qkv_rmsnorm_rope_out", _k_variance_zero)],
-                        t.test_k_norm_variance_every_head_ratio,
+    "k_variance_zero": ([(ref, "split_qkv_rmsnorm_rope_out", _k_variance_zero)], fm.check_k_norm_ratio,
                         [dict(num_q_heads=hq, num_kv_heads=hkv) for hq, hkv in KNORM_RATIOS]),
     "skip_unlisted_head_dim": ([(ref, "split_qkv_rmsnorm_rope_out", _skip_unlisted_head_dim)],
-                               t.test_head_dim_never_silently_skipped, [dict(head_dim=d) for d in NON_POW2_HEAD_DIMS]),
-    "racy_positions": ([(ref, "_cos_sin", _racy_positions)], t.test_position_reads_deterministic_at_large_t, [{}]),
+                               fm.check_head_dim_not_skipped, [dict(head_dim=d) for d in NON_POW2_HEAD_DIMS]),
+    "racy_positions": ([(ref, "_cos_sin", _racy_positions)], fm.check_positions_deterministic_large_t, [{}]),
     "bf16_between_norm_and_rope": ([(ref, "_rotate", _bf16_between_norm_and_rope)],
-                                   t.test_no_bf16_rounding_between_norm_and_rotation, [{}]),
-    "bf16_cos_sin": ([(ref, "_cos_sin", _bf16_cos_sin)], t.test_no_bf16_rounding_between_norm_and_rotation, [{}]),
+                                   fm.check_no_bf16_rounding_between_norm_and_rope, [{}]),
+    "bf16_cos_sin": ([(ref, "_cos_sin", _bf16_cos_sin)], fm.check_no_bf16_rounding_between_norm_and_rope, [{}]),
     "ignore_row_stride": ([(ref, "split_qkv_rmsnorm_rope_out", _ignore_row_stride_split),
                            (ref, "add_rmsnorm_out", _ignore_row_stride_norm)],
-                          t.test_strided_views_handled_and_3d_views_rejected, [{}]),
-    "accept_3d_views": ([(qkvfuse, "split_qkv_rmsnorm_rope", _accept_3d_views)],
-                        t.test_strided_views_handled_and_3d_views_rejected, [{}]),
+                          fm.check_strided_and_3d_views, [{}]),
+    "accept_3d_views": ([(qkvfuse, "split_qkv_rmsnorm_rope", _accept_3d_views)], fm.check_strided_and_3d_views,
+                        [{}]),
 }
 
+# What counts as a check catching a mutation: a failed assertion, nothing else.
+CAUGHT = (AssertionError, pytest.fail.Exception)
 
-def _forget_resolved_kernels():
-    getattr(qkvfuse.ops, "_KERNELS", {}).clear()
+
+def _late_bound_reference_kernels() -> torch.library.Library:
+    """Register the reference backend's kernels once more, looking ``qkvfuse.reference``'s two kernels up at
+    call time, so a patched module attribute is what runs (the backend registry binds them at import). The
+    dispatcher runs the latest registration; destroying the returned library restores the original."""
+    lib = torch.library.Library("qkvfuse", "IMPL")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Warning only once for all operators")  # overriding, on purpose
+        _library.register_kernels(lib, "reference", "CompositeExplicitAutograd",
+                                  lambda *args: ref.split_qkv_rmsnorm_rope_out(*args),
+                                  lambda *args: ref.add_rmsnorm_out(*args))
+    return lib
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:160]}"
 
 
 def run_mutation(name):
-    """``(failing, total, first failure)`` of the mutation's test on the reference backend."""
-    patches, test, params = MUTATIONS[name]
-    failing, first = 0, ""
+    """``(caught, total, first assertion failure, crashes)`` of the mutation's check on the reference backend.
+
+    ``caught`` counts the parametrisations that failed an assertion; ``crashes`` lists those that raised anything
+    else (they do not count as caught)."""
+    patches, check, params = MUTATIONS[name]
+    caught, first, crashes = 0, "", []
     for kwargs in params:
         torch.manual_seed(0)
         with contextlib.ExitStack() as stack:
-            # qkvfuse.ops memoises the resolved kernel functions: forget them on the way in and out so the
-            # patched reference is called, and nothing keeps calling it afterwards.
-            _forget_resolved_kernels()
-            stack.callback(_forget_resolved_kernels)
+            stack.callback(_late_bound_reference_kernels()._destroy)
             for obj, attr, replacement in patches:
                 stack.enter_context(mock.patch.object(obj, attr, replacement))
             try:
-                test("reference", **kwargs)
-            except Exception as exc:  # noqa: BLE001 -- the test failing (any exception) is the expected outcome
-                failing += 1
-                first = first or f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-    return failing, len(params), first
+                check("reference", **kwargs)
+            except CAUGHT as exc:  # the expected outcome: the check's assertion fires
+                caught += 1
+                first = first or _first_line(exc)
+            except Exception as exc:  # noqa: BLE001 -- a crash is reported, and is not a catch
+                crashes.append(f"{kwargs or ''} {_first_line(exc)}".strip())
+    return caught, len(params), first, crashes
+
+
+def verdict(name) -> str:
+    """One line: ``caught k/n: first failure`` or ``not caught (crashed: ...)`` / ``not caught (... passed)``."""
+    caught, total, first, crashes = run_mutation(name)
+    crashed = f"crashed: {'; '.join(crashes)}" if crashes else ""
+    if caught:
+        return f"caught {caught}/{total}: {first}" + (f" (also {crashed})" if crashed else "")
+    return f"not caught ({crashed or f'all {total} cases passed'})"
 
 
 @pytest.mark.parametrize("name", list(MUTATIONS))
 def test_mutation_is_caught(name):
-    failing, total, _ = run_mutation(name)
-    assert failing, f"mutation {name!r} passed all {total} cases of {MUTATIONS[name][1].__name__}"
+    line = verdict(name)
+    assert line.startswith("caught"), f"mutation {name!r}, {MUTATIONS[name][1].__name__}: {line}"
+
+
+def test_the_reference_is_intact_after_a_mutation():
+    assert verdict("ignore_row_stride").startswith("caught")
+    fm.check_strided_and_3d_views("reference")  # the original kernels are registered again
 
 
 if __name__ == "__main__":
-    print(f"{'mutation':28s} {'test':52s} {'failing':>8s}  {'s':>5s}  first failure")
+    print(f"{'mutation':28s} {'check':46s} {'s':>5s}  verdict")
     missed = 0
     for name in MUTATIONS:
         t0 = time.perf_counter()
-        failing, total, first = run_mutation(name)
-        missed += failing == 0
-        print(f"{name:28s} {MUTATIONS[name][1].__name__:52s} {failing:>3d}/{total:<4d}  "
-              f"{time.perf_counter() - t0:5.1f}  {first}")
+        line = verdict(name)
+        missed += not line.startswith("caught")
+        print(f"{name:28s} {MUTATIONS[name][1].__name__:46s} {time.perf_counter() - t0:5.1f}  {line}")
     print(f"\n{len(MUTATIONS) - missed}/{len(MUTATIONS)} mutations caught")
     sys.exit(1 if missed else 0)

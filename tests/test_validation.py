@@ -1,20 +1,20 @@
 """Bad input: every call in the catalogue raises ValueError/TypeError naming the argument, on every backend.
 
-The catalogue (``qkvfuse.testing.failure_modes.BAD_CALLS``) covers both ops and the cache builder. It runs
+The catalogue (``qkvfuse._verify.failure_modes.BAD_CALLS``) covers both ops and the cache builder. It runs
 in one child process per backend, so a crash of native or Triton code on bad input is reported as a test
 failure (naming the call it died in) instead of killing pytest. NaN/Inf inputs are not errors: they
 propagate inside their head or row (documented in ``split_qkv_rmsnorm_rope``), tested below.
 """
 
 import pytest
-from child_records import assert_child_call_ok, child_records
+from _support.child_records import assert_child_call_ok, child_records
 
-import qkvfuse.testing.failure_modes as fm
+import qkvfuse._verify.failure_modes as fm
 
 
 def _results(backend):
     """``(results by call name, exit code, call that was running when the child died, stderr tail)``."""
-    return child_records("qkvfuse.testing.failure_modes", "bad-input", backend)
+    return child_records("qkvfuse._verify.failure_modes", "bad-input", backend)
 
 
 def test_catalogue_covers_both_ops_and_the_cache_builder():

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import qkvfuse
-from qkvfuse.backends import available_backends
-from qkvfuse.rope import mrope_axis_map
-from qkvfuse.testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
+from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
                              make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
                              unfused_add_rmsnorm, unfused_split)
+from qkvfuse.backends import available_backends
+from qkvfuse.rope import mrope_axis_map
 
 if available_backends()["triton"]:  # a reason: unavailable (a failure where CI requires the backend)
     if "triton" in os.environ.get("QKVFUSE_REQUIRE_BACKENDS", "").split(","):
@@ -30,9 +30,7 @@ if available_backends()["triton"]:  # a reason: unavailable (a failure where CI 
 
 from qkvfuse.backends.triton import kernels, launch  # noqa: E402
 
-from test_ops import run_split_case  # noqa: E402  (tests/ is on sys.path through its conftest)
-
-REPO = Path(__file__).resolve().parents[2]
+from _support.cases import run_split_case  # noqa: E402
 
 
 @pytest.fixture(params=["interpreter-blocks", "device-blocks"])
@@ -317,15 +315,26 @@ def test_64bit_offsets():
     assert report.ok, report.detail
 
 
-def test_gpu_check_cpu_interpreter_mode(tmp_path):
-    """bench/gpu_check.py in its CPU-interpreter mode (small sizes) so the device script cannot rot."""
-    out = tmp_path / "gpu_check.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--cpu-interpreter", "--json",
-                           str(out)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_device_sections_cpu_interpreter_dry_run(tmp_path, capsys):
+    """``verify`` / ``bench --cpu-interpreter``: the device sections and timings at small sizes on CPU tensors, so
+    the code a GPU run executes cannot rot (conformance, stability, moe-streams; timing)."""
     import json
 
-    result = json.loads(out.read_text())
-    assert result["mode"] == "cpu-interpreter" and result["sections"]
-    assert all(row.get("pass", True) for s in result["sections"] for row in s["rows"])
+    from qkvfuse.cli import main
+
+    verify_json, bench_json = tmp_path / "verify.json", tmp_path / "bench.json"
+    assert main(["verify", "--cpu-interpreter", "--json", str(verify_json)]) == 0, capsys.readouterr().out[-3000:]
+    result = json.loads(verify_json.read_text())
+    assert result["mode"] == "cpu-interpreter" and result["tier"] == "cpu"
+    sections = {s["name"]: s for s in result["sections"]}
+    assert set(sections) == {"conformance", "stability", "moe-streams"}
+    assert sections["conformance"]["rows"] and sections["stability"]["rows"]
+    assert "skipped" in sections["moe-streams"]["note"] and not sections["moe-streams"]["rows"]
+    assert all(row["pass"] for s in result["sections"] for row in s["rows"])
+
+    assert main(["bench", "--cpu-interpreter", "--json", str(bench_json)]) == 0, capsys.readouterr().out[-3000:]
+    timing = json.loads(bench_json.read_text())
+    assert [s["name"] for s in timing["sections"]] == ["timing"]  # the tile sweep is full-tier (device) only
+    rows = timing["sections"][0]["rows"]
+    assert {r["op"] for r in rows} == {"split_qkv_rmsnorm_rope", "add_rmsnorm"}
+    assert all(r["pass"] and r["triton us"] > 0 for r in rows)

@@ -15,8 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from moe_stream_fakes import (Call, FakeDeviceModule, intercepting_record_stream, protocol_violations,
-                              recording)
+from _support.moe_stream_fakes import (Call, FakeDeviceModule, intercepting_record_stream, protocol_violations,
+                                       recording)
 from qkvfuse.moe import ENV_VAR, SharedExpertOverlap, is_glm4_moe_block, patch_glm4_moe, unpatch_glm4_moe
 
 DTYPES = [torch.float32, torch.bfloat16]

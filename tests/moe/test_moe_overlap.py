@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from moe_stream_fakes import Call, FakeDeviceModule, protocol_violations, recording
+from _support.moe_stream_fakes import Call, FakeDeviceModule, protocol_violations, recording
 from qkvfuse.moe import ENV_VAR, SharedExpertOverlap, overlap_enabled
 
 

@@ -2,7 +2,7 @@
 
 For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_rmsnorm`` (per hidden size):
 
-* ``eager unfused`` -- :func:`qkvfuse.testing.unfused_split` / ``unfused_add_rmsnorm``, the transformers-style
+* ``eager unfused`` -- :func:`qkvfuse._verify.unfused_split` / ``unfused_add_rmsnorm``, the transformers-style
   path (it allocates its outputs: ``fresh``);
 * ``torch.compile unfused`` -- the same function under ``torch.compile(dynamic=False)``, compiled once per
   shape; the first call (the compile) is reported apart;
@@ -10,9 +10,9 @@ For ``split_qkv_rmsnorm_rope`` (per preset, dtype and token count T) and ``add_r
 * ``qkvfuse cpu`` -- the native CPU backend through the public op (``out=`` and ``fresh``), validation and
   dispatch included, called as a caller's source calls it (geometry positional, options by keyword); skipped,
   with the reason, where it is unavailable;
-* ``cpu kernel, no wrapper`` -- at T <= 16, the callable the public op dispatches to for plain CPU tensors, called
-  directly: the native library's Python entry (``backends/cpu/python_entry.cpp``: its C++ checks and the
-  kernel). Its gap to ``qkvfuse cpu [out=]`` is the cost of the Python function around it;
+* ``bare torch.ops`` -- the same kernel called as ``torch.ops.qkvfuse.<op>_out.default(...)`` with the lean
+  schema's arguments: the dispatcher and the kernel, no Python validation. ``qkvfuse cpu [out=]``'s time over
+  this one (the ``/bare`` column, a median of per-round ratios) is what the public function costs on top;
 * ``copy_ roofline`` -- ``dst.copy_(src)`` of the same bytes into a preallocated tensor (``qkv`` for the split;
   a ``[T, 2H]`` tensor for add_rmsnorm, whose op reads two and writes two ``[T, H]`` tensors).
 
@@ -32,19 +32,20 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..ops import _cpu_entry, add_rmsnorm, split_qkv_rmsnorm_rope
-from ..presets import ModelPreset
-from ..testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
+from .._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
                        oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split)
-from .timing import Budget, Candidate, measure
+from .._library import encode_rope
+from ..ops import add_rmsnorm, split_qkv_rmsnorm_rope
+from ..presets import ModelPreset
+from .timing import Budget, Candidate, measure, paired
 
 __all__ = ["BenchConfig", "Row", "bench_split", "bench_norm", "COPY", "EAGER", "COMPILED", "REFERENCE", "CPU",
-           "CPU_RAW"]
+           "BARE", "bare_split_call", "bare_norm_call", "check_split", "check_norm"]
 
 EAGER, COMPILED, REFERENCE, CPU, COPY = ("eager unfused", "torch.compile unfused", "reference", "qkvfuse cpu",
                                          "copy_ roofline")
-# The kernel the public op dispatches to, called directly: the difference is the Python wrapper's cost.
-CPU_RAW = "cpu kernel, no wrapper"
+# The same kernel through a bare torch.ops call (no Python validation): the difference is the public function's cost.
+BARE = "bare torch.ops"
 ROTATE_MAX_T = 16  # token counts at which back-to-back calls keep the data in L1/L2: also time rotated buffers
 ROTATE_FOOTPRINT_L2 = 4  # rotated buffer sets total at least this many L2 sizes
 CHECK_ROWS = 64  # token rows judged against the float64 oracle per cell (every element is checked as written)
@@ -64,6 +65,10 @@ class BenchConfig:
     budget: Budget
     l2_bytes: int
     cpu_reason: str  # why the cpu backend is unavailable ("" when it is available)
+    # the per-call section (:mod:`.percall`, T = 1): presets, add_rmsnorm hidden sizes, dtypes
+    percall_presets: Tuple[ModelPreset, ...] = ()
+    percall_hidden: Tuple[int, ...] = ()
+    percall_dtypes: Tuple[torch.dtype, ...] = ()
 
     def compiles(self, shape: str, dtype: torch.dtype, T: int) -> bool:
         return COMPILED in self.impls and (self.compile_cells is None or (shape, dtype, T) in self.compile_cells)
@@ -91,8 +96,9 @@ class Row:
     rounds: int
     calls_per_block: int
     compile_s: Optional[float] = None
-    check: str = ""  # qkvfuse cpu rows: "ok" or "FAIL: ..." -- the accuracy rule on these very inputs
+    check: str = ""  # qkvfuse cpu / bare rows: "ok" or "FAIL: ..." -- the accuracy rule on these very inputs
     others: Optional[float] = None  # share of the CPUs other processes used while this cell ran (noise)
+    vs_bare: Optional[float] = None  # this time / the bare torch.ops call's time (median of per-round ratios)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -121,20 +127,22 @@ def _sample_rows(T: int) -> torch.Tensor:
     return torch.linspace(0, T - 1, min(T, CHECK_ROWS)).round().long().unique()
 
 
-def _unwritten(names: str, outs: Sequence[torch.Tensor]) -> str:
+def _unwritten(names: Sequence[str], outs: Sequence[torch.Tensor]) -> str:
     # Inputs are finite, so after NaN poisoning a non-finite output is unwritten or broken.
     bad = [name for name, t in zip(names, outs) if not bool(torch.isfinite(t).all())]
     return f"FAIL: non-finite values in {', '.join(bad)} (NaN-poisoned outputs not fully written?)" if bad else ""
 
 
-def _check_split(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> str:
-    """What is timed must be right, at the timed shape: ``qkvfuse cpu`` writes NaN-poisoned ``out=`` at full T;
-    every element must be written and the sampled rows must meet the accuracy rule (the float64 oracle costs
-    tens of seconds over all 4096 rows of a GLM shape)."""
+def check_split(kw: Dict[str, object], out: Tuple[torch.Tensor, ...],
+                run: Optional[Callable[[], Sequence[torch.Tensor]]] = None) -> str:
+    """What is timed must be right, at the timed shape: ``run()`` (default: ``qkvfuse cpu`` through the public
+    op) writes NaN-poisoned ``out=`` at full T and returns ``(q, k, v)``; every element must be written and the
+    sampled rows must meet the accuracy rule (the float64 oracle costs tens of seconds over all 4096 rows of a GLM
+    shape). An in-place ``run`` restores its own ``qkv`` copy from ``kw["qkv"]`` first and returns its views."""
     for t in out:
         t.fill_(float("nan"))
-    got = split_qkv_rmsnorm_rope(**kw, out=out, backend="cpu")
-    unwritten = _unwritten("qkv", got)
+    got = split_qkv_rmsnorm_rope(**kw, out=out, backend="cpu") if run is None else run()
+    unwritten = _unwritten(("q", "k", "v"), got)
     if unwritten:
         return unwritten
     rows = _sample_rows(kw["qkv"].shape[0])
@@ -144,11 +152,12 @@ def _check_split(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> str:
     return "ok" if report.ok else f"FAIL: {report.detail}"
 
 
-def _check_norm(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> str:
-    """:func:`_check_split` for ``add_rmsnorm``."""
+def check_norm(kw: Dict[str, object], out: Tuple[torch.Tensor, ...],
+               run: Optional[Callable[[], Sequence[torch.Tensor]]] = None) -> str:
+    """:func:`check_split` for ``add_rmsnorm`` (``run()`` returns ``(y, residual_out)``)."""
     for t in out:
         t.fill_(float("nan"))
-    got = add_rmsnorm(**kw, out=out, backend="cpu")
+    got = add_rmsnorm(**kw, out=out, backend="cpu") if run is None else run()
     unwritten = _unwritten(("y", "residual_out"), got)
     if unwritten:
         return unwritten
@@ -173,7 +182,7 @@ def _compile(fn: Callable, first_call: Callable[[Callable], object]) -> Tuple[Op
 
 def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, T: int,
           candidates_for: Callable[[int], Tuple[List[Candidate], List[Callable]]], n_sets: int, nbytes: int,
-          copy_bytes: int, compile_s: Optional[float], check: str) -> List[Row]:
+          copy_bytes: int, compile_s: Optional[float], checks: Dict[str, str]) -> List[Row]:
     """Measure hot (and, for small T, rotated) placements and turn the results into rows."""
     placements = [("hot", 1), (f"rotated x{n_sets}", n_sets)] if T <= ROTATE_MAX_T else [("1 set", 1)]
     rows = []
@@ -184,6 +193,7 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
         results = measure(candidates, copy_calls, cfg.budget)
         eager = next((c.key for c in candidates if c.impl == EAGER), None)
         compiled = next((c.key for c in candidates if c.impl == COMPILED), None)
+        bare = next((results[c.key] for c in candidates if c.impl == BARE), None)
         copy_us = []
         for c in candidates:
             m = results[c.key]
@@ -191,8 +201,8 @@ def _rows(cfg: BenchConfig, op: str, shape: str, mode: str, dtype: torch.dtype, 
             rows.append(Row(op, shape, mode, dtype_name(dtype), T, data, c.impl, c.outputs, m.us, nbytes / m.us / 1e3,
                             m.roofline, 1.0 if c.key == eager else m.vs.get(eager),
                             1.0 if c.key == compiled else m.vs.get(compiled), m.copy_us, nbytes, m.rounds,
-                            m.calls_per_block, compile_s if c.impl == COMPILED else None,
-                            check if c.impl in (CPU, CPU_RAW) else ""))
+                            m.calls_per_block, compile_s if c.impl == COMPILED else None, checks.get(c.impl, ""),
+                            vs_bare=None if bare is None else paired(m, bare, lambda x, y: x / y)))
         copy_median = statistics.median(copy_us)
         rows.append(Row(op, shape, mode, dtype_name(dtype), T, data, COPY, "out=", copy_median,
                         copy_bytes / copy_median / 1e3, 1.0, None, None, copy_median, copy_bytes, rows[-1].rounds, 0))
@@ -228,22 +238,43 @@ def _public_norm_call(kw: Dict[str, object], out: Optional[Tuple[torch.Tensor, .
     return call
 
 
-def _raw_split_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
-    """The native library's own entry (``backends/cpu/python_entry.cpp``), which the public op calls for plain
-    CPU tensors: checks and kernel, without the Python function around them."""
-    return functools.partial(_cpu_entry("cpu").split, *_split_args(kw), tuple(out))
+def bare_split_call(kw: Dict[str, object], out: Sequence[torch.Tensor], inplace: bool = False) -> Callable:
+    """A bare ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default`` call (``_inplace`` with ``inplace``: then
+    ``kw["qkv"]`` is rewritten and ``out`` ignored) with the lean schema's arguments, built once: the dispatcher
+    and the native kernel, no Python validation (raw ``torch.ops`` calls assume validated input). Written as a
+    closure like the public calls, so both pay the same call frame."""
+    qkv, positions, cache, hq, hkv, _, q_w, k_w, q_b, k_b, eps, is_neox, section, interleaved = _split_args(kw)
+    rope = encode_rope(is_neox, tuple(section or ()), interleaved)
+    if inplace:
+        op_ = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default
+
+        def call_inplace():
+            return op_(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
+        return call_inplace
+    op = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default
+    q_out, k_out, v_out = out
+
+    def call():
+        return op(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out)
+    return call
 
 
-def _raw_norm_call(kw: Dict[str, object], out: Tuple[torch.Tensor, ...]) -> Callable:
-    return functools.partial(_cpu_entry("cpu").add_rmsnorm, kw["x"], kw["residual"], kw["weight"], kw["eps"],
-                             kw.get("bias"), tuple(out))
+def bare_norm_call(kw: Dict[str, object], out: Sequence[torch.Tensor]) -> Callable:
+    """:func:`bare_split_call` for ``torch.ops.qkvfuse.add_rmsnorm_out.default``."""
+    op = torch.ops.qkvfuse.add_rmsnorm_out.default
+    x, residual, weight, eps, bias = kw["x"], kw["residual"], kw["weight"], float(kw["eps"]), kw.get("bias")
+    y_out, residual_out = out
+
+    def call():
+        return op(x, residual, weight, bias, eps, y_out, residual_out)
+    return call
 
 
 def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable], public: Callable,
-                kws: Sequence[dict], outputs: Sequence[tuple], raw: Optional[Callable] = None) -> List[Candidate]:
+                kws: Sequence[dict], outputs: Sequence[tuple], bare: Callable) -> List[Candidate]:
     """The implementations of one op over buffer sets ``kws`` (keyword arguments) with their ``out=`` tuples;
-    ``public(kw, out, backend)`` builds a call of the public op, ``raw(kw, out)`` a direct call of the cpu
-    kernel (given where dispatch cost matters: small T)."""
+    ``public(kw, out, backend)`` builds a call of the public op, ``bare(kw, out)`` a bare ``torch.ops`` call of
+    the same cpu kernel (every T: the public op's overhead over it is judged at T >= 16)."""
     cands = []
     if EAGER in cfg.impls:
         cands.append(Candidate(EAGER, "fresh", [functools.partial(unfused, **kw) for kw in kws]))
@@ -255,8 +286,8 @@ def _candidates(cfg: BenchConfig, unfused: Callable, compiled: Optional[Callable
         cands.append(Candidate(impl, "out=", [public(kw, o, backend) for kw, o in zip(kws, outputs)]))
         if impl == CPU:  # the reference's own fp32 temporaries dwarf its outputs: its fresh row says nothing new
             cands.append(Candidate(impl, "fresh", [public(kw, None, backend) for kw in kws]))
-        if impl == CPU and raw is not None:
-            cands.append(Candidate(CPU_RAW, "out=", [raw(kw, o) for kw, o in zip(kws, outputs)]))
+        if impl == CPU:
+            cands.append(Candidate(BARE, "out=", [bare(kw, o) for kw, o in zip(kws, outputs)]))
     return cands
 
 
@@ -282,7 +313,10 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
     outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
     copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
 
-    check = _check_split(first, outs[0]) if CPU in cfg.impls and not cfg.cpu_reason else ""
+    checks = {}
+    if CPU in cfg.impls and not cfg.cpu_reason:
+        checks[CPU] = check_split(first, outs[0])
+        checks[BARE] = check_split(first, outs[0], lambda: (bare_split_call(first, outs[0])(), outs[0])[1])
 
     compiled, compile_s = None, None
     if cfg.compiles(preset.name, dtype, T):
@@ -293,10 +327,10 @@ def bench_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype, T: in
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
         return _candidates(cfg, unfused_split, compiled, _public_split_call, sets[:n], outs[:n],
-                           _raw_split_call if T <= ROTATE_MAX_T else None), copies
+                           bare_split_call), copies
 
     return _rows(cfg, "split_qkv_rmsnorm_rope", preset.name, split_mode(preset), dtype, T, candidates_for, n_sets,
-                 nbytes, 2 * _nbytes(first["qkv"]), compile_s, check)
+                 nbytes, 2 * _nbytes(first["qkv"]), compile_s, checks)
 
 
 def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> List[Row]:
@@ -311,7 +345,10 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
     copy_dst = [torch.empty_like(src) for src in copy_src]
     shape = f"hidden {hidden}"
 
-    check = _check_norm(first, outs[0]) if CPU in cfg.impls and not cfg.cpu_reason else ""
+    checks = {}
+    if CPU in cfg.impls and not cfg.cpu_reason:
+        checks[CPU] = check_norm(first, outs[0])
+        checks[BARE] = check_norm(first, outs[0], lambda: (bare_norm_call(first, outs[0])(), outs[0])[1])
 
     compiled, compile_s = None, None
     if cfg.compiles(shape, dtype, T):
@@ -322,7 +359,7 @@ def bench_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype, T: int) -> Lis
     def candidates_for(n: int):
         copies = [functools.partial(dst.copy_, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
         return _candidates(cfg, unfused_add_rmsnorm, compiled, _public_norm_call, sets[:n], outs[:n],
-                           _raw_norm_call if T <= ROTATE_MAX_T else None), copies
+                           bare_norm_call), copies
 
     return _rows(cfg, "add_rmsnorm", shape, "residual, fp32 weight", dtype, T, candidates_for, n_sets, nbytes,
-                 2 * _nbytes(copy_src[0]), compile_s, check)
+                 2 * _nbytes(copy_src[0]), compile_s, checks)

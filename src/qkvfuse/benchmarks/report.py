@@ -6,8 +6,8 @@ import dataclasses
 import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ..cli.verify import Section, print_section
-from .harness import COMPILED, COPY, CPU, CPU_RAW, EAGER, ROTATE_MAX_T, Row
+from .._verify.sections import Section, print_section
+from .harness import BARE, COMPILED, COPY, CPU, EAGER, ROTATE_MAX_T, Row
 
 __all__ = ["check_failures", "busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize",
            "print_summary", "write_json", "write_plot", "TABLE_NOTE", "TARGETS"]
@@ -23,8 +23,11 @@ TABLE_NOTE = (
     f"buffers every call (at T <= {ROTATE_MAX_T}\n"
     "they stay in L1/L2, which flatters the time); rotated xN = N buffer sets cycled, > 4x L2; 1 set = "
     "one buffer set (T > 16).\n"
-    "check: the cpu kernel's result on these inputs vs the float64 oracle. others: CPU share other processes "
-    "used during the cell (noise)."
+    "/bare: this time / the bare torch.ops call's time (same kernel, no Python validation; median of per-round "
+    "ratios; 1.00 = no\n"
+    "overhead). check: the cpu kernel's result on these inputs vs the float64 oracle (public op and bare call "
+    "each). others: CPU share\n"
+    "other processes used during the cell (noise)."
 )
 
 # Issue 3's CPU anchors (bf16, median us, a 2-core AVX-512 BF16 machine, not this run): fastest published path
@@ -41,6 +44,9 @@ T16_MAX_COPIES = 3.0
 T256_MIN_ROOFLINE = 0.40
 T4096_MIN_ROOFLINE = 0.70
 NORM_MIN_ROOFLINE = 0.70
+# Issue 12's target: at T >= 16 the public op (qkvfuse cpu, out=) is at most 5 % slower than the bare kernel call.
+OVERHEAD_MIN_T = 16
+OVERHEAD_MAX_RATIO = 1.05
 
 
 def _us(x: float) -> str:
@@ -82,12 +88,13 @@ def print_tables(rows: Sequence[Row]) -> None:
     groups: Dict[Tuple[str, str], List[Row]] = {}
     for r in rows:
         groups.setdefault((r.op, r.shape), []).append(r)
-    columns = ("dtype", "T", "data", "impl", "outputs", "us", "GB/s", "roofline", "vs eager", "vs compile", "rounds",
-               "check", "others")
+    columns = ("dtype", "T", "data", "impl", "outputs", "us", "GB/s", "roofline", "vs eager", "vs compile", "/bare",
+               "rounds", "check", "others")
     for (op, shape), group in groups.items():
         cells = [{"dtype": r.dtype, "T": str(r.T), "data": r.data, "impl": r.impl, "outputs": r.outputs,
                   "us": _us(r.us), "GB/s": f"{r.gbps:.1f}", "roofline": _pct(r.roofline),
-                  "vs eager": _times(r.vs_eager), "vs compile": _times(r.vs_compile), "rounds": str(r.rounds),
+                  "vs eager": _times(r.vs_eager), "vs compile": _times(r.vs_compile),
+                  "/bare": "" if r.impl not in (CPU, BARE) else _times(r.vs_bare), "rounds": str(r.rounds),
                   "check": r.check.split(":")[0], "others": _pct(r.others)}
                  for r in group]
         print_section(Section(f"{op}: {shape} ({group[0].mode})", columns, cells))
@@ -123,8 +130,8 @@ def _judge_t1(rows: Sequence[Row], op: str, shape: str, T: int) -> Optional[Tupl
     rot, hot = _pick(rows, op, shape, T, data="rotated"), _pick(rows, op, shape, T, data="hot")
     if rot is None or hot is None:
         return None
-    raw = _pick(rows, op, shape, T, data="rotated", impl=CPU_RAW)
-    unwrapped = f"; {_us(raw.us)} without the Python wrapper" if raw else ""
+    bare = _pick(rows, op, shape, T, data="rotated", impl=BARE)
+    unwrapped = f"; bare torch.ops {_us(bare.us)}" if bare else ""
     return f"{_us(rot.us)} us rotated ({_us(hot.us)} hot{unwrapped})", rot.us <= T1_MAX_US
 
 
@@ -179,6 +186,32 @@ def summarize(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
                     # a stalled parallel region stalls the copy too, pushing the ratio to 1: a false MET
                     row["verdict"] += f" (noisy: others {judged.others:.0%})"
             out.append(row)
+    out += _overhead_summary(rows, cpu_reason)
+    return out
+
+
+def _overhead_summary(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
+    """Issue 12: per op and shape, the worst ``qkvfuse cpu [out=]`` / bare torch.ops ratio over the T >= 16 cells
+    (every dtype measured)."""
+    out: List[Dict[str, object]] = []
+    judged = [r for r in rows if r.impl == CPU and r.outputs == "out=" and r.T >= OVERHEAD_MIN_T]
+    for op, shape in dict.fromkeys((r.op, r.shape) for r in judged):
+        cells = [r for r in judged if (r.op, r.shape) == (op, shape) and r.vs_bare is not None]
+        if not cells:
+            continue
+        name = "split" if op == _SPLIT else op
+        row = {"target": f"{name} T>={OVERHEAD_MIN_T}: public op <= {OVERHEAD_MAX_RATIO:.2f}x bare torch.ops",
+               "shape": shape, "measured": "", "verdict": "n/a: cpu backend unavailable", "published": ""}
+        if not cpu_reason:
+            worst = max(cells, key=lambda r: r.vs_bare)
+            row["measured"] = (f"worst {worst.vs_bare:.3f}x ({worst.dtype} T={worst.T}); range "
+                               f"{min(r.vs_bare for r in cells):.3f}x .. {worst.vs_bare:.3f}x over {len(cells)} cells")
+            row["verdict"] = "MET" if worst.vs_bare <= OVERHEAD_MAX_RATIO else "MISSED"
+            if any(r.check != "ok" for r in cells):
+                row["verdict"] = "WRONG RESULTS"
+            elif worst.others is not None and worst.others > BUSY_SHARE:
+                row["verdict"] += f" (noisy: others {worst.others:.0%})"
+        out.append(row)
     return out
 
 
@@ -205,7 +238,7 @@ def print_summary(rows: Sequence[Row], summary: Sequence[Dict[str, object]], cpu
     if not summary:
         note += "\n(no bf16 cell at a target T measured: the targets are for bf16 at T = 1, 16, 256, 4096)"
     title = ("summary against issue 3's targets (bf16, qkvfuse cpu with out=; published = best published path on "
-             "an AVX-512 BF16 machine, not this run)")
+             "an AVX-512 BF16 machine, not this run) and issue 12's overhead target (public op vs bare torch.ops)")
     if not summary:
         print(f"\n== {title} ==\n{note.strip()}")
         return
@@ -214,9 +247,9 @@ def print_summary(rows: Sequence[Row], summary: Sequence[Dict[str, object]], cpu
 
 
 def write_json(path: str, machine: Dict[str, object], config: Dict[str, object], rows: Sequence[Row],
-               summary: Sequence[Dict[str, object]]) -> None:
+               summary: Sequence[Dict[str, object]], extra: Optional[Dict[str, object]] = None) -> None:
     payload = {"machine": machine, "config": config, "columns_note": TABLE_NOTE,
-               "rows": [dataclasses.asdict(r) for r in rows], "summary": list(summary)}
+               "rows": [dataclasses.asdict(r) for r in rows], "summary": list(summary), **(extra or {})}
     with open(path, "w") as fh:
         json.dump(payload, fh, indent=1)
 
@@ -228,7 +261,7 @@ def write_plot(path: str, rows: Sequence[Row], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plotted = [r for r in rows if not r.data.startswith("hot") and r.impl != CPU_RAW]
+    plotted = [r for r in rows if not r.data.startswith("hot") and r.impl != BARE]
     panels = list(dict.fromkeys((r.op, r.shape, r.dtype) for r in plotted))
     if not panels:
         return

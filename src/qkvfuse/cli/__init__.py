@@ -1,4 +1,9 @@
-"""``python -m qkvfuse {verify,bench,build}``: check and measure qkvfuse on this machine."""
+"""``python -m qkvfuse {verify,bench,build}``: check and measure qkvfuse on this machine.
+
+``--device cpu`` (the default) checks / times every backend on CPU tensors; ``--device cuda`` runs the device
+sections (the Triton backend at realistic sizes, CUDA graphs, torch.compile, the MoE stream race check) and the
+device timings; ``--cpu-interpreter`` is a dry run of those on CPU (small sizes, ``TRITON_INTERPRET=1``).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     verify = sub.add_parser("verify", help="verify every backend against the float64 oracle (non-zero exit on failure)")
     verify.add_argument("--quick", action="store_true", help="fewer rows (CI-sized)")
     verify.add_argument("--backend", action="append", help="only these backends (repeatable)")
-    verify.add_argument("--section", action="append", help="only these sections (repeatable): ops, models, failure-modes")
-    verify.add_argument("--json", help="also write the rows as JSON to this path")
+    verify.add_argument("--section", action="append",
+                        help="only these sections (repeatable): ops, models, failure-modes; with --device cuda or "
+                             "--cpu-interpreter: conformance, stability, moe-streams")
+    verify.add_argument("--json", help="also write the rows as JSON to this path (rewritten after every section)")
+    _device_arguments(verify)
     bench = sub.add_parser("bench", help="benchmark the fused ops against eager, torch.compile and a copy roofline")
     bench.add_argument("--quick", action="store_true", help="a short run (used by `make run`)")
     bench.add_argument("--json", help="write the table as JSON to this path")
@@ -23,10 +31,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.add_argument("--dtype", action="append", choices=["bf16", "fp32", "fp16"], help="only these dtypes")
     bench.add_argument("--tokens", action="append", type=int, help="only these token counts")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
-    bench.add_argument("--op", action="append", choices=["split", "norm"], help="only these ops (repeatable)")
+    bench.add_argument("--op", action="append", choices=["split", "norm", "percall"],
+                       help="only these sections (repeatable): split, norm (the T tables), percall (T=1 per-call cost)")
     bench.add_argument("--hidden", action="append", type=int, help="add_rmsnorm hidden sizes (default 4096, 5120)")
     bench.add_argument("--seconds", type=float, help="about this many seconds per measurement (rounds adapt)")
     bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
+    bench.add_argument("--e2e", action="store_true",
+                       help="instead: end to end, 2-layer transformers models with the published Qwen3-8B / GLM-4.7 "
+                            "layer geometry, patched vs unpatched (minutes)")
+    bench.add_argument("--e2e-compile", action="store_true",
+                       help="with --e2e: also torch.compile both models (slow: minutes per model)")
+    _device_arguments(bench, " (--preset, --tokens, --quick and --json apply there too)")
     sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
                                  "then print its path")
     args = parser.parse_args(argv)
@@ -40,13 +55,34 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"qkvfuse build: {lines[0] if lines else type(exc).__name__}", file=sys.stderr)
             return 1
         return 0
-    if args.command == "verify":
-        from .verify import run_verify
+    if args.command in ("verify", "bench") and args.device != "cpu":
+        from .._verify.device import device_unavailable
 
-        return run_verify(args)
+        reason = device_unavailable(args.device)
+        if reason:
+            print(f"{args.command}: --device {args.device}: {reason}", file=sys.stderr)
+            return 2
+    if args.command == "verify":
+        from .._verify.sections import Options, run
+
+        return run(Options(quick=args.quick, backends=args.backend, sections=args.section, device=args.device,
+                           cpu_interpreter=args.cpu_interpreter, json=args.json))
+    if args.device != "cpu" or args.cpu_interpreter:
+        from ..benchmarks.device import run_device_bench
+
+        return run_device_bench(args)
     from ..benchmarks import run_bench
 
     return run_bench(args)
+
+
+def _device_arguments(parser: argparse.ArgumentParser, extra: str = "") -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--device", default="cpu",
+                       help="cpu (default): every backend on CPU tensors; cuda (or cuda:N, xpu): the Triton backend "
+                            "on that device" + extra)
+    where.add_argument("--cpu-interpreter", action="store_true",
+                       help="dry run of the --device sections on CPU tensors: small sizes, TRITON_INTERPRET=1")
 
 
 if __name__ == "__main__":

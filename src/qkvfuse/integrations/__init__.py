@@ -1,11 +1,10 @@
 """Integrations of qkvfuse into model code.
 
 * :mod:`qkvfuse.integrations.transformers` -- :func:`apply_qkvfuse` / :func:`remove_qkvfuse` patch a Hugging Face
-  transformers model in place (Qwen3, Qwen3-MoE, Qwen3-VL, GLM-4.5/4.6/4.7, GLM-4.5V);
-* :mod:`qkvfuse.integrations.tiny_models` -- tiny random-weight versions of those models (tests, ``verify``);
-* :mod:`qkvfuse.integrations.verify_models` -- the ``models`` section of ``python -m qkvfuse verify``.
+  transformers model in place (Qwen3, Qwen3-MoE, Qwen3-VL, GLM-4.5/4.6/4.7, GLM-4.5V).
 
-Nothing here is imported by ``import qkvfuse``; transformers is imported only when these modules are used.
+Nothing here is imported by ``import qkvfuse``; transformers is imported only when these modules are used. The
+tiny test models and the ``models`` section of ``python -m qkvfuse verify`` live in :mod:`qkvfuse._verify`.
 """
 
 __all__ = ["apply_qkvfuse", "remove_qkvfuse"]

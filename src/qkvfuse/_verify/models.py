@@ -2,7 +2,7 @@
 
 Each check builds a tiny random-weight model of one family (:mod:`.tiny_models`), runs it unpatched and
 patched by :func:`~qkvfuse.integrations.transformers.apply_qkvfuse`, and compares with the tolerances of
-:mod:`qkvfuse.testing.accuracy`:
+:mod:`qkvfuse._verify.accuracy`:
 
 * :func:`check_prefill` -- fp32 prefill logits (a batch of two prompts, or one prompt with an image);
 * :func:`check_generation` -- fp32 greedy generation with the KV cache: identical tokens, per-step logits;
@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..backends import resolve_backend
-from ..testing.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
+from .accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
+from .sections import Options, Section
 from .tiny_models import TINY_MODELS, build_tiny_model, clone_model, tiny_image_prompt, tiny_prompt
 
 __all__ = ["ModelReport", "check_prefill", "check_generation", "check_bf16", "check_padded_batch", "check_undo",
@@ -66,13 +67,13 @@ def model_inputs(model: torch.nn.Module, name: str, batch: int = 2, length: int 
 
 
 def _patch(model, backend):
-    from .transformers import apply_qkvfuse
+    from ..integrations.transformers import apply_qkvfuse
 
     return apply_qkvfuse(model, backend=backend)
 
 
 def _unpatch(model):
-    from .transformers import remove_qkvfuse
+    from ..integrations.transformers import remove_qkvfuse
 
     return remove_qkvfuse(model)
 
@@ -232,18 +233,16 @@ def _fp32_row(name: str, backend: Optional[str]) -> ModelReport:
                        tokens_identical=generation.tokens_identical, detail=detail)
 
 
-def section(args):
+def section(opts: Options) -> Section:
     """``models`` section of ``python -m qkvfuse verify``: each family's tiny model, patched vs unpatched."""
-    from ..cli.verify import Section
-
     try:
         import transformers  # noqa: F401  (the section needs it; report its absence as a note)
     except ImportError as exc:
         return Section("models (transformers integration)", ("family", "pass"), [],
                        note=f"skipped: transformers is not installed ({exc})")
-    backend = args.backend[0] if getattr(args, "backend", None) else None
+    backend = opts.backends[0] if opts.backends else None
     with single_thread():
-        rows = [_row(name, dtype, backend) for name, dtype in _plan(getattr(args, "quick", False))]
+        rows = [_row(name, dtype, backend) for name, dtype in _plan(opts.quick)]
     resolved = resolve_backend(backend, "cpu")
     note = (f"tiny random-weight models (head_dim 128, published Hq/Hkv ratio, 2 layers); backend: "
             f"{resolved}{'' if backend else ' (auto)'}\n"

@@ -4,7 +4,7 @@
 by an inaccessible (``PROT_NONE``) page (``align="end"``) or its first byte directly follows one
 (``align="start"``). :func:`guarded_copy` does the same for a copy of an existing tensor, keeping its strides.
 The mappings are never unmapped (a tensor may outlive any handle we could keep): use this in short-lived
-processes, as ``tests/test_memory_safety.py`` does through ``python -m qkvfuse.testing.guarded BACKEND``,
+processes, as ``tests/test_memory_safety.py`` does through ``python -m qkvfuse._verify.guarded BACKEND``,
 which runs :data:`SPLIT_CASES` and :data:`NORM_CASES` with every input and output guarded and prints one JSON
 line per case (a ``start`` line first, so a crash names the case it happened in).
 """
@@ -263,6 +263,6 @@ def run_cases(backend: str) -> Dict[str, Tuple[bool, str]]:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        print("usage: python -m qkvfuse.testing.guarded BACKEND", file=sys.stderr)
+        print("usage: python -m qkvfuse._verify.guarded BACKEND", file=sys.stderr)
         sys.exit(2)
     run_cases(sys.argv[1])

@@ -1,14 +1,15 @@
 """Hardening checks: the public failure modes of fused QK-norm/RoPE kernels, bad input, fuzzing, determinism.
 
-Each check takes a backend name, runs it on CPU tensors (Triton under ``TRITON_INTERPRET=1``) and raises
-``AssertionError`` with a readable detail when the backend is wrong. ``tests/test_failure_modes.py``,
+Each check takes a backend name, runs it on CPU tensors (Triton under ``TRITON_INTERPRET=1``; the fuzz cases,
+:func:`check_split_case` / :func:`check_norm_case`, also on another device) and raises ``AssertionError`` with a
+readable detail when the backend is wrong. ``tests/test_failure_modes.py``,
 ``tests/test_validation.py``, ``tests/test_fuzz.py`` and ``tests/test_concurrency.py`` run them per backend;
 :func:`section` runs them for ``python -m qkvfuse verify`` and counts passes per category.
 
 * :data:`FAILURE_MODES` -- one check per failure mode listed in the project notes (vLLM, SGLang,
   vllm-ascend, sgl-kernel-npu bug reports), each with the reason it exists in its docstring.
 * :data:`BAD_CALLS` -- calls that must raise ``ValueError``/``TypeError`` whose message starts with the name of
-  the offending argument; run them with :func:`run_bad_call`. ``python -m qkvfuse.testing.failure_modes
+  the offending argument; run them with :func:`run_bad_call`. ``python -m qkvfuse._verify.failure_modes
   bad-input BACKEND`` runs them in a separate process (a crash of native code is then reported, not fatal).
 * :func:`draw_split_case` / :func:`draw_norm_case` -- the space of valid configurations, drawn through a
   ``choose(options)`` callable (hypothesis in the tests, :class:`random.Random` in the verify section).
@@ -41,6 +42,7 @@ from ..rope import build_cos_sin_cache
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
+from .sections import Options, Section
 
 __all__ = [
     "FAILURE_MODES", "BAD_CALLS", "DETERMINISM", "concurrency_unsupported", "BadCall", "NormCase", "run_split",
@@ -55,7 +57,7 @@ PARTIAL_ROTARY_THRESHOLD = 10240
 
 def _extra_ulps(backend: str, dtype: torch.dtype) -> float:
     """The accuracy rule's one extra allowance, for Triton under the CPU interpreter (see
-    :mod:`qkvfuse.testing.accuracy`)."""
+    :mod:`qkvfuse._verify.accuracy`)."""
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     return INTERPRETER_BF16_ULPS if interpreted and dtype == torch.bfloat16 else 0.0
 
@@ -82,7 +84,8 @@ def _fingerprint(kwargs: Dict[str, object]) -> bytes:
         h.update(name.encode())
         if isinstance(value, torch.Tensor):
             h.update(f"{value.dtype}{tuple(value.shape)}".encode())
-            h.update(_bits(value).numpy().tobytes())
+            # .numpy() needs numpy: verification's only use of it (the ``verify`` extra), never the ops'.
+            h.update(_bits(value).cpu().numpy().tobytes())
         else:
             h.update(repr(value).encode())
     return h.digest()
@@ -124,7 +127,8 @@ def run_split(backend: str, kwargs: Dict[str, object], out_row_pad: int = 0, mod
     elif mode == "functional":
         got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
     elif mode == "inplace":
-        buf = torch.full((qkv.shape[0], qkv.shape[1] + out_row_pad), float("nan"), dtype=qkv.dtype)
+        buf = torch.full((qkv.shape[0], qkv.shape[1] + out_row_pad), float("nan"), dtype=qkv.dtype,
+                         device=qkv.device)
         target = buf[:, : qkv.shape[1]]
         target.copy_(qkv)
         got = qkvfuse.split_qkv_rmsnorm_rope_(target, **{k: v for k, v in kwargs.items() if k != "qkv"},
@@ -151,10 +155,11 @@ class NormCase:
     mode: str = "out"  # "out", "functional" or "inplace" (y aliases x, residual_out aliases residual)
 
 
-def run_norm(backend: str, case: NormCase, seed: int = 0):
-    """Run ``add_rmsnorm`` for ``case``, check it under the accuracy rule, return ``(y, residual_out)``."""
+def run_norm(backend: str, case: NormCase, seed: int = 0, device="cpu"):
+    """Run ``add_rmsnorm`` for ``case`` on ``device``, check it under the accuracy rule, return
+    ``(y, residual_out)``."""
     kw = make_norm_inputs(case.T, case.H, case.dtype, residual=case.residual, bias=case.bias, seed=seed,
-                          row_pad=case.row_pad)
+                          row_pad=case.row_pad, device=device)
     x, residual = kw["x"], kw["residual"]
     snapshot = (x.clone(), None if residual is None else residual.clone())
     oracle, unfused = oracle_add_rmsnorm(**kw), unfused_add_rmsnorm(**kw)
@@ -681,14 +686,16 @@ def draw_norm_case(choose: Choose, small: bool = False) -> Tuple[NormCase, int]:
     return case, choose(range(0, 1000))
 
 
-def check_split_case(backend: str, drawn) -> None:
+def check_split_case(backend: str, drawn, device="cpu") -> None:
+    """Run and check one :func:`draw_split_case` result on ``device``."""
     case, seed, mode, out_row_pad = drawn
-    run_split(backend, make_split_inputs(case, seed=seed), out_row_pad=out_row_pad, mode=mode)
+    run_split(backend, make_split_inputs(case, seed=seed, device=device), out_row_pad=out_row_pad, mode=mode)
 
 
-def check_norm_case(backend: str, drawn) -> None:
+def check_norm_case(backend: str, drawn, device="cpu") -> None:
+    """Run and check one :func:`draw_norm_case` result on ``device``."""
     case, seed = drawn
-    run_norm(backend, case, seed=seed)
+    run_norm(backend, case, seed=seed, device=device)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -801,13 +808,11 @@ def _run(check: Callable[[], None]) -> Tuple[bool, str]:
     return True, ""
 
 
-def section(args):
+def section(opts: Options) -> Section:
     """``python -m qkvfuse verify`` section: pass counts per category and backend."""
-    from ..cli.verify import Section
-
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    quick = bool(getattr(args, "quick", False))
-    wanted = getattr(args, "backend", None)
+    quick = opts.quick
+    wanted = opts.backends
     usable = [b for b, reason in available_backends().items() if not reason and (not wanted or b in wanted)]
     rows = []
     for backend in usable:
@@ -863,13 +868,13 @@ def _bad_ok(bad: BadCall, backend: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------
-# Subprocess entry point: ``python -m qkvfuse.testing.failure_modes bad-input BACKEND``.
+# Subprocess entry point: ``python -m qkvfuse._verify.failure_modes bad-input BACKEND``.
 # --------------------------------------------------------------------------------------------------------
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the bad-input catalogue for one backend, one JSON line per call (a crash leaves a ``start`` line)."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2 or argv[0] != "bad-input":
-        print("usage: python -m qkvfuse.testing.failure_modes bad-input BACKEND", file=sys.stderr)
+        print("usage: python -m qkvfuse._verify.failure_modes bad-input BACKEND", file=sys.stderr)
         return 2
     backend = argv[1]
     for bad in BAD_CALLS:

@@ -62,7 +62,7 @@ def make_split_inputs(case: SplitCase, seed: int = 0, device="cpu") -> Dict[str,
     base = (torch.randn(T, W // case.head_dim, case.head_dim, generator=g) * scale).reshape(T, W)
     buf = torch.full((T, W + case.row_pad), float("nan"))
     buf[:, :W] = base
-    qkv = buf.to(case.dtype)[:, :W]
+    qkv = buf.to(case.dtype).to(device)[:, :W]  # sliced after the move: padded rows stay padded on any device
     maxp = case.max_position
     if case.mrope_section is None:
         positions = torch.randint(0, maxp, (T,), generator=g)
@@ -78,7 +78,7 @@ def make_split_inputs(case: SplitCase, seed: int = 0, device="cpu") -> Dict[str,
     cache = build_cos_sin_cache(case.rotary_dim, maxp, 1e4, dtype=case.cache_dtype)
     wdtype = case.weight_dtype or torch.float32
     kwargs: Dict[str, object] = dict(
-        qkv=qkv.to(device), positions=positions.to(case.pos_dtype).to(device), cos_sin_cache=cache.to(device),
+        qkv=qkv, positions=positions.to(case.pos_dtype).to(device), cos_sin_cache=cache.to(device),
         num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
         eps=case.eps, is_neox=case.is_neox, mrope_section=case.mrope_section,
         mrope_interleaved=case.mrope_interleaved,
@@ -100,7 +100,7 @@ def make_norm_inputs(T: int, H: int, dtype: torch.dtype, residual: bool = True, 
     def rows(scale):
         buf = torch.full((T, H + row_pad), float("nan"))
         buf[:, :H] = torch.randn(T, H, generator=g) * scale
-        return buf.to(dtype)[:, :H].to(device)
+        return buf.to(dtype).to(device)[:, :H]
 
     kwargs: Dict[str, object] = dict(x=rows(1.0), residual=rows(3.0) if residual else None,
                                      weight=(1.0 + 0.2 * torch.randn(H, generator=g)).to(device), eps=1e-6)

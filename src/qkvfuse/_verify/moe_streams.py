@@ -1,6 +1,6 @@
-"""Device check of the shared-expert overlap on one GLM-4.7-sized MoE layer (imported by ``bench/gpu_check.py``).
+"""The ``moe-streams`` device section: the shared-expert overlap on one GLM-4.7-sized MoE layer (CUDA).
 
-``section(quick) -> dict`` runs, on the first CUDA device, in this order:
+``section(opts) -> Section`` runs, on ``opts.device`` (a CUDA device), in this order:
 
 1. two sequential runs of the unpatched transformers block per T agree bit for bit (the baseline: without it,
    a later mismatch could not be blamed on streams);
@@ -12,8 +12,8 @@
 4. a control: the same with a helper that leaves out the join, which must show mismatches (proof that step 3
    can fail). Its count is reported; a control without mismatches marks the check insensitive, not failed.
 
-The result is JSON-able; ``result["table"]`` is the printable summary. Without CUDA the section reports
-itself skipped.
+Without CUDA (``--cpu-interpreter`` included) the section reports itself skipped; ``tests/moe`` runs the same
+code on the host with a recording fake stream module (:class:`_HostApi`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch import nn
 
+from ..moe.glm4 import patch_glm4_moe, unpatch_glm4_moe
+from ..moe.overlap import SharedExpertOverlap
 from ..presets import ModelPreset, get_preset
-from .glm4 import patch_glm4_moe, unpatch_glm4_moe
-from .overlap import SharedExpertOverlap
+from .sections import Options, Section
 
 __all__ = ["section", "build_moe_block", "SECTION"]
 
@@ -166,21 +167,6 @@ class _WithoutJoin(SharedExpertOverlap):
         return combine(routed_fn(hidden), shared)
 
 
-def _fmt_table(rows: List[Dict[str, object]], columns: List[str]) -> str:
-    def cell(v):
-        if isinstance(v, bool):
-            return "yes" if v else "NO"
-        if isinstance(v, float):
-            return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
-        return "-" if v is None else str(v)
-
-    cells = [[cell(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
-    return "\n".join(lines)
-
-
 def _run(api, block: nn.Module, preset: ModelPreset, quick: bool, runner: SharedExpertOverlap,
          token_counts=TOKEN_COUNTS, race_iterations: int = RACE_ITERATIONS, reps: Optional[int] = None,
          control_iterations: int = CONTROL_ITERATIONS) -> Dict[str, object]:
@@ -276,56 +262,47 @@ def _run(api, block: nn.Module, preset: ModelPreset, quick: bool, runner: Shared
         unpatch_glm4_moe(block)
 
     row_list = [rows[T] for T in token_counts]
-    bitwise = all(r["seq_repeat_equal"] for r in row_list) and all(
-        r.get(f"graph_{m}_equal", True) for r in row_list for m in ("off", "on"))
-    passed = not errors and bitwise and race["mismatches"] == 0
-    columns = ["T", "eager_off_us", "eager_on_us", "eager_speedup", "graph_off_us", "graph_on_us",
-               "graph_speedup", "shared_alone_us", "seq_repeat_equal", "graph_off_equal", "graph_on_equal"]
+    for r in row_list:
+        r["check"] = "layer"
+        r["pass"] = r.get("seq_repeat_equal", False) and all(r.get(f"graph_{m}_equal", True) for m in ("off", "on"))
     sensitive = bool(race["control_mismatches"])
-    table = "\n".join([
-        f"== {SECTION}: {preset.name} MoE layer ({preset.num_experts} experts, top-{preset.num_experts_per_tok},"
-        f" expert {preset.moe_intermediate_size}, shared x{preset.num_shared_experts}), {dtype}, grouped_mm ==",
-        _fmt_table(row_list, columns),
-        f"race: {race['mismatches']} mismatching outputs in {race_iterations} overlapped calls with a side-stream "
-        f"delay of 2x the layer ({', '.join(f'T={t}: {v:.0f} us' for t, v in race['sleep_us'].items())})",
-        f"control without the join: {race['control_mismatches']} mismatches in {control_iterations} calls"
-        + ("" if sensitive else " -- the race check did not detect the missing join here (insensitive)"),
-        "PASS" if passed else "FAIL" + "".join(f"\n  {e.splitlines()[0]}" for e in errors),
-    ])
-    return {"section": SECTION, "pass": passed, "skipped": None, "device": str(device), "dtype": str(dtype),
-            "preset": preset.name, "rows": row_list, "race": race, "race_check_sensitive": sensitive,
-            "errors": errors, "table": table}
+    ts = ", ".join(str(T) for T in token_counts)
+    row_list.append({"check": "race (join present)", "T": ts, "pass": race["mismatches"] == 0,
+                     "detail": f"{race['mismatches']} / {race_iterations} mismatching"})
+    row_list.append({"check": "control (join left out)", "T": ts, "pass": True,  # informational, see the docstring
+                     "detail": f"{race['control_mismatches']} / {control_iterations} mismatching"
+                     + ("" if sensitive else " (insensitive)")})
+    row_list += [{"check": "error", "pass": False, "detail": e.splitlines()[0], "traceback": e} for e in errors]
+    columns = ("check", "T", "eager_off_us", "eager_on_us", "eager_speedup", "graph_off_us", "graph_on_us",
+               "graph_speedup", "shared_alone_us", "seq_repeat_equal", "graph_off_equal", "graph_on_equal", "detail",
+               "pass")
+    delays = ", ".join(f"T={t}: {v:.0f} us" for t, v in race["sleep_us"].items())
+    note = (f"{dtype}, grouped_mm experts; race: {race_iterations} overlapped calls with a side-stream delay of 2x "
+            f"the layer ({delays or 'not measured'}); the control leaves out the join and should mismatch"
+            + ("" if sensitive else " -- here it did not: the race check is insensitive on this device"))
+    title = (f"{SECTION}: {preset.name} MoE layer ({preset.num_experts} experts, top-{preset.num_experts_per_tok}, "
+             f"expert {preset.moe_intermediate_size}, shared x{preset.num_shared_experts})")
+    return Section(title, columns, row_list, note)
 
 
-def section(quick: bool = False, preset: Optional[ModelPreset] = None) -> Dict[str, object]:
-    """Run the overlap device check on ``cuda:0``; see the module docstring. Returns a JSON-able dict with
-    ``pass``, ``skipped`` (a reason, or ``None``), ``rows`` (per T: timings in us, bitwise flags), ``race`` and
-    ``table`` (print it)."""
+def section(opts: Options, preset: Optional[ModelPreset] = None) -> Section:
+    """Run the overlap device check on ``opts.device`` (CUDA only); see the module docstring."""
     preset = preset or get_preset("GLM-4.7")
-    if not torch.cuda.is_available():
-        reason = "no CUDA device (the overlap runs inline on CPU; tests/moe covers it there)"
-        return {"section": SECTION, "pass": None, "skipped": reason, "table": f"== {SECTION} == skipped: {reason}"}
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = opts.torch_device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        reason = (f"needs a CUDA device, this run is on {device}" if device.type != "cuda" else "no CUDA device")
+        return Section(SECTION, ("check", "pass"), [], note=f"skipped: {reason} (the overlap runs inline on CPU; "
+                                                            "tests/moe covers its stream protocol there)")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     block = None
     try:
         block = build_moe_block(preset, device)
-        result = _run(_CudaApi(device), block, preset, quick, SharedExpertOverlap(enabled=True))
+        return _run(_CudaApi(device), block, preset, opts.quick, SharedExpertOverlap(enabled=True))
     except Exception as exc:  # a device run is precious: report, do not take the other sections down
         error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"
-        result = {"section": SECTION, "pass": False, "skipped": None, "errors": [error],
-                  "table": f"== {SECTION} == FAIL\n{error}"}
+        return Section(SECTION, ("check", "pass", "detail"), [{"check": "error", "pass": False,
+                                                               "detail": error.splitlines()[0], "traceback": error}])
     finally:
         del block
         torch.cuda.empty_cache()
-    result["device"] = torch.cuda.get_device_name(device)
-    return result
-
-
-if __name__ == "__main__":  # python -m qkvfuse.moe.gpu_check [--quick]: the section alone, table then JSON
-    import json
-    import sys
-
-    outcome = section(quick="--quick" in sys.argv)
-    print(outcome["table"])
-    print(json.dumps({k: v for k, v in outcome.items() if k != "table"}, indent=1))
-    sys.exit(0 if outcome["pass"] in (True, None) else 1)

@@ -1,0 +1,83 @@
+"""The ``ops`` section: each preset's prepare step and add_rmsnorm, per backend, against the float64 oracle.
+
+CPU tensors; every backend that is usable here (Triton under ``TRITON_INTERPRET=1``). The device counterpart,
+Triton at realistic sizes on an accelerator, is :func:`qkvfuse._verify.device.conformance_section`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from ..backends import available_backends
+from ..presets import PRESETS
+from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
+from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
+from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
+from .sections import Options, Section
+
+__all__ = ["ops_section"]
+
+
+def _triton_extra(backend: str, dtype: torch.dtype) -> float:
+    return INTERPRETER_BF16_ULPS if backend == "triton" and dtype == torch.bfloat16 else 0.0
+
+
+def _mode(preset) -> str:
+    mode = "rope" if preset.mrope_section is None else "mrope-" + ("interleaved" if preset.mrope_interleaved
+                                                                   else "contiguous")
+    return mode + ("" if preset.qk_norm else ", no qk-norm")
+
+
+def ops_section(opts: Options) -> Section:
+    """Each preset's prepare step and add_rmsnorm, per backend, against the float64 oracle."""
+    import qkvfuse
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    usable = [b for b, reason in available_backends().items() if not reason]
+    if opts.backends:
+        usable = [b for b in usable if b in opts.backends]
+    rows = []
+    token_counts = (1, 33) if opts.quick else (1, 33, 128)
+    for backend in usable:
+        # The Triton interpreter is slow on CPU: a smaller matrix keeps `make run` under a minute.
+        interp = backend == "triton"
+        for preset in PRESETS.values():
+            for T in ((3,) if interp else token_counts):
+                for dtype in (torch.bfloat16, torch.float32):
+                    if interp and dtype == torch.float32 and preset.name not in ("Qwen3-8B", "GLM-4.7"):
+                        continue
+                    case = SplitCase.from_preset(preset, T, dtype=dtype, max_position=min(preset.max_position, 8192))
+                    kwargs = make_split_inputs(case, seed=T)
+                    qkv = kwargs["qkv"]
+                    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
+                    out = tuple(poisoned_like(torch.empty(T, n * D, dtype=dtype)) for n in (hq, hkv, hkv))
+                    t0 = time.perf_counter()
+                    got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
+                    report = check_split_outputs(got, oracle_split(**kwargs), unfused_split(**kwargs), qkv, hq, hkv,
+                                                 D, _triton_extra(backend, dtype))
+                    rows.append({"op": "split_qkv_rmsnorm_rope", "preset": preset.name, "backend": backend, "T": T,
+                                 "dtype": str(dtype)[6:], "mode": _mode(preset), "max err": report.max_err,
+                                 "unfused err": report.unfused_err, "pass": report.ok, "detail": report.detail,
+                                 "s": round(time.perf_counter() - t0, 2)})
+        for H in (4096, 5120):
+            for dtype in (torch.bfloat16, torch.float32):
+                T = 3 if interp else 33
+                kw = make_norm_inputs(T, H, dtype, residual=True, bias=H == 5120, seed=H)
+                x = kw["x"]
+                got = qkvfuse.add_rmsnorm(**kw, out=(poisoned_like(x), poisoned_like(x)), backend=backend)
+                report = check_norm_outputs(got, oracle_add_rmsnorm(**kw), unfused_add_rmsnorm(**kw), x, kw["residual"],
+                                            _triton_extra(backend, dtype))
+                rows.append({"op": "add_rmsnorm", "preset": f"hidden {H}", "backend": backend, "T": T,
+                             "dtype": str(dtype)[6:], "mode": "residual" + (" + bias" if "bias" in kw else ""),
+                             "max err": report.max_err, "unfused err": report.unfused_err, "pass": report.ok,
+                             "detail": report.detail})
+    skipped = {b: r for b, r in available_backends().items() if r}
+    note = ("rule (qkvfuse._verify.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every "
+            "element within 1/2 ulp of the float64 oracle (+ fp32 allowance), V / residual_out bit-exact")
+    if skipped:
+        note += "\nunavailable backends: " + "; ".join(f"{b} ({r})" for b, r in skipped.items())
+    columns = ("op", "preset", "backend", "T", "dtype", "mode", "max err", "unfused err", "pass")
+    return Section("ops vs float64 oracle", columns, rows, note)

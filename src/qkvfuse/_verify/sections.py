@@ -1,0 +1,200 @@
+"""The section protocol of ``python -m qkvfuse verify``, the registry of sections, and the runner.
+
+A section is a function ``section(opts: Options) -> Section`` (or ``None`` when it has nothing to do in this
+run) named in :data:`REGISTRY` by ``"module:function"``, imported only when it runs. Host sections check every
+backend on CPU tensors (Triton under ``TRITON_INTERPRET=1``); device sections check the Triton backend on
+``opts.device`` at realistic sizes. ``--cpu-interpreter`` runs the device sections on CPU tensors at small sizes
+under the interpreter, a dry run that keeps them from rotting on machines without an accelerator.
+
+A section whose dependencies are missing reports that in its note instead of failing; a section that raises is
+one failed row. The exit status is non-zero if any row fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import time
+import traceback
+from typing import Callable, Dict, List, Optional, Sequence
+
+__all__ = ["Section", "Options", "Entry", "REGISTRY", "print_section", "sections_for", "load", "run"]
+
+
+@dataclasses.dataclass
+class Section:
+    """One table: ``rows`` are dicts keyed by ``columns``; each row has a boolean ``pass`` column."""
+
+    title: str
+    columns: Sequence[str]
+    rows: List[Dict[str, object]]
+    note: str = ""
+
+    @property
+    def failures(self) -> int:
+        return sum(1 for r in self.rows if not r.get("pass", False))
+
+
+@dataclasses.dataclass
+class Options:
+    """What one ``verify`` (or device ``bench``) run covers.
+
+    ``device``: where the device sections run (``"cpu"``: the host sections run instead). ``cpu_interpreter``:
+    the device sections on CPU tensors at small sizes, Triton under ``TRITON_INTERPRET=1``.
+    """
+
+    quick: bool = False
+    backends: Optional[Sequence[str]] = None
+    sections: Optional[Sequence[str]] = None
+    device: str = "cpu"
+    cpu_interpreter: bool = False
+    json: Optional[str] = None
+
+    @property
+    def device_run(self) -> bool:
+        """Whether this run is of the device sections."""
+        return self.cpu_interpreter or self.device != "cpu"
+
+    @property
+    def tier(self) -> str:
+        """Sizes of the device sections: ``"cpu"`` (interpreter dry run), ``"quick"`` or ``"full"``."""
+        return "cpu" if self.cpu_interpreter else ("quick" if self.quick else "full")
+
+    @property
+    def torch_device(self):
+        import torch
+
+        return torch.device("cpu") if self.cpu_interpreter else torch.device(self.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    target: str  # "module:function"
+    device: bool  # a device section (runs with --device <accelerator> or --cpu-interpreter)
+    summary: str
+
+
+REGISTRY: Dict[str, Entry] = {
+    "ops": Entry("qkvfuse._verify.conformance:ops_section", False,
+                 "every preset's prepare step and add_rmsnorm, per backend, vs the float64 oracle"),
+    "models": Entry("qkvfuse._verify.models:section", False,
+                    "tiny transformers models patched vs unpatched, logits to logits"),
+    "failure-modes": Entry("qkvfuse._verify.failure_modes:section", False,
+                           "public failure modes of fused kernels, bad input, fuzz-lite, determinism"),
+    "conformance": Entry("qkvfuse._verify.device:conformance_section", True,
+                         "Triton at realistic sizes vs the float64 oracle"),
+    "stability": Entry("qkvfuse._verify.device:stability_section", True,
+                       "determinism, no recompilation, CUDA-graph capture, torch.compile"),
+    "moe-streams": Entry("qkvfuse._verify.moe_streams:section", True,
+                         "shared-expert overlap on a side stream: race check and timings (CUDA)"),
+}
+
+
+def sections_for(opts: Options) -> List[str]:
+    """Names of the registered sections of this kind of run (host or device), in registry order."""
+    return [name for name, entry in REGISTRY.items() if entry.device == opts.device_run]
+
+
+def load(name: str) -> Callable[[Options], Optional[Section]]:
+    module, func = REGISTRY[name].target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return "PASS" if value else "FAIL"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def print_section(section: Section) -> None:
+    cells = [[_fmt(r.get(c, "")) for c in section.columns] for r in section.rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(section.columns)]
+    print(f"\n== {section.title} ==")
+    if section.note:
+        print(section.note)
+    print("  ".join(c.ljust(w) for c, w in zip(section.columns, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    for row in section.rows:
+        if not row.get("pass", False) and row.get("detail"):
+            print(f"  FAIL detail: {row['detail']}")
+
+
+def header(opts: Options) -> Dict[str, object]:
+    """The run's first line: what ran where (device name, versions)."""
+    import torch
+
+    device = opts.torch_device
+    name = str(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    info: Dict[str, object] = dict(mode="cpu-interpreter" if opts.cpu_interpreter else
+                                   ("device" if opts.device_run else "host"),
+                                   device=name, torch=torch.__version__, python=platform.python_version())
+    if opts.device_run:
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError as exc:
+            info["triton"] = f"unavailable ({exc})"
+        info["tier"] = opts.tier
+    return info
+
+
+def _failed(name: str, exc: BaseException) -> Section:
+    return Section(name, ("check", "pass"), [{"check": name, "pass": False,
+                                              "detail": f"{type(exc).__name__}: {exc}"}])
+
+
+def run(opts: Options) -> int:
+    """Run the sections of ``opts`` (host or device), print each table, return 1 if any row failed (2: bad
+    section names). The JSON (``opts.json``) is rewritten after every section, so a run cut short keeps its
+    results."""
+    if opts.cpu_interpreter:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (first import of the backend)
+    names = sections_for(opts)
+    if opts.sections:
+        unknown = [s for s in opts.sections if s not in names]
+        if unknown:
+            kind = "device run (--device <accelerator> or --cpu-interpreter)" if opts.device_run else "host run"
+            print(f"verify: --section {', '.join(unknown)}: not a section of this {kind}; "
+                  f"choose from {', '.join(names)}")
+            return 2
+        names = [n for n in names if n in opts.sections]
+    info = header(opts)
+    print(json.dumps(info))
+    result: Dict[str, object] = dict(info, sections=[])
+    failures, start = 0, time.perf_counter()
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            section_fn = load(name)
+        except ImportError as exc:
+            print(f"\n== {name} == skipped: {exc}")
+            continue
+        try:
+            section = section_fn(opts)
+        except Exception as exc:  # one broken section must not hide the others' results
+            traceback.print_exc()
+            section = _failed(name, exc)
+        if section is None:  # nothing to do in this run (e.g. a full-tier-only section)
+            continue
+        print_section(section)
+        failures += section.failures
+        result["sections"].append(dict(dataclasses.asdict(section), name=name,
+                                       seconds=round(time.perf_counter() - t0, 1)))
+        result["elapsed_s"] = round(time.perf_counter() - start, 1)
+        if opts.json:
+            with open(opts.json, "w") as fh:
+                json.dump(result, fh, indent=1, default=str)
+    total = sum(len(s["rows"]) for s in result["sections"])
+    print(f"\nverify: {total - failures} passed, {failures} failed in {time.perf_counter() - start:.0f} s"
+          + (f"; JSON: {opts.json}" if opts.json else ""))
+    return 1 if failures else 0

@@ -1,0 +1,77 @@
+"""``python -m qkvfuse verify`` / ``bench`` plumbing: the section registry, device selection and its errors.
+
+The sections themselves are exercised elsewhere: the host sections' checks by the suites that call the same
+functions, the device sections by ``tests/backends/test_triton.py`` (``--cpu-interpreter`` dry run) and
+``tests/moe/test_moe_streams_section.py``.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qkvfuse._verify import sections
+from qkvfuse._verify.sections import REGISTRY, Options, Section
+from qkvfuse.cli import main
+
+
+def test_registry_splits_host_and_device_sections_and_every_entry_loads():
+    assert sections.sections_for(Options()) == ["ops", "models", "failure-modes"]
+    device = ["conformance", "stability", "moe-streams"]
+    assert sections.sections_for(Options(device="cuda")) == device
+    assert sections.sections_for(Options(cpu_interpreter=True)) == device
+    for name in REGISTRY:
+        assert callable(sections.load(name)), name
+
+
+def test_options_tiers_and_devices():
+    assert Options(cpu_interpreter=True).tier == "cpu" and Options(cpu_interpreter=True).torch_device.type == "cpu"
+    assert Options(device="cuda", quick=True).tier == "quick" and Options(device="cuda").tier == "full"
+    assert not Options().device_run and Options(device="cuda:1").device_run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+@pytest.mark.parametrize("command", ["verify", "bench"])
+def test_device_cuda_without_cuda_is_a_one_line_error(command):
+    proc = subprocess.run([sys.executable, "-m", "qkvfuse", command, "--device", "cuda"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no CUDA device" in lines[0] and lines[0].startswith(f"{command}: --device cuda")
+
+
+def test_bad_device_string_and_conflicting_flags(capsys):
+    assert main(["verify", "--device", "gpu0"]) == 2
+    assert "not a torch device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["verify", "--device", "cuda", "--cpu-interpreter"])
+
+
+def test_section_not_of_this_run_is_an_error(capsys):
+    assert main(["verify", "--section", "conformance"]) == 2
+    assert "not a section of this host run" in capsys.readouterr().out
+
+
+def test_a_failing_or_crashing_section_fails_the_run_and_keeps_the_json(monkeypatch, tmp_path, capsys):
+    def good(opts):
+        return Section("good", ("check", "pass"), [{"check": "a", "pass": True}])
+
+    def bad(opts):
+        return Section("bad", ("check", "pass"), [{"check": "b", "pass": False, "detail": "wrong bits"}])
+
+    def crash(opts):
+        raise RuntimeError("kaput")
+
+    fake = {"good": good, "bad": bad, "crash": crash}
+    monkeypatch.setattr(sections, "REGISTRY", {n: sections.Entry(f"x:{n}", False, n) for n in fake})
+    monkeypatch.setattr(sections, "load", lambda name: fake[name])
+    path = tmp_path / "v.json"
+    assert sections.run(Options(sections=["good"], json=str(path))) == 0
+    assert sections.run(Options(json=str(path))) == 1
+    out = capsys.readouterr().out
+    assert "FAIL detail: wrong bits" in out and "RuntimeError: kaput" in out
+    assert out.rstrip().splitlines()[-1].startswith("verify: 1 passed, 2 failed")
+    result = json.loads(path.read_text())
+    assert result["mode"] == "host" and [s["name"] for s in result["sections"]] == ["good", "bad", "crash"]
