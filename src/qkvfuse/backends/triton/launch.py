@@ -26,7 +26,7 @@ INTERPRET = type(split_qkv_rmsnorm_rope_kernel).__name__ == "InterpretedFunction
 
 # Elements of fp32 work per program on a device (several heads of one token): large enough that each program
 # moves a few KiB, small enough that a decode batch of a few tokens still spreads over several programs.
-# bench/gpu_check.py --full sweeps it.
+# `python -m qkvfuse bench --device cuda` (full tier) sweeps it.
 GPU_TILE = 2048
 # Under the interpreter each program costs Python overhead per operation: few, large programs.
 INTERPRETER_TILE = 1 << 15
