@@ -95,7 +95,8 @@ def _check_eps(eps) -> float:
 
 
 def _check_rows(arg: str, t: torch.Tensor, width: int) -> None:
-    if t.numel() and (t.stride(1) != 1 or t.stride(0) < width):
+    row, col = t.stride()
+    if (col != 1 or row < width) and t.numel():
         _fail(arg, f"strides {t.stride()}", f"a contiguous last dim (stride 1) and row stride >= {width}")
 
 
@@ -114,13 +115,13 @@ def _check_io_dtype(arg: str, t: torch.Tensor, io_dtypes, weights) -> None:
 
 
 def _check_no_grad(named) -> None:
-    """Inference only: with grad mode on, no input may require grad (the ops have no autograd formula)."""
-    if torch.is_grad_enabled():
-        for name, t in named:
-            if t is not None and t.requires_grad:
-                raise RuntimeError(
-                    f"{name}: expected a tensor that does not require grad (qkvfuse ops are inference only: call "
-                    f"them under torch.no_grad() or torch.inference_mode(), or detach), got one that requires grad")
+    """Inference only: no input may require grad (call it when grad mode is on; the ops have no autograd
+    formula)."""
+    for name, t in named:
+        if t is not None and t.requires_grad:
+            raise RuntimeError(
+                f"{name}: expected a tensor that does not require grad (qkvfuse ops are inference only: call "
+                f"them under torch.no_grad() or torch.inference_mode(), or detach), got one that requires grad")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -130,11 +131,29 @@ def _real_memory(*tensors) -> bool:
     """True when every tensor has real memory to compare (not traced by dynamo, not fake or meta)."""
     if torch.compiler.is_compiling():
         return False
-    return all(t is None or not (isinstance(t, FakeTensor) or t.is_meta) for t in tensors)
+    for t in tensors:
+        if t is not None and (t.is_meta or isinstance(t, FakeTensor)):
+            return False
+    return True
 
 
-def _span(t: torch.Tensor) -> Tuple[int, int]:
+def _rows(t: torch.Tensor) -> Optional[Tuple[int, int, int, int]]:
+    """``(first byte, row stride in bytes, rows, row width in bytes)`` when ``t``'s elements are equal-width rows
+    of contiguous bytes (1-D contiguous, or 2-D with a unit last stride and a non-negative row stride)."""
+    size_of = t.element_size()
+    shape, stride = t.shape, t.stride()
+    if len(shape) == 2 and (shape[1] <= 1 or stride[1] == 1) and stride[0] >= 0:
+        return t.data_ptr(), (stride[0] * size_of if shape[0] > 1 else 0), shape[0], shape[1] * size_of
+    if len(shape) == 1 and (shape[0] <= 1 or stride[0] == 1):
+        return t.data_ptr(), 0, 1, shape[0] * size_of
+    return None
+
+
+def _span(t: torch.Tensor, rows=None) -> Tuple[int, int]:
     """Byte range ``[start, end)`` a strided tensor touches (``numel() > 0``)."""
+    if rows is not None:
+        first, row_stride, count, width = rows
+        return first, first + (count - 1) * row_stride + width
     size_of = t.element_size()
     start = end = t.data_ptr()
     for size, stride in zip(t.shape, t.stride()):
@@ -146,27 +165,10 @@ def _span(t: torch.Tensor) -> Tuple[int, int]:
     return start, end + size_of
 
 
-def _rows(t: torch.Tensor) -> Optional[Tuple[int, int, int, int]]:
-    """``(first byte, row stride in bytes, rows, row width in bytes)`` when ``t``'s elements are equal-width rows
-    of contiguous bytes (1-D contiguous, or 2-D with a unit last stride), else None."""
-    size_of = t.element_size()
-    if t.dim() == 1:
-        return (t.data_ptr(), 0, 1, t.shape[0] * size_of) if t.shape[0] <= 1 or t.stride(0) == 1 else None
-    if t.dim() == 2 and (t.shape[1] <= 1 or t.stride(1) == 1) and t.stride(0) >= 0:
-        rows = t.shape[0]
-        return t.data_ptr(), (t.stride(0) * size_of if rows > 1 else 0), rows, t.shape[1] * size_of
-    return None
-
-
-def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` share a byte of memory. Exact for row layouts with one row stride (e.g. column
-    slices of one buffer); otherwise any overlap of their byte ranges counts."""
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
-    if not (a_lo < b_hi and b_lo < a_hi):
-        return False
-    ra, rb = _rows(a), _rows(b)
+def _share_elements(ra, rb) -> bool:
+    """Whether two tensors whose byte ranges intersect share a byte, given their :func:`_rows` layouts. Exact
+    for row layouts with one row stride (e.g. column slices of one buffer); for other layouts (None) the
+    intersecting ranges count as sharing."""
     if ra is None or rb is None or (ra[2] > 1 and rb[2] > 1 and ra[1] != rb[1]):
         return True
     (a0, a_rs, a_rows, a_w), (b0, b_rs, b_rows, b_w) = ra, rb
@@ -179,28 +181,53 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return k_lo <= k_hi
 
 
+def _spans(named):
+    """``(name, tensor, rows layout, byte span)`` of the non-empty tensors among ``(name, tensor or None)``."""
+    entries = []
+    for name, t in named:
+        if t is not None and t.numel():
+            rows = _rows(t)
+            if rows is not None:  # the usual case, inlined: this runs on every call with outputs
+                entries.append((name, t, rows, (rows[0], rows[0] + (rows[2] - 1) * rows[1] + rows[3])))
+            else:
+                entries.append((name, t, None, _span(t)))
+    return entries
+
+
+def _meet(a, b) -> bool:
+    """Two :func:`_spans` entries share an element."""
+    return a[3][0] < b[3][1] and b[3][0] < a[3][1] and _share_elements(a[2], b[2])
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape
             and (a.shape[0] <= 1 or a.stride() == b.stride()))
 
 
 def _check_outputs(outs, inputs, own) -> None:
-    """``outs`` (name, tensor) share no element with an input (name, tensor) -- except each output exactly
-    aliasing ``own[i]`` (name of its own input, that input's view) -- nor with each other."""
-    for i, (name, t) in enumerate(outs):
-        if t is None:
+    """``outs`` (name, tensor) share no element with an input (``inputs``: :func:`_spans` entries) -- except the
+    output named ``o``
+    exactly aliasing ``own[o]`` = (its input's name, a callable giving the view it may be) -- nor with each
+    other. Each tensor's byte span is computed once (this runs on every decode step of an engine)."""
+    outs = _spans(outs)
+    if not outs:
+        return
+    lo, hi = min(o[3][0] for o in outs), max(o[3][1] for o in outs)
+    for src in inputs:
+        if src[3][1] <= lo or src[3][0] >= hi:
             continue
-        for in_name, src in inputs:
-            if src is None or not _share_elements(t, src):
+        for out in outs:
+            if not _meet(out, src):
                 continue
-            own_name, own_view = own[i]
-            if in_name == own_name and _same_view(t, own_view()):
+            own_name, own_view = own[out[0]]
+            if src[0] == own_name and _same_view(out[1], own_view()):
                 continue
-            _fail(name, f"memory shared with {in_name}",
+            _fail(out[0], f"memory shared with {src[0]}",
                   f"no element shared with an input other than exactly aliasing its own slice of {own_name}")
-        for other_name, other in outs[i + 1 :]:
-            if other is not None and _share_elements(t, other):
-                _fail(name, f"memory shared with {other_name}", "outputs that share no element with each other")
+    for k, out in enumerate(outs):
+        for other in outs[k + 1 :]:
+            if _meet(out, other):
+                _fail(out[0], f"memory shared with {other[0]}", "outputs that share no element with each other")
 
 
 def _check_out_tuple(out, names, shapes, like: torch.Tensor, like_name: str) -> None:
@@ -226,6 +253,7 @@ class _SplitConfig(NamedTuple):
     num_kv_heads: int
     head_dim: int
     width: int
+    widths: Tuple[int, int, int]  # q, k, v column widths
     cos_sin_cache: torch.Tensor
     q_weight: Optional[torch.Tensor]
     k_weight: Optional[torch.Tensor]
@@ -238,10 +266,20 @@ class _SplitConfig(NamedTuple):
     anchor: str  # the argument that fixed the device, for messages
     io_dtypes: Tuple[torch.dtype, ...]
     ops: _Ops
+    static_spans: Optional[list]  # bound objects: (name, tensor, byte span) of the table, weights and biases
+
+
+def _static_spans(c) -> list:
+    """Byte spans of a split configuration's tensors (the table, norm weights, biases)."""
+    if c.static_spans is not None:
+        return c.static_spans
+    return _spans((("cos_sin_cache", c.cos_sin_cache), ("q_weight", c.q_weight), ("k_weight", c.k_weight),
+                   ("q_bias", c.q_bias), ("k_bias", c.k_bias)))
 
 
 def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
-                  is_neox, mrope_section, mrope_interleaved, backend, device=None, anchor="cos_sin_cache"):
+                  is_neox, mrope_section, mrope_interleaved, backend, device=None, anchor="cos_sin_cache",
+                  bound=False):
     _check_int("num_q_heads", num_q_heads)
     _check_int("num_kv_heads", num_kv_heads)
     _check_int("head_dim", head_dim, 2)
@@ -289,10 +327,14 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
     if (q_bias is None) != (k_bias is None):
         _fail("q_bias/k_bias", "only one of them", "both (a post-norm bias for Q and K) or neither")
     eps = _check_eps(eps)
-    return _SplitConfig(num_q_heads, num_kv_heads, head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim,
-                        cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
-                        encode_rope(is_neox, sections, mrope_interleaved), bool(sections), device, anchor,
-                        _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device))
+    kv_width = num_kv_heads * head_dim
+    c = _SplitConfig(num_q_heads, num_kv_heads, head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim,
+                     (num_q_heads * head_dim, kv_width, kv_width), cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
+                     encode_rope(is_neox, sections, mrope_interleaved), bool(sections), device, anchor,
+                     _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device), None)
+    # A bound object's tensors are held by reference: their spans are computed once (replacing a tensor's
+    # storage under a bound object, e.g. `weight.data = ...`, needs a new object).
+    return c._replace(static_spans=_static_spans(c)) if bound and _real_memory(cos_sin_cache, q_weight) else c
 
 
 def _check_qkv(qkv, device: Optional[torch.device] = None, anchor: str = "") -> None:
@@ -307,7 +349,8 @@ def _check_qkv(qkv, device: Optional[torch.device] = None, anchor: str = "") -> 
 
 def _check_split_call(c: _SplitConfig, qkv, positions) -> None:
     """Per-call checks of ``qkv`` and ``positions`` against a validated configuration."""
-    if qkv.dim() != 2 or qkv.shape[1] != c.width:
+    shape = qkv.shape
+    if len(shape) != 2 or shape[1] != c.width:
         _fail("qkv", f"shape {tuple(qkv.shape)}",
               f"shape (T, {c.width}) = (T, (num_q_heads + 2*num_kv_heads) * head_dim) for "
               f"num_q_heads={c.num_q_heads}, num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}")
@@ -318,21 +361,18 @@ def _check_split_call(c: _SplitConfig, qkv, positions) -> None:
     _check_tensor("positions", positions, c.device, c.anchor)
     if positions.dtype not in _INTS:
         _fail("positions", f"dtype {positions.dtype}", "torch.int32 or torch.int64", TypeError)
-    T = qkv.shape[0]
+    T, p_shape = shape[0], positions.shape
     if c.mrope:
-        if positions.dim() != 2 or positions.shape[0] != 3 or positions.shape[1] != T:
-            _fail("positions", f"shape {tuple(positions.shape)}",
-                  f"shape (3, {T}) (temporal, height, width) with mrope_section")
-    elif positions.dim() != 1 or positions.shape[0] != T:
-        hint = " (3-D positions need mrope_section)" if positions.dim() == 2 else ""
-        _fail("positions", f"shape {tuple(positions.shape)}", f"shape ({T},) for RoPE{hint}")
-    _check_no_grad((("qkv", qkv), ("q_weight", c.q_weight), ("k_weight", c.k_weight), ("q_bias", c.q_bias),
-                    ("k_bias", c.k_bias), ("cos_sin_cache", c.cos_sin_cache)))
+        if len(p_shape) != 2 or p_shape[0] != 3 or p_shape[1] != T:
+            _fail("positions", f"shape {tuple(p_shape)}", f"shape (3, {T}) (temporal, height, width) with mrope_section")
+    elif len(p_shape) != 1 or p_shape[0] != T:
+        hint = " (3-D positions need mrope_section)" if len(p_shape) == 2 else ""
+        _fail("positions", f"shape {tuple(p_shape)}", f"shape ({T},) for RoPE{hint}")
+    if torch.is_grad_enabled():
+        _check_no_grad((("qkv", qkv), ("q_weight", c.q_weight), ("k_weight", c.k_weight), ("q_bias", c.q_bias),
+                        ("k_bias", c.k_bias), ("cos_sin_cache", c.cos_sin_cache)))
 
 
-def _split_inputs(c: _SplitConfig, qkv, positions):
-    return (("qkv", qkv), ("positions", positions), ("cos_sin_cache", c.cos_sin_cache), ("q_weight", c.q_weight),
-            ("k_weight", c.k_weight), ("q_bias", c.q_bias), ("k_bias", c.k_bias))
 
 
 def _run_split(c: _SplitConfig, qkv, positions, out):
@@ -346,22 +386,24 @@ def _run_split(c: _SplitConfig, qkv, positions, out):
                      "qkv")
     if _real_memory(qkv, *out):
         views = lambda i: (lambda: _library.inplace_views(qkv, c.num_q_heads, c.num_kv_heads)[i])  # noqa: E731
-        _check_outputs(tuple(zip(("q_out", "k_out", "v_out"), out)), _split_inputs(c, qkv, positions),
-                       [("qkv", views(i)) for i in range(3)])
+        _check_outputs(tuple(zip(("q_out", "k_out", "v_out"), out)),
+                       _spans((("qkv", qkv), ("positions", positions))) + _static_spans(c),
+                       {"q_out": ("qkv", views(0)), "k_out": ("qkv", views(1)), "v_out": ("qkv", views(2))})
     c.ops.split_out(*args, *out)
     return tuple(out)
 
 
 def _run_split_(c: _SplitConfig, qkv, positions):
     _check_split_call(c, qkv, positions)
-    if _real_memory(qkv):
-        for name, t in _split_inputs(c, qkv, positions)[1:]:
-            if t is not None and _share_elements(qkv, t):
-                _fail("qkv", f"memory shared with {name}", "an in-place target that shares no element with another "
+    if _real_memory(qkv) and qkv.numel():
+        target = _spans((("qkv", qkv),))[0]
+        for src in _spans((("positions", positions),)) + _static_spans(c):
+            if _meet(target, src):
+                _fail("qkv", f"memory shared with {src[0]}", "an in-place target that shares no element with another "
                       "input")
     c.ops.split_inplace(qkv, positions, c.cos_sin_cache, c.q_weight, c.k_weight, c.q_bias, c.k_bias, c.num_q_heads,
                         c.num_kv_heads, c.eps, c.rope)
-    return _library.inplace_views(qkv, c.num_q_heads, c.num_kv_heads)
+    return qkv.split_with_sizes(c.widths, 1)
 
 
 class QKNormRope:
@@ -407,7 +449,7 @@ class QKNormRope:
                  is_neox: bool = True, mrope_section: Optional[Sequence[int]] = None, mrope_interleaved: bool = False,
                  backend: Optional[str] = None):
         self.config = _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias,
-                                    k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend)
+                                    k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend, bound=True)
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, *,
                  out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
@@ -582,7 +624,8 @@ def _run_norm(c: _NormConfig, x, residual, out):
         if residual.shape != x.shape:
             _fail("residual", f"shape {tuple(residual.shape)}", f"shape {tuple(x.shape)} (x's)")
         _check_rows("residual", residual, c.hidden)
-    _check_no_grad((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias)))
+    if torch.is_grad_enabled():
+        _check_no_grad((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias)))
     if out is None:
         y, residual_out = c.ops.norm(x, residual, c.weight, c.bias, c.eps)
         return y, (residual_out if residual is not None else x)
@@ -597,8 +640,8 @@ def _run_norm(c: _NormConfig, x, residual, out):
         y, residual_out = out
     if _real_memory(x, y, residual_out):
         _check_outputs((("y_out", y), ("residual_out", residual_out)),
-                       (("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias)),
-                       (("x", lambda: x), ("residual", lambda: residual)))
+                       _spans((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias))),
+                       {"y_out": ("x", lambda: x), "residual_out": ("residual", lambda: residual)})
     c.ops.norm_out(x, residual, c.weight, c.bias, c.eps, y, residual_out)
     return y, (residual_out if residual is not None else x)
 
