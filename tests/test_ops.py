@@ -1,6 +1,6 @@
 """The shared conformance suite: every backend against the float64 oracle under the accuracy rule.
 
-Outputs are NaN-poisoned before each call and every element is checked (``qkvfuse.testing.accuracy``).
+Outputs are NaN-poisoned before each call and every element is checked (``qkvfuse._verify.accuracy``).
 Shapes stay small so the Triton interpreter runs the same matrix in CI.
 """
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import qkvfuse
-from qkvfuse.testing import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
+from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
                              make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
                              unfused_add_rmsnorm, unfused_split)
 
@@ -62,8 +62,8 @@ def _id(c: SplitCase) -> str:
 
 def extra_ulps(backend: str, dtype: torch.dtype) -> float:
     """Allowance for Triton under the CPU interpreter: 0 today (the kernels round bf16 themselves), kept as the
-    one hook should a backend rely on the interpreter's truncating conversion (see qkvfuse.testing.accuracy)."""
-    from qkvfuse.testing.accuracy import INTERPRETER_BF16_ULPS
+    one hook should a backend rely on the interpreter's truncating conversion (see qkvfuse._verify.accuracy)."""
+    from qkvfuse._verify.accuracy import INTERPRETER_BF16_ULPS
     return INTERPRETER_BF16_ULPS if backend == "triton" and dtype == torch.bfloat16 else 0.0
 
 
@@ -154,3 +154,60 @@ def test_add_rmsnorm_in_place(backend, dtype):
                                      out=(x, residual), backend=backend)
     assert y is x and res_out is residual
     assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The exact output-overlap rule (qkvfuse.ops._share_elements), against brute force on element addresses.
+# ------------------------------------------------------------------------------------------------------------
+def _addresses(t):
+    base, size = t.data_ptr(), t.element_size()
+    idx = torch.zeros((), dtype=torch.int64)
+    for n, s in zip(t.shape, t.stride()):
+        idx = idx.unsqueeze(-1) + torch.arange(n) * s
+    return {base + int(i) * size + b for i in idx.flatten() for b in range(size)}
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_share_elements_is_exact_for_row_views(seed):
+    from qkvfuse import ops
+
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(64 * 40, dtype=torch.bfloat16)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    def view():
+        rows, width = rand(1, 5), rand(1, 20)
+        row_stride = rand(width, 48) if rand(0, 4) else rand(1, 48)  # sometimes rows overlap themselves
+        return buf.as_strided((rows, width), (row_stride, 1), rand(0, 600))
+
+    a, b = view(), view()
+    entries = ops._spans((("a", a), ("b", b)))
+    assert ops._meet(*entries) == bool(_addresses(a) & _addresses(b)) or (
+        a.stride(0) != b.stride(0) and a.shape[0] > 1 and b.shape[0] > 1)  # different row strides: conservative
+
+
+def test_packed_output_buffer_is_accepted_and_true_overlap_rejected(fast_backend):
+    case = SplitCase(T=3, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.float32)
+    kw = make_split_inputs(case)
+    packed = torch.full((3, 8 * 64), float("nan"))
+    out = packed.split_with_sizes([256, 128, 128], dim=1)
+    got = qkvfuse.split_qkv_rmsnorm_rope(**kw, out=out, backend=fast_backend)
+    want = qkvfuse.split_qkv_rmsnorm_rope(**kw, backend=fast_backend)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    shifted = (packed[:, :256], packed[:, 255:383], packed[:, 384:])  # k_out overlaps q_out by one column
+    with pytest.raises(ValueError, match="^q_out: expected outputs that share no element with each other, got "
+                                         "memory shared with k_out"):
+        qkvfuse.split_qkv_rmsnorm_rope(**kw, out=shifted, backend=fast_backend)
+
+
+def test_no_host_sync_for_positions_on_accelerators_by_default():
+    """Off CPU the range check would read positions back to the host: it runs only with
+    QKVFUSE_CHECK_POSITIONS=1 (meta tensors stand in for a device here: reading one back raises)."""
+    from qkvfuse import _library
+
+    assert not _library.CHECK_POSITIONS_ON_ACCELERATORS
+    _library.check_positions(torch.empty(7, dtype=torch.int64, device="meta"), 10)
+    with pytest.raises(ValueError, match="^positions"):
+        _library.check_positions(torch.tensor([0, 10]), 10)

@@ -144,3 +144,26 @@ def test_unknown_backend_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("QKVFUSE_BACKEND", "nope")
     with pytest.raises(ValueError, match="QKVFUSE_BACKEND"):
         qkvfuse.split_qkv_rmsnorm_rope(**kw)
+
+
+def test_import_registers_every_backends_kernels_without_building_or_importing_them(tmp_path):
+    """``import qkvfuse`` registers the CPU, CUDA/XPU/PrivateUse1 and reference kernels of every op (a
+    ``torch.export`` program loaded in a fresh process reaches them), yet imports no Triton and builds nothing."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch, qkvfuse
+ops = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
+       "add_rmsnorm_out"]
+missing = [(op, ov, key) for op in ops for ov, keys in (("", ("CPU", "CUDA", "XPU", "PrivateUse1")),
+           (".triton", ("CPU", "CUDA")), (".reference", ("CompositeExplicitAutograd",)))
+           for key in keys if not torch._C._dispatch_has_kernel_for_dispatch_key(f"qkvfuse::{op}{ov}", key)]
+import qkvfuse.backends.cpu as cpu
+print(missing, "triton" in sys.modules, cpu._state)
+"""
+    env = dict(__import__("os").environ, QKVFUSE_BUILD_DIR=str(tmp_path))  # an empty cache: a build would show
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["[]", "False", "None"], proc.stdout
+    assert "building" not in proc.stderr

@@ -26,10 +26,10 @@ Rules that hold on every backend:
 from __future__ import annotations
 
 import math
+import sys
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from . import _library
 from ._library import MAX_HEAD_DIM, encode_rope
@@ -131,8 +131,10 @@ def _real_memory(*tensors) -> bool:
     """True when every tensor has real memory to compare (not traced by dynamo, not fake or meta)."""
     if torch.compiler.is_compiling():
         return False
+    # A FakeTensor can only exist once its module is imported (importing it here would pull in torch._dynamo).
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
     for t in tensors:
-        if t is not None and (t.is_meta or isinstance(t, FakeTensor)):
+        if t is not None and (t.is_meta or (fake is not None and isinstance(t, fake.FakeTensor))):
             return False
     return True
 

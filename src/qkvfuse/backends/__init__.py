@@ -114,8 +114,6 @@ def _select_uncached(backend: Optional[str], device_type: str, source: str) -> s
     return _OVERLOAD[backend]
 
 
-# Under torch.compile the choice is made once, while tracing (dynamo runs this function and keeps its result).
-@torch.compiler.assume_constant_result
 def select_overload(backend: Optional[str], device_type: str) -> str:
     """The op overload (``"default"``, ``"reference"`` or ``"triton"``) that runs ``backend`` -- an argument
     value, ``None`` meaning ``$QKVFUSE_BACKEND`` or ``auto`` -- on tensors of ``device_type``. Cached per
