@@ -6,6 +6,7 @@ functions, the device sections by ``tests/backends/test_triton.py`` (``--cpu-int
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -75,3 +76,18 @@ def test_a_failing_or_crashing_section_fails_the_run_and_keeps_the_json(monkeypa
     assert out.rstrip().splitlines()[-1].startswith("verify: 1 passed, 2 failed")
     result = json.loads(path.read_text())
     assert result["mode"] == "host" and [s["name"] for s in result["sections"]] == ["good", "bad", "crash"]
+
+
+def test_triton_interpreter_refuses_once_triton_is_imported_without_it():
+    """TRITON_INTERPRET must be on before triton is imported; later, the host sections report Triton as skipped
+    and ``--cpu-interpreter`` stops, instead of failing at the first launch of half-interpreted kernels."""
+    pytest.importorskip("triton")
+    code = ("import sys, triton\n"
+            "from qkvfuse._verify.sections import triton_interpreter\n"
+            "print(repr(triton_interpreter()))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    late = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert "imported before TRITON_INTERPRET=1" in late.stdout, late.stderr[-2000:]
+    early = subprocess.run([sys.executable, "-c", code], env=dict(env, TRITON_INTERPRET="1"), capture_output=True,
+                           text=True, timeout=300)
+    assert early.stdout.strip() == "''", early.stderr[-2000:]

@@ -6,7 +6,6 @@ Triton at realistic sizes on an accelerator, is :func:`qkvfuse._verify.device.co
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
@@ -16,7 +15,7 @@ from ..presets import PRESETS
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
-from .sections import Options, Section
+from .sections import Options, Section, triton_interpreter
 
 __all__ = ["ops_section"]
 
@@ -35,10 +34,11 @@ def ops_section(opts: Options) -> Section:
     """Each preset's prepare step and add_rmsnorm, per backend, against the float64 oracle."""
     import qkvfuse
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    usable = [b for b, reason in available_backends().items() if not reason]
-    if opts.backends:
-        usable = [b for b in usable if b in opts.backends]
+    no_interpreter = triton_interpreter()
+    skipped = {b: r for b, r in available_backends().items() if r}
+    if no_interpreter:
+        skipped["triton"] = no_interpreter
+    usable = [b for b in available_backends() if b not in skipped and (not opts.backends or b in opts.backends)]
     rows = []
     token_counts = (1, 33) if opts.quick else (1, 33, 128)
     for backend in usable:
@@ -74,7 +74,6 @@ def ops_section(opts: Options) -> Section:
                              "dtype": str(dtype)[6:], "mode": "residual" + (" + bias" if "bias" in kw else ""),
                              "max err": report.max_err, "unfused err": report.unfused_err, "pass": report.ok,
                              "detail": report.detail})
-    skipped = {b: r for b, r in available_backends().items() if r}
     note = ("rule (qkvfuse._verify.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every "
             "element within 1/2 ulp of the float64 oracle (+ fp32 allowance), V / residual_out bit-exact")
     if skipped:

@@ -42,7 +42,7 @@ from ..rope import build_cos_sin_cache
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
-from .sections import Options, Section
+from .sections import Options, Section, triton_interpreter
 
 __all__ = [
     "FAILURE_MODES", "BAD_CALLS", "DETERMINISM", "concurrency_unsupported", "BadCall", "NormCase", "run_split",
@@ -810,10 +810,13 @@ def _run(check: Callable[[], None]) -> Tuple[bool, str]:
 
 def section(opts: Options) -> Section:
     """``python -m qkvfuse verify`` section: pass counts per category and backend."""
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    no_interpreter = triton_interpreter()
+    skipped = {b: r for b, r in available_backends().items() if r}
+    if no_interpreter:
+        skipped["triton"] = no_interpreter
     quick = opts.quick
     wanted = opts.backends
-    usable = [b for b, reason in available_backends().items() if not reason and (not wanted or b in wanted)]
+    usable = [b for b in available_backends() if b not in skipped and (not wanted or b in wanted)]
     rows = []
     for backend in usable:
         interp = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -849,7 +852,6 @@ def section(opts: Options) -> Section:
             rows.append({"category": category, "backend": backend, "passed": len(checks) - len(failed),
                          "total": len(checks), "s": round(time.perf_counter() - t0, 1), "pass": not failed,
                          "detail": "; ".join(failed)[:2000]})
-    skipped = {b: r for b, r in available_backends().items() if r}
     unsupported = {b: concurrency_unsupported(b) for b in usable if concurrency_unsupported(b)}
     note = ("public failure modes of fused QK-norm/RoPE kernels, bad input (ValueError/TypeError naming the "
             "argument), fuzz-lite (fixed-seed random valid configurations vs the float64 oracle), determinism")

@@ -17,11 +17,13 @@ import importlib
 import json
 import os
 import platform
+import sys
 import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["Section", "Options", "Entry", "REGISTRY", "print_section", "sections_for", "load", "run"]
+__all__ = ["Section", "Options", "Entry", "REGISTRY", "print_section", "sections_for", "load", "run",
+           "triton_interpreter"]
 
 
 @dataclasses.dataclass
@@ -93,6 +95,22 @@ REGISTRY: Dict[str, Entry] = {
 }
 
 
+def triton_interpreter() -> str:
+    """Turn Triton's CPU interpreter on for this process: "" when it is on, else why it cannot be any more.
+
+    ``TRITON_INTERPRET`` is read when ``triton`` (whose ``triton.language`` defines @jit helpers of its own) and the
+    kernels are imported: set later, it gives a mix of interpreted and compiled functions that fails at the first
+    launch, so once triton is imported without it the interpreter is out of reach for this process.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return ""
+    if "triton" in sys.modules:
+        return ("triton was imported before TRITON_INTERPRET=1 could be set; run with TRITON_INTERPRET=1 in the "
+                "environment for Triton on CPU tensors")
+    os.environ["TRITON_INTERPRET"] = "1"
+    return ""
+
+
 def sections_for(opts: Options) -> List[str]:
     """Names of the registered sections of this kind of run (host or device), in registry order."""
     return [name for name, entry in REGISTRY.items() if entry.device == opts.device_run]
@@ -158,7 +176,10 @@ def run(opts: Options) -> int:
     section names). The JSON (``opts.json``) is rewritten after every section, so a run cut short keeps its
     results."""
     if opts.cpu_interpreter:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (first import of the backend)
+        reason = triton_interpreter()
+        if reason:
+            print(f"verify: --cpu-interpreter: {reason}")
+            return 2
     names = sections_for(opts)
     if opts.sections:
         unknown = [s for s in opts.sections if s not in names]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import time
 import traceback
@@ -24,7 +23,7 @@ import torch
 
 from .._verify.device import launch_direct, poisoned_outputs, row, split_case, synchronize
 from .._verify.inputs import make_norm_inputs, make_split_inputs
-from .._verify.sections import Options, Section, header, print_section
+from .._verify.sections import Options, Section, header, print_section, triton_interpreter
 from ..presets import PRESETS, get_preset
 
 __all__ = ["TIERS", "timing_section", "tile_sweep_section", "run_device_bench"]
@@ -155,8 +154,10 @@ def tile_sweep_section(opts: Options) -> Optional[Section]:
 def run_device_bench(args) -> int:
     """``bench --device <accelerator>`` / ``bench --cpu-interpreter``: print the tables; 1 if a row failed."""
     opts = Options(quick=args.quick, device=args.device, cpu_interpreter=args.cpu_interpreter)
-    if opts.cpu_interpreter:
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are decorated (first import of the backend)
+    reason = triton_interpreter() if opts.cpu_interpreter else ""
+    if reason:
+        print(f"bench: --cpu-interpreter: {reason}")
+        return 2
     from ..backends import available_backends
 
     try:
