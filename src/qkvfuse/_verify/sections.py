@@ -202,6 +202,10 @@ def run(opts: Options) -> int:
             continue
         try:
             section = section_fn(opts)
+            if opts.device_run and opts.torch_device.type != "cpu":  # an asynchronous error belongs to this section
+                import torch
+
+                torch.get_device_module(opts.torch_device).synchronize()
         except Exception as exc:  # one broken section must not hide the others' results
             traceback.print_exc()
             section = _failed(name, exc)
