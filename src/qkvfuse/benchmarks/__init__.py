@@ -1,8 +1,10 @@
 """``python -m qkvfuse bench``: the fused ops against eager, ``torch.compile`` and a copy roofline, in one run.
 
 Modules: :mod:`.timing` (interleaved rounds, the machine line), :mod:`.harness` (the matrix of shapes,
-implementations and buffer placements), :mod:`.report` (tables, compile times, the verdict against issue 3's
-targets, JSON, chart). How to run and read it: ``bench/README.md``.
+implementations and buffer placements), :mod:`.percall` (T = 1: bound objects, functional ops and bare
+``torch.ops`` calls of one kernel), :mod:`.report` (tables, compile times, the verdict against issue 3's and
+issue 12's targets, JSON, chart), :mod:`.e2e` (``--e2e``: transformers models with the published layer geometry,
+patched vs unpatched). How to run and read it: ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
-from .report import (TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine, print_summary,
-                     print_tables, summarize, write_json, write_plot)
+from .percall import CallRow, percall_norm, percall_split, percall_summary, print_percall, print_percall_summary
+from .report import (BUSY_SHARE, TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine,
+                     print_summary, print_tables, summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, cpu_snapshot, machine_info, others_share
 
 __all__ = ["run_bench", "config_from_args", "cpu_unavailable_reason"]
@@ -29,6 +32,8 @@ QUICK_PRESETS = ("Qwen3-8B", "GLM-4.7")
 TOKENS = (1, 16, 256, 4096)
 QUICK_TOKENS = (1, 256, 4096)
 HIDDEN_SIZES = (4096, 5120)
+PERCALL_PRESETS = ("Qwen3-8B", "GLM-4.7")  # issue 12's per-call rows
+OPS = ("split", "norm", "percall")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 FULL_BUDGET = Budget()
 # `make run` budget: ~1 s per measurement and the reference backend left out (it is as slow as eager at
@@ -56,7 +61,9 @@ def config_from_args(args) -> BenchConfig:
     hidden = tuple(dict.fromkeys(getattr(args, "hidden", None) or HIDDEN_SIZES))
     if any(h < 1 for h in hidden):
         raise ValueError(f"--hidden: expected positive hidden sizes, got {list(hidden)}")
-    ops = tuple(getattr(args, "op", None) or ("split", "norm"))
+    ops = tuple(getattr(args, "op", None) or OPS)
+    percall_presets = presets if args.preset else tuple(get_preset(name) for name in PERCALL_PRESETS)
+    percall_dtypes = tuple(DTYPES[d] for d in dict.fromkeys(args.dtype or ["bf16"]))
     impls = [EAGER] + ([] if args.no_compile else [COMPILED]) + ([] if quick else [REFERENCE]) + [CPU]
     compile_cells = None
     if quick and presets and "split" in ops:
@@ -72,9 +79,12 @@ def config_from_args(args) -> BenchConfig:
         budget = dataclasses.replace(budget, cell_s=seconds, block_s=min(budget.block_s, seconds / 10),
                                      warm_s=min(budget.warm_s, seconds / 10))
     cpu_reason = cpu_unavailable_reason()
+    percall = "percall" in ops and not cpu_reason  # bound vs bare calls of the cpu kernel: nothing without it
     return BenchConfig(presets=presets if "split" in ops else (), hidden_sizes=hidden if "norm" in ops else (),
                        dtypes=dtypes, tokens=tokens, impls=tuple(impls), compile_cells=compile_cells, budget=budget,
-                       l2_bytes=cache_bytes(2, 1 << 20), cpu_reason=cpu_reason)
+                       l2_bytes=cache_bytes(2, 1 << 20), cpu_reason=cpu_reason,
+                       percall_presets=percall_presets if percall else (), percall_hidden=hidden if percall else (),
+                       percall_dtypes=percall_dtypes)
 
 
 def _config_json(cfg: BenchConfig) -> dict:
@@ -83,15 +93,21 @@ def _config_json(cfg: BenchConfig) -> dict:
             "compile_cells": None if cfg.compile_cells is None else
             [[s, dtype_name(d), t] for s, d, t in cfg.compile_cells],
             "budget": dataclasses.asdict(cfg.budget),
-            "l2_bytes": cfg.l2_bytes, "cpu_backend_unavailable": cfg.cpu_reason}
+            "l2_bytes": cfg.l2_bytes, "cpu_backend_unavailable": cfg.cpu_reason,
+            "percall_presets": [p.name for p in cfg.percall_presets], "percall_hidden": list(cfg.percall_hidden),
+            "percall_dtypes": [dtype_name(d) for d in cfg.percall_dtypes]}
 
 
 def run_bench(args) -> int:
     """Run the benchmark described by the CLI flags; print the tables and the summary last.
 
     Returns 0, or 1 when the cpu backend broke the accuracy rule on the benchmark's inputs (checked once per
-    cell, NaN-poisoned outputs, before timing), or 2 for bad flags.
+    cell, NaN-poisoned outputs, before timing), or 2 for bad flags. ``--e2e`` runs :mod:`.e2e` instead.
     """
+    if getattr(args, "e2e", False):
+        from .e2e import run_e2e_cli
+
+        return run_e2e_cli(args)
     t_start = time.perf_counter()
     try:
         cfg = config_from_args(args)
@@ -119,6 +135,11 @@ def run_bench(args) -> int:
                  for preset in cfg.presets for dtype in cfg.dtypes for T in cfg.tokens]
         cells += [(bench_norm, hidden, f"add_rmsnorm hidden {hidden}", dtype, T)
                   for hidden in cfg.hidden_sizes for dtype in cfg.dtypes for T in cfg.tokens]
+        cells += [(lambda c, p, d, T: percall_split(c, p, d), preset, "per-call split " + preset.name, dtype, 1)
+                  for preset in cfg.percall_presets for dtype in cfg.percall_dtypes]
+        cells += [(lambda c, h, d, T: percall_norm(c, h, d), hidden, f"per-call add_rmsnorm hidden {hidden}", dtype, 1)
+                  for hidden in cfg.percall_hidden for dtype in cfg.percall_dtypes]
+        percall_rows: List[CallRow] = []
         run_start = cpu_snapshot()
         for bench, what, label, dtype, T in cells:
             t0, before = time.perf_counter(), cpu_snapshot()
@@ -126,29 +147,40 @@ def run_bench(args) -> int:
             share = others_share(before, cpu_snapshot())
             for row in cell:
                 row.others = share
-            rows += cell
+            (percall_rows if label.startswith("per-call") else rows).extend(cell)
             print(f"  measured {label} {dtype_name(dtype)} T={T} in {time.perf_counter() - t0:.1f} s"
                   + (f" (other processes: {share:.0%} of the CPUs)" if share is not None else ""), flush=True)
         machine["others_cpu_share"] = others_share(run_start, cpu_snapshot())
     machine["loadavg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    print("\n" + TABLE_NOTE)
-    print_tables(rows)
-    print_compile_times(rows)
+    if rows:
+        print("\n" + TABLE_NOTE)
+        print_tables(rows)
+        print_compile_times(rows)
+    if percall_rows:
+        from .percall import PERCALL_NOTE
+
+        print("\nper-call cost (issue 12): " + PERCALL_NOTE)
+        print_percall(percall_rows)
     summary = summarize(rows, cfg.cpu_reason)
+    percall_verdicts = percall_summary(percall_rows, BUSY_SHARE)
     if args.json:
-        write_json(args.json, machine, _config_json(cfg), rows, summary)
+        write_json(args.json, machine, _config_json(cfg), rows, summary,
+                   {"percall": {"rows": [dataclasses.asdict(r) for r in percall_rows], "summary": percall_verdicts}})
     if args.plot:
         write_plot(args.plot, rows, f"qkvfuse bench: {machine['cpu']}, {machine['torch_threads']} threads "
                                     f"(out= solid, fresh dashed; T <= 16 rotated buffers)")
-    print_summary(rows, summary, cfg.cpu_reason)
+    if rows:
+        print_summary(rows, summary, cfg.cpu_reason)
+    print_percall_summary(percall_verdicts)
     busy = busy_warning(machine)
     if busy:
         print("\n" + busy)
-    failures = check_failures(rows)
+    failures = check_failures(rows) + [f"per-call {r.op} {r.shape} {r.dtype} {r.impl} {r.form}: {r.check}"
+                                       for r in percall_rows if r.check and r.check != "ok" and r.data == "hot"]
     for line in failures:
         print(f"ACCURACY FAILURE (qkvfuse cpu vs the float64 oracle, accuracy rule): {line}")
     written = [p for p in (args.json, args.plot) if p]
-    print(f"\nbench: {len(rows)} rows in {time.perf_counter() - t_start:.0f} s; load average "
+    print(f"\nbench: {len(rows) + len(percall_rows)} rows in {time.perf_counter() - t_start:.0f} s; load average "
           f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'] or [])} at the end"
           + (f"; wrote {', '.join(written)}" if written else ""))
     return 1 if failures else 0

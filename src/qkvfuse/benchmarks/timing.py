@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Candidate", "Measured", "Budget", "measure", "machine_info", "cache_bytes", "cpu_snapshot",
+__all__ = ["Candidate", "Measured", "Budget", "measure", "paired", "machine_info", "cache_bytes", "cpu_snapshot",
            "others_share"]
 
 Call = Callable[[], object]
@@ -52,6 +52,14 @@ class Measured:
     vs: Dict[str, float]  # other candidate key -> median over rounds of other_us / us (> 1: this one is faster)
     rounds: int
     calls_per_block: int
+    samples: List[float] = dataclasses.field(default_factory=list)  # per-round us, in round order
+    copy_samples: List[float] = dataclasses.field(default_factory=list)  # the copy block timed before each
+
+
+def paired(a: Measured, b: Measured, fn: Callable[[float, float], float]) -> float:
+    """Median over rounds of ``fn(a's time, b's time)`` for two candidates of one :func:`measure` call (their
+    blocks of round r ran seconds apart), e.g. ``lambda x, y: x - y`` or ``lambda x, y: x / y``."""
+    return statistics.median(fn(x, y) for x, y in zip(a.samples, b.samples))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,8 @@ def measure(candidates: Sequence[Candidate], copy_calls: Sequence[Call], budget:
                 for o in candidates if o.key != c.key},
             rounds=rounds,
             calls_per_block=len(sched[c.key]),
+            samples=mine,
+            copy_samples=copies[c.key],
         )
     return results
 

@@ -1,0 +1,300 @@
+"""Per-call cost at T = 1 (issue 12): the bound objects, the functional ops and bare ``torch.ops`` calls of one kernel.
+
+At one token the kernel moves a few KB and the cost of a call is mostly what surrounds the kernel: the Python
+validation, the dispatcher, the argument parsing. This section times, side by side in interleaved rounds (see
+:mod:`.timing`), for ``split_qkv_rmsnorm_rope`` (per preset) and ``add_rmsnorm`` (per hidden size), bf16 with
+**bf16 norm weights** (what :func:`qkvfuse.integrations.transformers.apply_qkvfuse` passes: transformers keeps
+RMSNorm weights in the model dtype):
+
+* ``QKNormRope(...)(qkv, positions, out=)`` and ``.inplace(qkv, positions)`` -- the bound object, built once per
+  buffer set (one per layer, as an engine holds them), validating only what changes per call;
+* ``split_qkv_rmsnorm_rope(..., out=)`` and ``split_qkv_rmsnorm_rope_(...)`` -- the functional ops (what
+  ``apply_qkvfuse`` calls: the in-place form), which validate the whole configuration on every call;
+* ``torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(...)`` and ``..._inplace.default(...)`` -- the same
+  kernel through a bare ``torch.ops`` call with the lean schema's arguments: the dispatcher and the kernel, no
+  Python validation;
+* ``AddRMSNorm(weight, eps)(x, residual, out=)``, ``add_rmsnorm(x, residual, weight, eps, out=)`` and a bare
+  ``torch.ops.qkvfuse.add_rmsnorm_out.default(...)``;
+* ``copy_`` of the same bytes (``qkv``; a ``[1, 2H]`` tensor for add_rmsnorm), timed before every block.
+
+Every call is a closure over prebuilt arguments, so each pays the same Python call frame; backend ``"cpu"``
+throughout. Each candidate's own result is checked once against the float64 oracle (accuracy rule) before any
+timing. ``- bare`` is the median over rounds of (this time - the bare call's time in the same round), the bare
+call of the same form (``out=`` or in place); issue 12's target is a bound object within 2 us of it.
+Placements: ``hot`` (one buffer set, L1-resident) and ``rotated xN`` (N sets, > 4x L2, like successive layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._verify import SplitCase, make_norm_inputs, make_split_inputs
+from ..ops import AddRMSNorm, QKNormRope, add_rmsnorm, split_qkv_rmsnorm_rope, split_qkv_rmsnorm_rope_
+from ..presets import ModelPreset
+from .harness import (CACHE_ROWS, BenchConfig, _more_sets, _nbytes, _rotation, _split_args, bare_norm_call,
+                      bare_split_call, check_norm, check_split, dtype_name)
+from .timing import Candidate, measure, paired
+
+__all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T"]
+
+PERCALL_T = 1
+BOUND_MAX_OVER_BARE_US = 2.0  # issue 12: the bound object within 2 us of the bare torch.ops call
+COPY_IMPL = "copy_ (same bytes)"
+# impl names; the form (out= / in place) is a separate column
+BOUND_SPLIT, FUNCTIONAL_SPLIT, BARE_SPLIT = ("QKNormRope (bound)", "split_qkv_rmsnorm_rope (functional)",
+                                             "torch.ops ..._out/_inplace.default (bare)")
+BOUND_NORM, FUNCTIONAL_NORM, BARE_NORM = ("AddRMSNorm (bound)", "add_rmsnorm (functional)",
+                                          "torch.ops.qkvfuse.add_rmsnorm_out.default (bare)")
+BOUND = (BOUND_SPLIT, BOUND_NORM)
+
+
+@dataclasses.dataclass
+class CallRow:
+    """One line of a per-call table (times are medians over the rounds; differences and ratios are medians of
+    per-round differences and ratios against the bare call of the same form, measured in the same rounds)."""
+
+    op: str
+    shape: str
+    dtype: str
+    T: int
+    data: str
+    impl: str
+    form: str  # "out=" or "in-place"
+    us: float
+    minus_bare_us: Optional[float]
+    vs_bare: Optional[float]
+    copies: Optional[float]  # this time / the copy's time (median of per-round ratios)
+    rounds: int
+    calls_per_block: int
+    check: str = ""
+    others: Optional[float] = None
+
+
+@dataclasses.dataclass
+class _Spec:
+    impl: str
+    form: str
+    make: Callable[[int], Callable[[], object]]  # buffer set index -> zero-argument call
+    check: Callable[[], str]  # runs set 0's call once on poisoned outputs and judges it
+
+
+def _rows(op: str, shape: str, dtype: torch.dtype, specs: Sequence[_Spec], copies_for: Callable[[int], list],
+          n_sets: int, cfg: BenchConfig) -> List[CallRow]:
+    checks = {(s.impl, s.form): s.check() for s in specs}  # before any timing
+    rows: List[CallRow] = []
+    for data, n in (("hot", 1), (f"rotated x{n_sets}", n_sets)):
+        cands = [Candidate(s.impl, s.form, [s.make(i) for i in range(n)]) for s in specs]
+        results = measure(cands, copies_for(n), cfg.budget)
+        bare = {s.form: results[c.key] for s, c in zip(specs, cands) if "(bare)" in s.impl}
+        copy_us = []
+        for s, c in zip(specs, cands):
+            m, b = results[c.key], bare.get(s.form)
+            copy_us.append(m.copy_us)
+            rows.append(CallRow(op, shape, dtype_name(dtype), PERCALL_T, data, s.impl, s.form, m.us,
+                                None if b is None else paired(m, b, lambda x, y: x - y),
+                                None if b is None else paired(m, b, lambda x, y: x / y),
+                                1 / m.roofline, m.rounds, m.calls_per_block, checks[(s.impl, s.form)]))
+        rows.append(CallRow(op, shape, dtype_name(dtype), PERCALL_T, data, COPY_IMPL, "out=",
+                            statistics.median(copy_us), None, None, 1.0, rows[-1].rounds, 0))
+    return rows
+
+
+def percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype = torch.bfloat16) -> List[CallRow]:
+    """Per-call rows of ``split_qkv_rmsnorm_rope`` at T = 1 for ``preset`` (norm weights in ``dtype``)."""
+    T = PERCALL_T
+    case = SplitCase.from_preset(preset, T, dtype=dtype, weight_dtype=dtype,
+                                 max_position=min(preset.max_position, CACHE_ROWS))
+    first = make_split_inputs(case, seed=0)
+    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
+    n_sets = _rotation(2 * _nbytes(first["qkv"]), cfg.l2_bytes)
+    sets = _more_sets(first, n_sets, shared=("positions", "cos_sin_cache"))
+    outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
+    # The in-place forms rewrite their qkv: their own copies, so the out= candidates keep reading the originals.
+    # (Repeated in-place calls re-normalise what they wrote: the values stay finite and of the same scale.)
+    inplace_sets = [dict(kw, qkv=kw["qkv"].clone()) for kw in sets]
+    copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
+    bound = [QKNormRope(hq, hkv, D, kw["cos_sin_cache"], q_weight=kw.get("q_weight"), k_weight=kw.get("k_weight"),
+                        q_bias=kw.get("q_bias"), k_bias=kw.get("k_bias"), eps=kw["eps"], is_neox=kw["is_neox"],
+                        mrope_section=kw["mrope_section"], mrope_interleaved=kw["mrope_interleaved"], backend="cpu")
+             for kw in sets]
+
+    def bound_out(i):
+        prep, qkv, positions, out = bound[i], sets[i]["qkv"], sets[i]["positions"], outs[i]
+
+        def call():
+            return prep(qkv, positions, out=out)
+        return call
+
+    def bound_inplace(i):
+        prep, qkv, positions = bound[i], inplace_sets[i]["qkv"], sets[i]["positions"]
+
+        def call():
+            return prep.inplace(qkv, positions)
+        return call
+
+    def functional(i, inplace):
+        kw = inplace_sets[i] if inplace else sets[i]
+        qkv, positions, cache, hq_, hkv_, D_, q_w, k_w, q_b, k_b, eps, neox, section, inter = _split_args(kw)
+        out = outs[i]
+        if inplace:
+            def call_inplace():
+                return split_qkv_rmsnorm_rope_(qkv, positions, cache, hq_, hkv_, D_, q_weight=q_w, k_weight=k_w,
+                                               q_bias=q_b, k_bias=k_b, eps=eps, is_neox=neox, mrope_section=section,
+                                               mrope_interleaved=inter, backend="cpu")
+            return call_inplace
+
+        def call():
+            return split_qkv_rmsnorm_rope(qkv, positions, cache, hq_, hkv_, D_, q_weight=q_w, k_weight=k_w,
+                                          q_bias=q_b, k_bias=k_b, eps=eps, is_neox=neox, mrope_section=section,
+                                          mrope_interleaved=inter, out=out, backend="cpu")
+        return call
+
+    def bare(i, inplace):
+        return bare_split_call(inplace_sets[i] if inplace else sets[i], outs[i], inplace=inplace)
+
+    def checker(make: Callable[[int], Callable[[], object]], inplace: bool) -> Callable[[], str]:
+        def run():
+            if not inplace:
+                make(0)()
+                return outs[0]
+            qkv = inplace_sets[0]["qkv"]
+            qkv.copy_(first["qkv"])
+            make(0)()
+            return qkv.split([hq * D, hkv * D, hkv * D], dim=1)
+        return lambda: check_split(first, outs[0], run)
+
+    specs = []
+    for impl, form, make in ((BOUND_SPLIT, "out=", bound_out), (BOUND_SPLIT, "in-place", bound_inplace),
+                             (FUNCTIONAL_SPLIT, "out=", lambda i: functional(i, False)),
+                             (FUNCTIONAL_SPLIT, "in-place", lambda i: functional(i, True)),
+                             (BARE_SPLIT, "out=", lambda i: bare(i, False)),
+                             (BARE_SPLIT, "in-place", lambda i: bare(i, True))):
+        specs.append(_Spec(impl, form, make, checker(make, form == "in-place")))
+
+    def copies_for(n):
+        return [_copy(dst, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
+
+    return _rows("split_qkv_rmsnorm_rope", preset.name, dtype, specs, copies_for, n_sets, cfg)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
+    def call():
+        return dst.copy_(src)
+    return call
+
+
+def percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype = torch.bfloat16) -> List[CallRow]:
+    """Per-call rows of ``add_rmsnorm`` (with a residual) at T = 1 for ``hidden`` (weight in ``dtype``)."""
+    T = PERCALL_T
+    first = make_norm_inputs(T, hidden, dtype, residual=True, seed=0)
+    first["weight"] = first["weight"].to(dtype)
+    n_sets = _rotation(4 * _nbytes(first["x"]), cfg.l2_bytes)
+    sets = _more_sets(first, n_sets)
+    outs = [(torch.empty_like(kw["x"]), torch.empty_like(kw["x"])) for kw in sets]
+    copy_src = [torch.cat([kw["x"], kw["residual"]], dim=1) for kw in sets]
+    copy_dst = [torch.empty_like(src) for src in copy_src]
+    bound = [AddRMSNorm(kw["weight"], kw["eps"], backend="cpu") for kw in sets]
+
+    def bound_out(i):
+        norm, x, residual, out = bound[i], sets[i]["x"], sets[i]["residual"], outs[i]
+
+        def call():
+            return norm(x, residual, out=out)
+        return call
+
+    def functional(i):
+        x, residual, weight, eps, out = (sets[i]["x"], sets[i]["residual"], sets[i]["weight"], sets[i]["eps"],
+                                         outs[i])
+
+        def call():
+            return add_rmsnorm(x, residual, weight, eps, out=out, backend="cpu")
+        return call
+
+    def bare(i):
+        return bare_norm_call(sets[i], outs[i])
+
+    def checker(make):
+        def run():
+            make(0)()
+            return outs[0]
+        return lambda: check_norm(first, outs[0], run)
+
+    specs = [_Spec(impl, "out=", make, checker(make))
+             for impl, make in ((BOUND_NORM, bound_out), (FUNCTIONAL_NORM, functional), (BARE_NORM, bare))]
+
+    def copies_for(n):
+        return [_copy(dst, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
+
+    return _rows("add_rmsnorm", f"hidden {hidden}", dtype, specs, copies_for, n_sets, cfg)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Presenting.
+# --------------------------------------------------------------------------------------------------------
+PERCALL_NOTE = (
+    "T = 1, bf16 activations and bf16 norm weights (as apply_qkvfuse passes them), backend 'cpu', outputs "
+    "preallocated (out=) or in place.\n"
+    "us: median per call over interleaved rounds. - bare: median over rounds of (this - the bare torch.ops call "
+    "of the same form), in us;\n"
+    "/bare: the same as a ratio. x copy: this time / a same-bytes copy_ timed just before (median of per-round "
+    "ratios). data: hot = one\n"
+    "buffer set (stays in L1/L2); rotated xN = N sets (own activations, outputs, norm weights, bound objects) "
+    "cycled, > 4x L2.\n"
+    "check: this candidate's own result vs the float64 oracle (accuracy rule), once, before timing."
+)
+
+
+def _us(x: Optional[float], signed: bool = False) -> str:
+    if x is None:
+        return ""
+    return f"{x:+.2f}" if signed else (f"{x:.2f}" if x < 100 else f"{x:.1f}")
+
+
+def print_percall(rows: Sequence[CallRow]) -> None:
+    from .._verify.sections import Section, print_section
+
+    groups: Dict[Tuple[str, str, str], List[CallRow]] = {}
+    for r in rows:
+        groups.setdefault((r.op, r.shape, r.dtype), []).append(r)
+    columns = ("data", "impl", "form", "us", "- bare us", "/bare", "x copy", "rounds", "check", "others")
+    for (op, shape, dtype), group in groups.items():
+        cells = [{"data": r.data, "impl": r.impl, "form": r.form, "us": _us(r.us),
+                  "- bare us": _us(r.minus_bare_us, signed=True),
+                  "/bare": "" if r.vs_bare is None else f"{r.vs_bare:.2f}x",
+                  "x copy": "" if r.copies is None else f"{r.copies:.1f}x", "rounds": str(r.rounds),
+                  "check": r.check.split(":")[0], "others": "" if r.others is None else f"{100 * r.others:.0f}%"}
+                 for r in group]
+        print_section(Section(f"per-call cost: {op}: {shape}, {dtype}, T={PERCALL_T}", columns, cells))
+
+
+def percall_summary(rows: Sequence[CallRow], busy_share: float) -> List[Dict[str, object]]:
+    """Issue 12's per-call target: each bound object's time minus the bare torch.ops call's (same form, same
+    placement, same rounds) at most :data:`BOUND_MAX_OVER_BARE_US`."""
+    out = []
+    bare = {(r.op, r.shape, r.dtype, r.data, r.form): r for r in rows if "(bare)" in r.impl}
+    for r in rows:
+        if r.impl not in BOUND or r.minus_bare_us is None:
+            continue
+        b = bare[(r.op, r.shape, r.dtype, r.data, r.form)]
+        verdict = "MET" if r.minus_bare_us <= BOUND_MAX_OVER_BARE_US else "MISSED"
+        if r.check != "ok":
+            verdict = "WRONG RESULTS"
+        elif r.others is not None and r.others > busy_share:
+            verdict += f" (noisy: others {r.others:.0%})"
+        out.append({"target": f"{r.impl.split()[0]} {r.form} - bare <= {BOUND_MAX_OVER_BARE_US:g} us",
+                    "shape": f"{r.shape} {r.dtype} T={r.T}", "data": r.data,
+                    "measured": f"{r.minus_bare_us:+.2f} us ({_us(r.us)} us vs bare {_us(b.us)} us)",
+                    "verdict": verdict})
+    return out
+
+
+def print_percall_summary(summary: Sequence[Dict[str, object]]) -> None:
+    from .._verify.sections import Section, print_section
+
+    if summary:
+        print_section(Section("summary against issue 12's per-call target (bound object vs bare torch.ops, T=1)",
+                              ("target", "shape", "data", "measured", "verdict"), [dict(s) for s in summary]))
