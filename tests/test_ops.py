@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import qkvfuse
+from _support.cases import run_split_case
 from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
                              make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
                              unfused_add_rmsnorm, unfused_split)
@@ -60,39 +61,22 @@ def _id(c: SplitCase) -> str:
             f"-{str(c.pos_dtype)[6:]}-cache{str(c.cache_dtype)[6:]}{'-strided' if c.row_pad else ''}")
 
 
-def extra_ulps(backend: str, dtype: torch.dtype) -> float:
-    """Allowance for Triton under the CPU interpreter: 0 today (the kernels round bf16 themselves), kept as the
-    one hook should a backend rely on the interpreter's truncating conversion (see qkvfuse._verify.accuracy)."""
-    from qkvfuse._verify.accuracy import INTERPRETER_BF16_ULPS
-    return INTERPRETER_BF16_ULPS if backend == "triton" and dtype == torch.bfloat16 else 0.0
-
-
-def run_split_case(backend: str, case: SplitCase, seed: int = 0):
-    kwargs = make_split_inputs(case, seed=seed)
-    qkv = kwargs["qkv"]
-    snapshot = qkv.clone()
-    oracle = oracle_split(**kwargs)
-    unfused = unfused_split(**kwargs)
-    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
-    T = case.T
-    out = (poisoned_like(torch.empty(T, hq * D, dtype=case.dtype), case.row_pad),
-           poisoned_like(torch.empty(T, hkv * D, dtype=case.dtype), case.row_pad),
-           poisoned_like(torch.empty(T, hkv * D, dtype=case.dtype)))
-    result = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
-    assert all(r is o for r, o in zip(result, out))
-    assert torch.equal(qkv, snapshot) or case.dtype != qkv.dtype, "input modified"
-    report = check_split_outputs(result, oracle, unfused, qkv, hq, hkv, D, extra_ulps(backend, case.dtype))
-    assert report.ok, report.detail
-    return kwargs, result
-
-
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_split_matches_oracle(backend, case):
     kwargs, result = run_split_case(backend, case)
-    # The functional form allocates its own outputs and must give the same bits.
+    # The functional form allocates its own outputs and must give the same bits; so must the bound object, in
+    # each of its forms.
     fresh = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
-    for a, b in zip(result, fresh):
-        assert torch.equal(a, b)
+    static = {k: v for k, v in kwargs.items() if k not in ("qkv", "positions", "num_q_heads", "num_kv_heads",
+                                                            "head_dim", "cos_sin_cache")}
+    bound = qkvfuse.QKNormRope(case.num_q_heads, case.num_kv_heads, case.head_dim, kwargs["cos_sin_cache"],
+                               **static, backend=backend)
+    qkv, positions = kwargs["qkv"], kwargs["positions"]
+    work = qkv.clone()
+    for got in (fresh, bound(qkv, positions), bound(qkv, positions, out=tuple(torch.empty_like(r) for r in result)),
+                bound.inplace(work, positions)):
+        for a, b in zip(result, got):
+            assert torch.equal(a, b)
     assert all(t.is_contiguous() for t in fresh)
 
 
@@ -138,10 +122,11 @@ def test_add_rmsnorm_matches_oracle(backend, T, H, dtype, residual, bias, pad):
         assert res_out is x
     oracle = oracle_add_rmsnorm(**kwargs)
     unfused = unfused_add_rmsnorm(**kwargs)
-    report = check_norm_outputs((y, res_out), oracle, unfused, x, kwargs["residual"], extra_ulps(backend, dtype))
+    report = check_norm_outputs((y, res_out), oracle, unfused, x, kwargs["residual"])
     assert report.ok, report.detail
-    fresh = qkvfuse.add_rmsnorm(**kwargs, backend=backend)
-    assert torch.equal(fresh[0], y) and torch.equal(fresh[1], res_out)
+    bound = qkvfuse.AddRMSNorm(kwargs["weight"], kwargs["eps"], kwargs.get("bias"), backend=backend)
+    for fresh in (qkvfuse.add_rmsnorm(**kwargs, backend=backend), bound(x, kwargs["residual"])):
+        assert torch.equal(fresh[0], y) and torch.equal(fresh[1], res_out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -340,12 +340,15 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
 
 
 def _check_qkv(qkv, device: Optional[torch.device] = None, anchor: str = "") -> None:
-    """The checks of ``qkv`` that come before the configuration (type, dtype; device when given)."""
+    """The checks of ``qkv`` before the configuration's: its type, and its device against a bound object's
+    (``device``) or else its dtype (the functional ops check it before the configuration; a bound call's
+    :func:`_check_split_call` checks the dtype against the weights)."""
     if not isinstance(qkv, torch.Tensor):
         _fail("qkv", type(qkv).__name__, "a torch.Tensor", TypeError)
-    if device is not None and qkv.device != device:
-        _fail("qkv", f"a tensor on {qkv.device}", f"a tensor on {device} (the device of {anchor})")
-    if qkv.dtype not in _FLOATS:
+    if device is not None:
+        if qkv.device != device:
+            _fail("qkv", f"a tensor on {qkv.device}", f"a tensor on {device} (the device of {anchor})")
+    elif qkv.dtype not in _FLOATS:
         _fail("qkv", f"dtype {qkv.dtype}", "torch.float32, torch.bfloat16 or torch.float16", TypeError)
 
 
