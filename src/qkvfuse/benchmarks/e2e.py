@@ -14,7 +14,8 @@ default mode with ``dynamic=False``):
 * decode: ms per step of one token at a context of 128 tokens (the cache is cropped back to 128 after every step,
   so every step sees the same context and shapes), blocks of steps, unpatched and patched models alternating
   in interleaved rounds;
-* prefill: ms per forward of 512 tokens into an empty cache (``logits_to_keep=1``, as ``generate`` does).
+* prefill: ms per forward of 512 tokens into an empty cache (``logits_to_keep=1``, as ``generate`` does); the
+  first (warm-up) call of each model is the checked and profiled one.
 
 Checked: the patched model's logits against the unpatched model's (same weights, bf16) at the last prefill position
 and at a decode step: ``max|patched - unpatched| / max|unpatched|`` must be finite and at most
@@ -29,8 +30,9 @@ add-norm (residual add + post-attention RMSNorm; patched: ``add_rmsnorm``), two 
   the patched forwards do, with the layer's own bound ops (positions flattened, ``QKNormRope.inplace`` on a packed
   ``[T, (Hq+2Hkv)*D]`` buffer, the views; ``AddRMSNorm`` and the reshapes), validation included -- in interleaved
   rounds on hot buffers, times the number of layers, over the measured step time of the same model;
-* profiler: ``torch.profiler`` over a few steps; patched: the CPU time of the ``qkvfuse::`` op events (dispatcher
-  and kernel; the Python validation around them is not an event); unpatched: ``record_function`` ranges installed
+* profiler: ``torch.profiler`` over a few decode steps after the warm-up, or over the first (warm-up) prefill;
+  patched: the CPU time of the ``qkvfuse::`` op events (dispatcher and kernel; the Python validation around them
+  is not an event); unpatched: ``record_function`` ranges installed
   around ``q_norm``, ``k_norm``, ``apply_rotary_pos_emb`` and ``post_attention_layernorm`` for that run only, plus
   the ``aten::add`` between the end of ``self_attn`` and the start of ``post_attention_layernorm`` (the residual
   add); over the profiled wall time per step. The profiler adds a per-op cost, which weighs more on the many small
@@ -77,7 +79,7 @@ class E2EConfig:
     prefill: int = 512
     decode_steps: int = 8  # decode steps per timed block
     decode_rounds: int = 7
-    prefill_rounds: int = 3
+    prefill_rounds: int = 2  # a bf16 prefill of 512 tokens takes a minute or more on a 2-core AVX2 machine
     profile_steps: int = 4
     compile: bool = False
     seed: int = 0
@@ -154,7 +156,7 @@ def build_e2e_model(name: str, cfg: E2EConfig):
     torch.manual_seed(cfg.seed)
     model = cls._from_config(config, dtype=torch.bfloat16).eval()
     experts = getattr(model.config, "_experts_implementation", None)
-    if experts:
+    if experts and _family(get_preset(name)) == "glm4_moe":
         text += f"; experts implementation {experts}"
     return model, text
 
@@ -315,15 +317,16 @@ def _labels(model):
             undo()
 
 
-def _profiled(call: Callable[[], object], steps: int, labelled_model=None) -> Dict[str, float]:
-    """ms per step under the profiler: wall time, prepare and add-norm CPU time (see the module doc)."""
+def _profiled(call: Callable[[], object], steps: int, labelled_model=None) -> Tuple[Dict[str, float], object]:
+    """ms per step under the profiler: wall time, prepare and add-norm CPU time (see the module doc); and the
+    last call's result."""
     from torch.profiler import ProfilerActivity, profile
 
     ctx = _labels(labelled_model) if labelled_model is not None else contextlib.nullcontext()
     with ctx, profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            call()
+            result = call()
         wall_ms = (time.perf_counter() - t0) * 1e3
     events = list(prof.events())
     prepare = addnorm = 0.0
@@ -351,7 +354,8 @@ def _profiled(call: Callable[[], object], steps: int, labelled_model=None) -> Di
             addnorm += sum(e.cpu_time_total for e in events
                            if e.name == "aten::add" and e.thread == n.thread and e.time_range.start >= lo
                            and e.time_range.end <= n.time_range.start)
-    return {"wall_ms": wall_ms / steps, "prepare_ms": prepare / 1e3 / steps, "addnorm_ms": addnorm / 1e3 / steps}
+    return {"wall_ms": wall_ms / steps, "prepare_ms": prepare / 1e3 / steps,
+            "addnorm_ms": addnorm / 1e3 / steps}, result
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -388,14 +392,21 @@ def _model_rows(name: str, cfg: E2EConfig, log: Callable[[str], None]) -> Dict[s
                 if error:
                     raise RuntimeError(error)
                 t1 = time.perf_counter()
-                calls, first = {}, {}
+                calls, first, profiles = {}, {}, {}
                 for variant, model in models.items():
                     t2 = time.perf_counter()
                     calls[variant] = (_decode_step(model, runs[variant], context_ids, token) if phase == "decode"
                                       else _prefill(model, runs[variant], prompt))
-                    first[variant] = calls[variant]()  # warm-up (the compile, under torch.compile); checked below
+                    if phase == "prefill" and how is None:
+                        # A prefill costs seconds to minutes here: its first call (the warm-up, checked below) is
+                        # also the profiled one.
+                        profiles[variant], first[variant] = _profiled(
+                            calls[variant], 1, labelled_model=model if variant == "unpatched" else None)
+                    else:
+                        first[variant] = calls[variant]()  # warm-up (the compile, under torch.compile); checked
                     compile_s[(phase, variant)] = time.perf_counter() - t2
-                    calls[variant]()
+                    if phase == "decode":
+                        calls[variant]()
                 err, same_top1 = _logit_error(first["patched"], first["unpatched"])
                 rounds, per_block = ((cfg.decode_rounds, cfg.decode_steps) if phase == "decode"
                                      else (cfg.prefill_rounds, 1))
@@ -411,7 +422,7 @@ def _model_rows(name: str, cfg: E2EConfig, log: Callable[[str], None]) -> Dict[s
                     row["compile s"] = " / ".join(f"{compile_s[(phase, v)]:.0f}" for v in models)
                 log(f"  {name} {mode} {phase}: {un:.2f} -> {pa:.2f} ms in {time.perf_counter() - t1:.0f} s")
                 if how is None:
-                    attribution += _attribute(name, phase, cfg, unpatched, patched, calls, un, pa, log)
+                    attribution += _attribute(name, phase, cfg, unpatched, patched, calls, profiles, un, pa, log)
             except Exception as exc:  # noqa: BLE001 -- report, keep the other rows
                 traceback.print_exc()
                 row.update({"check": f"FAIL: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
@@ -422,14 +433,14 @@ def _model_rows(name: str, cfg: E2EConfig, log: Callable[[str], None]) -> Dict[s
     return {"model": name, "description": description, "timing": timing_rows, "attribution": attribution}
 
 
-def _attribute(name, phase, cfg, unpatched, patched, calls, un_ms, pa_ms, log) -> List[Dict[str, object]]:
+def _attribute(name, phase, cfg, unpatched, patched, calls, profiles, un_ms, pa_ms,
+               log) -> List[Dict[str, object]]:
     t0 = time.perf_counter()
     T, position = (1, cfg.context) if phase == "decode" else (cfg.prefill, 0)
     layers = unpatched.config.num_hidden_layers
     iso = _isolated_us(unpatched, patched, T, position, cfg.attribution_budget)
-    steps = cfg.profile_steps if phase == "decode" else 1
-    prof = {"unpatched": _profiled(calls["unpatched"], steps, labelled_model=unpatched),
-            "patched": _profiled(calls["patched"], steps)}
+    prof = profiles or {"unpatched": _profiled(calls["unpatched"], cfg.profile_steps, labelled_model=unpatched)[0],
+                        "patched": _profiled(calls["patched"], cfg.profile_steps)[0]}
     rows = []
     for variant, step, kind in (("unpatched", un_ms, "unfused"), ("patched", pa_ms, "fused")):
         prep, addn = iso[f"{kind} prepare"] * layers / 1e3, iso[f"{kind} add-norm"] * layers / 1e3
@@ -467,7 +478,8 @@ def _ms(x) -> str:
 
 
 def _pct(x) -> str:
-    return "" if x is None else (f"{100 * x:.2f}%" if x < 0.1 else f"{100 * x:.1f}%")
+    return "" if x is None else (f"{100 * x:.3f}%" if x < 0.01 else f"{100 * x:.2f}%" if x < 0.1 else
+                                 f"{100 * x:.1f}%")
 
 
 def print_e2e(results: Sequence[Dict[str, object]], cfg: E2EConfig) -> int:
@@ -514,7 +526,7 @@ def config_from_args(args) -> E2EConfig:
         _family(get_preset(name))
     cfg = E2EConfig(models=models, compile=bool(getattr(args, "e2e_compile", False)))
     if args.quick:
-        cfg = dataclasses.replace(cfg, decode_rounds=3, prefill_rounds=2, decode_steps=4, profile_steps=2,
+        cfg = dataclasses.replace(cfg, decode_rounds=3, prefill_rounds=1, decode_steps=4, profile_steps=2,
                                   attribution_budget=Budget(block_s=2e-3, cell_s=0.5, warm_s=0.02, min_rounds=3,
                                                             max_rounds=9))
     return cfg
