@@ -34,7 +34,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkvfuse
-from qkvfuse.backends import select_overload
+from qkvfuse._library import NAMESPACES
+from qkvfuse.backends import select_ops
 from qkvfuse._verify import SplitCase, make_norm_inputs, make_split_inputs
 
 # torch.jit.trace / script_method are deprecated (a DeprecationWarning per use); still a mode users run.
@@ -48,14 +49,6 @@ CASES = {"rope-bf16": ROPE, "mrope-fp32": MROPE}
 OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
        "add_rmsnorm_out")
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-VERSION_BUG = ("library bug: the native CPU and Triton kernels write through raw pointers and nothing bumps the "
-               "version counter of qkv / out= tensors (no ADInplaceOrView kernel for the mutable ops); the "
-               "reference only bumps it because it writes with aten in-place ops")
-TRACE_OVERLOAD_BUG = ("library bug: torch.jit.trace records qkvfuse::<op> without its overload; the overloads "
-                      "share one schema, so the traced graph replays the .default overload (auto), not the "
-                      "requested backend")
-
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -129,9 +122,13 @@ class Prepare(torch.nn.Module):
         return q, k, v, packed, work, aliased, fq, fk, fv, fpacked, fwork, y, r, x2, r2, y3, r3, y4
 
 
+def namespace(backend) -> str:
+    """The op namespace a backend's calls go to (qkvfuse, qkvfuse_reference, qkvfuse_triton)."""
+    return NAMESPACES[select_ops(backend, "cpu")]
+
+
 def expected_overloads(backend) -> set:
-    name = select_overload(backend, "cpu")
-    return {f"qkvfuse.{op}.{name}" for op in OPS}
+    return {f"{namespace(backend)}.{op}.default" for op in OPS}
 
 
 def assert_bitwise(got, want):
@@ -168,7 +165,7 @@ class RecordFunction(TorchFunctionMode):
 
 
 def qkvfuse_calls(calls) -> set:
-    return {c for c in calls if c.startswith("qkvfuse.")}
+    return {c for c in calls if c.startswith("qkvfuse")}
 
 
 def jit_trace(model, inputs):
@@ -183,17 +180,13 @@ def jit_trace(model, inputs):
 def test_jit_trace_records_the_ops_and_matches_eager_on_new_inputs(backend, case, request):
     """Eager call first, then trace (the regression: tracing after an eager call once recorded only
     ``aten::empty`` and replayed uninitialised memory); the trace replays new values bitwise like eager."""
-    if backend != "cpu" and case.dtype == torch.float32:
-        # The replay runs the native CPU kernel, which differs from the reference / Triton by an ulp in fp32
-        # (bf16 rounds the difference away, so the bf16 case passes by luck of the rounding).
-        request.applymarker(pytest.mark.xfail(strict=True, reason=TRACE_OVERLOAD_BUG))
     model = Prepare(case, backend)
     inputs = call_inputs(case, seed=1)
     eager(model, inputs)
     traced = jit_trace(model, inputs)
     graph = str(traced.inlined_graph)
     for op in OPS:
-        assert f"qkvfuse::{op}(" in graph, op
+        assert f"{namespace(backend)}::{op}(" in graph, op
     new = call_inputs(case, seed=2)
     assert not torch.equal(new[0], inputs[0])
     with torch.no_grad():
@@ -210,15 +203,13 @@ def test_jit_trace_of_a_plain_function_after_an_eager_call(backend):
     qkv, positions, _ = call_inputs(ROPE, seed=1)
     prepare(qkv, positions)
     traced = jit_trace(prepare, (qkv, positions))
-    assert "qkvfuse::split_qkv_rmsnorm_rope(" in str(traced.graph)
+    assert f"{namespace(backend)}::split_qkv_rmsnorm_rope(" in str(traced.graph)
     qkv2, positions2, _ = call_inputs(ROPE, seed=3)
     assert_bitwise(traced(qkv2, positions2), prepare(qkv2, positions2))
 
 
 def test_jit_trace_replays_the_requested_backend(backend, request):
-    """The traced graph runs the overload eager ran (the backend choice survives tracing)."""
-    if backend != "cpu":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=TRACE_OVERLOAD_BUG))
+    """The traced graph runs the ops eager ran (the backend choice survives tracing: one name per backend)."""
     model = Prepare(ROPE, backend)
     inputs = call_inputs(ROPE, seed=1)
     with RecordDispatch() as seen_eager, torch.no_grad():
@@ -324,7 +315,7 @@ def test_compile_fullgraph_static(backend, case):
     with torch.no_grad():
         got = compiled(*inputs)
     assert_bitwise(got, want)
-    assert {f"qkvfuse.{op}.{select_overload(backend, 'cpu')}" for op in OPS} <= recorder.targets()
+    assert expected_overloads(backend) <= recorder.targets()
     assert len(recorder.op_graphs) == 1
 
 
@@ -376,11 +367,9 @@ def test_compile_dynamic_default_recompiles_only_for_one_token(backend):
     assert counts == [1, 1, 1, 2, 2, 2]
 
 
-@pytest.mark.xfail(strict=True, raises=(GuardOnDataDependentSymNode, torch._dynamo.exc.UserError), reason=(
-    "library bug: the validators branch on data-dependent sizes (ops.py _check_rows: `if t.numel() and ...`, "
-    "_check_split_call: `positions.shape[0] != T`), so torch.compile with an unbacked token dim "
-    "(torch._dynamo.mark_unbacked) raises GuardOnDataDependentSymNode; torch._check / guard_or_* would not"))
 def test_compile_with_an_unbacked_token_dim():
+    """An unbacked token dim (torch._dynamo.mark_unbacked, separately on qkv and positions): the validators never
+    guard on it (token counts are asserted equal at run time)."""
     prep = Prepare(ROPE, "reference").prep
     compiled = torch.compile(lambda qkv, positions: prep(qkv, positions), fullgraph=True, backend="aot_eager")
     for T in (7, 1):
@@ -461,7 +450,7 @@ def test_profiler_records_the_ops(backend, case):
         got = model(*inputs)
     assert_bitwise(got, want)
     names = {e.name for e in prof.events()}
-    assert {f"qkvfuse::{op}" for op in OPS} <= names
+    assert {f"{namespace(backend)}::{op}" for op in OPS} <= names
 
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad", "grad"])
@@ -526,8 +515,6 @@ def test_inputs_requiring_grad_raise_under_grad_mode_and_work_under_no_grad(back
 def test_in_place_write_of_a_saved_tensor_is_seen_by_autograd(backend, request):
     """``y`` is saved for backward by ``y.sin()``; overwriting it with the in-place op (under no_grad, as an
     engine would) must make backward raise, never return a gradient computed from the new values."""
-    if backend != "reference":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=VERSION_BUG))
     kw, _, _ = static_args(ROPE)
     qkv, positions, _ = call_inputs(ROPE, seed=1)
     leaf = qkv.detach().clone().requires_grad_()
@@ -540,8 +527,6 @@ def test_in_place_write_of_a_saved_tensor_is_seen_by_autograd(backend, request):
 
 
 def test_in_place_and_out_writes_bump_version_counters(backend, request):
-    if backend != "reference":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=VERSION_BUG))
     kw, _, _ = static_args(ROPE)
     model = Prepare(ROPE, backend)
     qkv, positions, residual = call_inputs(ROPE, seed=1)

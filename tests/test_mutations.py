@@ -148,10 +148,10 @@ def _late_bound_reference_kernels() -> torch.library.Library:
     """Register the reference backend's kernels once more, looking ``qkvfuse.reference``'s two kernels up at
     call time, so a patched module attribute is what runs (the backend registry binds them at import). The
     dispatcher runs the latest registration; destroying the returned library restores the original."""
-    lib = torch.library.Library("qkvfuse", "IMPL")
+    lib = _library.impl_library("reference")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Warning only once for all operators")  # overriding, on purpose
-        _library.register_kernels(lib, "reference", "CompositeExplicitAutograd",
+        _library.register_kernels(lib, "CompositeExplicitAutograd",
                                   lambda *args: ref.split_qkv_rmsnorm_rope_out(*args),
                                   lambda *args: ref.add_rmsnorm_out(*args))
     return lib

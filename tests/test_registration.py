@@ -6,7 +6,8 @@ from torch.library import opcheck
 
 import qkvfuse
 from qkvfuse._library import decode_rope, encode_rope
-from qkvfuse.backends import get_backend, select_overload
+from qkvfuse._library import NAMESPACES
+from qkvfuse.backends import get_backend, select_ops
 from qkvfuse._verify import SplitCase, make_split_inputs
 
 CASE = SplitCase(T=5, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.float32, bias=True)
@@ -23,7 +24,7 @@ def _op_args(case):
 
 
 def _overload(op: str, backend: str):
-    return getattr(getattr(torch.ops.qkvfuse, op), select_overload(backend, "cpu"))
+    return getattr(getattr(torch.ops, NAMESPACES[select_ops(backend, "cpu")]), op).default
 
 
 @pytest.mark.parametrize("case", [CASE, MROPE], ids=["rope", "mrope"])
@@ -156,9 +157,9 @@ def test_import_registers_every_backends_kernels_without_building_or_importing_t
 import sys, torch, qkvfuse
 ops = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
        "add_rmsnorm_out"]
-missing = [(op, ov, key) for op in ops for ov, keys in (("", ("CPU", "CUDA", "XPU", "PrivateUse1")),
-           (".triton", ("CPU", "CUDA")), (".reference", ("CompositeExplicitAutograd",)))
-           for key in keys if not torch._C._dispatch_has_kernel_for_dispatch_key(f"qkvfuse::{op}{ov}", key)]
+missing = [(op, ns, key) for op in ops for ns, keys in (("qkvfuse", ("CPU", "CUDA", "XPU", "PrivateUse1")),
+           ("qkvfuse_triton", ("CPU", "CUDA")), ("qkvfuse_reference", ("CompositeExplicitAutograd",)))
+           for key in keys if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{op}", key)]
 import qkvfuse.backends.cpu as cpu
 print(missing, "triton" in sys.modules, cpu._state)
 """

@@ -4,7 +4,7 @@ Nothing else of qkvfuse is imported here; backends register their kernels into t
 layer (:mod:`qkvfuse.ops`) validates arguments and calls the ops. There is one call path:
 public function (or bound object) -> validation -> ``torch.ops.qkvfuse.*`` -> the kernel the dispatcher picks.
 
-Ops (namespace ``qkvfuse``), each with three overloads that share one schema:
+Ops, defined in three namespaces with one schema each:
 
 * ``split_qkv_rmsnorm_rope`` -- functional, returns ``(q, k, v)``;
 * ``split_qkv_rmsnorm_rope_out`` -- writes ``q_out, k_out, v_out``;
@@ -12,10 +12,15 @@ Ops (namespace ``qkvfuse``), each with three overloads that share one schema:
 * ``add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias); without a residual the second
   output of the functional form is an empty placeholder.
 
-Overloads name the backend: ``default`` is "auto" (the dispatcher picks by device: the native kernel for
-``CPU``, Triton for ``CUDA``/``XPU``/``PrivateUse1``, the reference elsewhere), ``reference`` the plain-PyTorch
-specification on any device, ``triton`` the Triton kernels (CPU tensors under ``TRITON_INTERPRET=1``).
-:func:`qkvfuse.backends.resolve_backend` maps a ``backend=`` argument to an overload name.
+The namespace names the backend: ``qkvfuse`` is "auto" (the dispatcher picks by device: the native kernel for
+``CPU``, Triton for ``CUDA``/``XPU``/``PrivateUse1``, the reference elsewhere), ``qkvfuse_reference`` the
+plain-PyTorch specification on any device, ``qkvfuse_triton`` the Triton kernels (CPU tensors under
+``TRITON_INTERPRET=1``). Distinct names, not overloads of one name: a ``torch.jit.trace`` graph records an op
+by name and schema, so overloads with one schema would replay as the first. :func:`qkvfuse.backends.select_ops`
+maps a ``backend=`` argument to a namespace.
+
+The mutating forms bump the version counter of every tensor they write (an ``ADInplaceOrView`` kernel, as
+``torch.library.custom_op`` registers), so autograd raises when it needs a tensor that was overwritten.
 
 The split schema is lean (a call parses fewer arguments): ``head_dim`` is ``qkv.shape[1] // (num_q_heads +
 2 * num_kv_heads)``, the rotary dim is ``cos_sin_cache.shape[1]``, and the rotation style and the mRoPE layout
@@ -29,9 +34,13 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["OVERLOADS", "encode_rope", "decode_rope", "register_kernels", "check_positions", "MAX_HEAD_DIM"]
+__all__ = ["NAMESPACES", "OPS", "encode_rope", "decode_rope", "impl_library", "register_kernels",
+           "check_positions", "MAX_HEAD_DIM"]
 
-OVERLOADS = ("default", "reference", "triton")
+# Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
+NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
+OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
+       "add_rmsnorm_out")
 MAX_HEAD_DIM = 512
 
 # --------------------------------------------------------------------------------------------------------
@@ -67,15 +76,33 @@ _SPLIT_ARGS = ("Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor
                "Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope")
 _NORM_ARGS = "Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps"
 
-_lib = torch.library.Library("qkvfuse", "DEF")
-for _overload in OVERLOADS:
-    _name = "" if _overload == "default" else f".{_overload}"
-    _lib.define(f"split_qkv_rmsnorm_rope{_name}(Tensor qkv, {_SPLIT_ARGS}) -> (Tensor, Tensor, Tensor)")
-    _lib.define(f"split_qkv_rmsnorm_rope_out{_name}(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) q_out, Tensor(b!) k_out, "
+_MUTATED = {"split_qkv_rmsnorm_rope_out": (11, 12, 13), "split_qkv_rmsnorm_rope_inplace": (0,),
+            "add_rmsnorm_out": (5, 6)}  # argument indices each mutating form writes
+_libs = {}
+for _ns in NAMESPACES.values():
+    _lib = _libs[_ns] = torch.library.Library(_ns, "DEF")
+    _lib.define(f"split_qkv_rmsnorm_rope(Tensor qkv, {_SPLIT_ARGS}) -> (Tensor, Tensor, Tensor)")
+    _lib.define(f"split_qkv_rmsnorm_rope_out(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) q_out, Tensor(b!) k_out, "
                 "Tensor(c!) v_out) -> ()")
-    _lib.define(f"split_qkv_rmsnorm_rope_inplace{_name}(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
-    _lib.define(f"add_rmsnorm{_name}({_NORM_ARGS}) -> (Tensor, Tensor)")
-    _lib.define(f"add_rmsnorm_out{_name}({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()")
+    _lib.define(f"split_qkv_rmsnorm_rope_inplace(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
+    _lib.define(f"add_rmsnorm({_NORM_ARGS}) -> (Tensor, Tensor)")
+    _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()")
+
+
+def _version_bumping_kernel(op, mutated):
+    after = torch._C._after_ADInplaceOrView_keyset
+
+    def kernel(keyset, *args):
+        torch.autograd.graph.increment_version([args[i] for i in mutated if args[i] is not None])
+        return op.redispatch(keyset & after, *args)
+
+    return kernel
+
+
+for _ns, _lib in _libs.items():
+    for _op, _mutated in _MUTATED.items():
+        _lib.impl(_op, _version_bumping_kernel(getattr(getattr(torch.ops, _ns), _op).default, _mutated),
+                  "ADInplaceOrView", with_keyset=True)
 
 
 def head_dim_of(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> int:
@@ -99,20 +126,19 @@ def norm_outputs(x: torch.Tensor, residual: Optional[torch.Tensor]):
     return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
 
 
-for _overload in OVERLOADS:
-    _suffix = "" if _overload == "default" else f".{_overload}"
+for _ns, _lib in _libs.items():
 
-    @torch.library.register_fake(f"qkvfuse::split_qkv_rmsnorm_rope{_suffix}", lib=_lib)
+    @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope", lib=_lib)
     def _split_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads,
                     eps, rope):
         return split_outputs(qkv, num_q_heads, num_kv_heads)
 
-    @torch.library.register_fake(f"qkvfuse::add_rmsnorm{_suffix}", lib=_lib)
+    @torch.library.register_fake(f"{_ns}::add_rmsnorm", lib=_lib)
     def _norm_fake(x, residual, weight, bias, eps):
         return norm_outputs(x, residual)
 
-    for _op in ("split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm_out"):
-        torch.library.register_fake(f"qkvfuse::{_op}{_suffix}", lambda *args: None, lib=_lib)
+    for _op in _MUTATED:
+        torch.library.register_fake(f"{_ns}::{_op}", lambda *args: None, lib=_lib)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -126,11 +152,14 @@ SplitOut = Callable[..., None]
 NormOut = Callable[..., None]
 
 
-def register_kernels(lib: torch.library.Library, overload: str, dispatch_key: str, split_out: SplitOut,
-                     norm_out: NormOut) -> None:
-    """Register reference-signature kernels for all five ops' ``overload`` on ``dispatch_key`` through ``lib``
-    (a ``torch.library.Library("qkvfuse", "IMPL")`` owned by the caller, which may ``_destroy()`` it)."""
-    suffix = "" if overload == "default" else f".{overload}"
+def impl_library(backend: str) -> torch.library.Library:
+    """A fresh ``IMPL`` library for the ops of ``backend`` (a key of :data:`NAMESPACES`); its owner may
+    ``_destroy()`` it to take its kernels back."""
+    return torch.library.Library(NAMESPACES[backend], "IMPL")
+
+
+def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut) -> None:
+    """Register reference-signature kernels for all five ops of ``lib``'s namespace on ``dispatch_key``."""
 
     def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out):
         check_positions(positions, cache.shape[0])  # before any output is written
@@ -151,11 +180,11 @@ def register_kernels(lib: torch.library.Library, overload: str, dispatch_key: st
         norm_out(x, residual, weight, bias, eps, y, residual_out if residual is not None else None)
         return y, residual_out
 
-    lib.impl(f"split_qkv_rmsnorm_rope{suffix}", functional, dispatch_key)
-    lib.impl(f"split_qkv_rmsnorm_rope_out{suffix}", out, dispatch_key)
-    lib.impl(f"split_qkv_rmsnorm_rope_inplace{suffix}", inplace, dispatch_key)
-    lib.impl(f"add_rmsnorm{suffix}", norm_functional, dispatch_key)
-    lib.impl(f"add_rmsnorm_out{suffix}", norm_out, dispatch_key)
+    lib.impl("split_qkv_rmsnorm_rope", functional, dispatch_key)
+    lib.impl("split_qkv_rmsnorm_rope_out", out, dispatch_key)
+    lib.impl("split_qkv_rmsnorm_rope_inplace", inplace, dispatch_key)
+    lib.impl("add_rmsnorm", norm_functional, dispatch_key)
+    lib.impl("add_rmsnorm_out", norm_out, dispatch_key)
 
 
 # --------------------------------------------------------------------------------------------------------

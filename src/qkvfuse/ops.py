@@ -1,7 +1,7 @@
 """Public ops: validation (once, here) and the call into ``torch.ops.qkvfuse.*``.
 
 Every call takes one path: public function or bound object -> the validator below -> ``torch.ops.qkvfuse.<op>``
-(the overload the backend rule picks, :func:`qkvfuse.backends.select_overload`) -> the kernel the dispatcher
+(the namespace the backend rule picks, :func:`qkvfuse.backends.select_ops`) -> the kernel the dispatcher
 picks. Nothing decides by itself that a call may skip the dispatcher, so tracers, modes, the profiler,
 ``torch.compile`` and ``torch.export`` all see the op, and the result never depends on which is active.
 
@@ -33,7 +33,7 @@ import torch
 
 from . import _library
 from ._library import MAX_HEAD_DIM, encode_rope
-from .backends import select_overload
+from .backends import select_ops
 
 __all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "QKNormRope", "AddRMSNorm",
            "MAX_HEAD_DIM"]
@@ -50,14 +50,13 @@ class _Ops(NamedTuple):
     norm_out: object
 
 
-# One bundle of op overloads per backend overload name (see qkvfuse._library).
-_OPS = {name: _Ops(*(getattr(getattr(torch.ops.qkvfuse, op), name) for op in (
-    "split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
-    "add_rmsnorm_out"))) for name in _library.OVERLOADS}
+# One bundle of ops per backend choice (see qkvfuse._library.NAMESPACES).
+_OPS = {name: _Ops(*(getattr(getattr(torch.ops, ns), op).default for op in _library.OPS))
+        for name, ns in _library.NAMESPACES.items()}
 
 
 def _ops_for(backend: Optional[str], device: torch.device) -> _Ops:
-    return _OPS[select_overload(backend, device.type)]
+    return _OPS[select_ops(backend, device.type)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -112,6 +111,15 @@ def _check_io_dtype(arg: str, t: torch.Tensor, io_dtypes, weights) -> None:
     if t.dtype not in io_dtypes:
         name, w = next((n, w) for n, w in weights if w is not None and w.dtype not in (torch.float32, t.dtype))
         _fail(name, f"dtype {w.dtype}", f"torch.float32 or {arg}'s dtype {t.dtype}", TypeError)
+
+
+def _sizes_differ(a, b) -> bool:
+    """``a != b`` for two sizes. Symbolic sizes that tracing cannot decide (``torch.compile`` with an unbacked
+    token dim) are asserted equal at run time instead (``torch._check``), so the validator never guards on them."""
+    if not torch.compiler.is_compiling():
+        return a != b
+    torch._check(a == b, lambda: "positions: expected as many tokens as qkv")
+    return False
 
 
 def _check_no_grad(named) -> None:
@@ -368,9 +376,9 @@ def _check_split_call(c: _SplitConfig, qkv, positions) -> None:
         _fail("positions", f"dtype {positions.dtype}", "torch.int32 or torch.int64", TypeError)
     T, p_shape = shape[0], positions.shape
     if c.mrope:
-        if len(p_shape) != 2 or p_shape[0] != 3 or p_shape[1] != T:
+        if len(p_shape) != 2 or p_shape[0] != 3 or _sizes_differ(p_shape[1], T):
             _fail("positions", f"shape {tuple(p_shape)}", f"shape (3, {T}) (temporal, height, width) with mrope_section")
-    elif len(p_shape) != 1 or p_shape[0] != T:
+    elif len(p_shape) != 1 or _sizes_differ(p_shape[0], T):
         hint = " (3-D positions need mrope_section)" if len(p_shape) == 2 else ""
         _fail("positions", f"shape {tuple(p_shape)}", f"shape ({T},) for RoPE{hint}")
     if torch.is_grad_enabled():

@@ -11,9 +11,9 @@ Importing this package (``import qkvfuse`` does) registers every backend's kerne
 kernel whatever was imported before. The expensive parts stay lazy behind the registered kernels: the native
 library is compiled (once per version, cached) and Triton imported on the first call that needs them.
 
-The backend rule (:func:`select_overload`, the one place it lives): a ``backend=`` argument, else
-``$QKVFUSE_BACKEND``, else ``auto``. ``auto`` is the ops' ``default`` overload, for which the dispatcher picks
-by device -- ``cpu`` for CPU tensors, ``triton`` for ``cuda``/``xpu``/``npu`` tensors, ``reference`` on other
+The backend rule (:func:`select_ops`, the one place it lives): a ``backend=`` argument, else
+``$QKVFUSE_BACKEND``, else ``auto``. ``auto`` is the ops of the ``qkvfuse`` namespace, for which the dispatcher
+picks by device -- ``cpu`` for CPU tensors, ``triton`` for ``cuda``/``xpu``/``npu`` tensors, ``reference`` on other
 devices -- and an automatically chosen backend that cannot be built or imported falls back to ``reference``
 with one warning. An explicitly requested backend that is unavailable raises.
 """
@@ -30,14 +30,15 @@ import torch
 
 from .. import _library, reference
 
-__all__ = ["BACKEND_NAMES", "select_overload", "resolve_backend", "available_backends", "get_backend"]
+__all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "get_backend"]
 
 BACKEND_NAMES = ("reference", "cpu", "triton")
 _MODULES = {"reference": "qkvfuse.reference", "cpu": "qkvfuse.backends.cpu", "triton": "qkvfuse.backends.triton"}
 # Device type -> the backend "auto" means there; other device types get the reference.
 _DEVICE_BACKEND = {"cpu": "cpu", "cuda": "triton", "xpu": "triton", "npu": "triton"}
-# Backend -> the op overload that runs it (the native CPU kernels are the default overload's CPU kernels).
-_OVERLOAD = {"reference": "reference", "cpu": "default", "triton": "triton"}
+# Backend -> the ops that run it (a key of qkvfuse._library.NAMESPACES; the native CPU kernels are the auto
+# ops' CPU kernels).
+_OPS = {"reference": "reference", "cpu": "auto", "triton": "triton"}
 # Backend -> device types it serves.
 _SERVES = {"reference": None, "cpu": ("cpu",), "triton": ("cuda", "xpu", "npu", "cpu")}
 _TRITON_KEYS = {"cuda": "CUDA", "xpu": "XPU", "npu": "PrivateUse1"}
@@ -101,7 +102,7 @@ def _select(backend: Optional[str], device_type: str, source: str) -> str:
 
 def _select_uncached(backend: Optional[str], device_type: str, source: str) -> str:
     if backend is None or backend == "auto":
-        return "default"
+        return "auto"
     if not isinstance(backend, str) or backend not in BACKEND_NAMES:
         raise ValueError(f"{source}: expected one of {('auto',) + BACKEND_NAMES}, got {backend!r}")
     serves = _SERVES[backend]
@@ -111,11 +112,12 @@ def _select_uncached(backend: Optional[str], device_type: str, source: str) -> s
     module, reason = _load(backend)
     if module is None:
         raise RuntimeError(f"qkvfuse: backend {backend!r} was requested but is unavailable: {reason}")
-    return _OVERLOAD[backend]
+    return _OPS[backend]
 
 
-def select_overload(backend: Optional[str], device_type: str) -> str:
-    """The op overload (``"default"``, ``"reference"`` or ``"triton"``) that runs ``backend`` -- an argument
+def select_ops(backend: Optional[str], device_type: str) -> str:
+    """The ops (``"auto"``, ``"reference"`` or ``"triton"``: a key of :data:`qkvfuse._library.NAMESPACES`) that
+    run ``backend`` -- an argument
     value, ``None`` meaning ``$QKVFUSE_BACKEND`` or ``auto`` -- on tensors of ``device_type``. Cached per
     (backend, device type, environment value); raises ``ValueError`` for an unknown backend and
     ``RuntimeError`` for an unavailable one."""
@@ -126,24 +128,24 @@ def select_overload(backend: Optional[str], device_type: str) -> str:
 
 def resolve_backend(backend: Optional[str], device_type: str) -> str:
     """The name of the backend that runs for ``backend`` on ``device_type`` (builds or imports it to know)."""
-    overload = select_overload(backend, device_type)
-    if overload != "default":
-        return "reference" if overload == "reference" else "triton"
+    ops = select_ops(backend, device_type)
+    if ops != "auto":
+        return ops
     name = _DEVICE_BACKEND.get(device_type, "reference")
     return name if _load(name)[0] is not None else "reference"
 
 
 # --------------------------------------------------------------------------------------------------------
-# Registration (at import). The reference is the default overload's kernel on devices without another one.
+# Registration (at import). The reference is the auto ops' kernel on devices without another one.
 # --------------------------------------------------------------------------------------------------------
-_impl = torch.library.Library("qkvfuse", "IMPL")
-for _overload in ("reference", "default"):
-    _library.register_kernels(_impl, _overload, "CompositeExplicitAutograd", reference.split_qkv_rmsnorm_rope_out,
+_impls = {name: _library.impl_library(name) for name in _library.NAMESPACES}
+for _name in ("reference", "auto"):
+    _library.register_kernels(_impls[_name], "CompositeExplicitAutograd", reference.split_qkv_rmsnorm_rope_out,
                               reference.add_rmsnorm_out)
 
 
 class _LazyTriton:
-    """Triton kernels for one overload: import the backend on the first call. For ``default`` (auto) a failed
+    """Triton kernels for one set of ops: import the backend on the first call. For ``auto`` a failed
     import falls back to the reference with one warning; for ``triton`` (requested) it raises."""
 
     def __init__(self, fallback: bool):
@@ -168,10 +170,10 @@ class _LazyTriton:
         self._kernels().norm_out(*args)
 
 
-for _overload, _keys in (("default", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
-    _lazy = _LazyTriton(fallback=_overload == "default")
+for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
+    _lazy = _LazyTriton(fallback=_name == "auto")
     for _key in _keys:
-        _library.register_kernels(_impl, _overload, _key, _lazy.split, _lazy.norm)
+        _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm)
 
 from . import cpu as _cpu  # noqa: E402  (registers the lazily built native kernels for CPU tensors)
 

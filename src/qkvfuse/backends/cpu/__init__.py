@@ -1,4 +1,4 @@
-"""Native CPU backend: C++ kernels against ATen, the ``CPU`` kernels of the ops' ``default`` overload.
+"""Native CPU backend: C++ kernels against ATen, the ``CPU`` kernels of the auto ops (namespace ``qkvfuse``).
 
 At ``import qkvfuse`` (:func:`register_lazy_kernels`) a Python kernel is registered for the ``CPU`` key that, on
 the first call, builds the library (a plain shared library, compiled once per version of its sources and
@@ -122,7 +122,7 @@ def prebuild() -> str:
 
 
 # --------------------------------------------------------------------------------------------------------
-# The lazy kernel: registered at import for the default overload's CPU key; the first call builds and loads
+# The lazy kernel: registered at import for the auto ops' CPU key; the first call builds and loads
 # the library, after which the dispatcher calls the C++ kernels directly (this Python kernel is destroyed).
 # --------------------------------------------------------------------------------------------------------
 _lazy_lib: Optional[torch.library.Library] = None
@@ -155,8 +155,8 @@ def register_lazy_kernels(fall_back) -> None:
 
 def _register_lazy() -> None:
     global _lazy_lib
-    _lazy_lib = torch.library.Library("qkvfuse", "IMPL")
-    _library.register_kernels(_lazy_lib, "default", "CPU", _first_call_split, _first_call_norm)
+    _lazy_lib = _library.impl_library("auto")
+    _library.register_kernels(_lazy_lib, "CPU", _first_call_split, _first_call_norm)
 
 
 def split_qkv_rmsnorm_rope_out(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
