@@ -99,10 +99,18 @@ def _version_bumping_kernel(op, mutated):
     return kernel
 
 
-for _ns, _lib in _libs.items():
-    for _op, _mutated in _MUTATED.items():
-        _lib.impl(_op, _version_bumping_kernel(getattr(getattr(torch.ops, _ns), _op).default, _mutated),
-                  "ADInplaceOrView", with_keyset=True)
+def register_version_kernels(backend: str) -> torch.library.Library:
+    """Register the Python ``ADInplaceOrView`` kernels of ``backend``'s mutating ops; the returned library may be
+    ``_destroy()``-ed by a backend that registers its own (the native CPU library does, in C++)."""
+    ns = NAMESPACES[backend]
+    lib = torch.library.Library(ns, "IMPL")
+    for op, mutated in _MUTATED.items():
+        lib.impl(op, _version_bumping_kernel(getattr(getattr(torch.ops, ns), op).default, mutated), "ADInplaceOrView",
+                 with_keyset=True)
+    return lib
+
+
+version_libraries = {backend: register_version_kernels(backend) for backend in NAMESPACES}
 
 
 def head_dim_of(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> int:

@@ -28,7 +28,7 @@ from .build import build_library, cache_root, library_key
 __all__ = ["available", "load_library", "prebuild", "register_lazy_kernels", "split_qkv_rmsnorm_rope_out",
            "add_rmsnorm_out"]
 
-_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp")
+_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "inplace_versions.cpp")
 # ATen's vector headers pick their implementation from CPU_CAPABILITY*; the -m flags are the ones torch's
 # own build uses for the same capability. -ffp-contract=off keeps the scalar tails free of compiler-chosen
 # FMAs (the kernels place theirs explicitly). OpenMP pragmas inside at::parallel_for need -fopenmp at
@@ -98,14 +98,17 @@ def available() -> Tuple[bool, str]:
     global _state
     with _lock:
         if _state is None:
-            # The lazy Python kernel makes way first: the library registers the C++ kernels when it loads.
+            # The lazy Python kernel and the Python version-counter kernels make way first: the library
+            # registers its C++ kernels for the same keys when it loads.
             if _lazy_lib is not None:
                 _lazy_lib._destroy()
+            _library.version_libraries.pop("auto")._destroy()
             try:
                 load_library()
                 _state = (True, "")
             except Exception as exc:  # a missing compiler, a failed build: the lazy kernel falls back
                 _state = (False, _summary(exc))
+                _library.version_libraries["auto"] = _library.register_version_kernels("auto")
                 if _fall_back is not None:
                     _register_lazy()
     return _state
