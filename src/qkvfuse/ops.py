@@ -215,10 +215,9 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_outputs(outs, inputs, own) -> None:
-    """``outs`` (name, tensor) share no element with an input (``inputs``: :func:`_spans` entries) -- except the
-    output named ``o``
-    exactly aliasing ``own[o]`` = (its input's name, a callable giving the view it may be) -- nor with each
-    other. Each tensor's byte span is computed once (this runs on every decode step of an engine)."""
+    """``outs`` (name, tensor) share no element with an input (``inputs``: :func:`_spans` entries) -- except
+    output ``name`` exactly aliasing ``own(name)`` = (its input's name, the view it may be; called only on a
+    conflict) -- nor with each other. Each span is computed once (this runs on every call with ``out=``)."""
     outs = _spans(outs)
     if not outs:
         return
@@ -229,8 +228,8 @@ def _check_outputs(outs, inputs, own) -> None:
         for out in outs:
             if not _meet(out, src):
                 continue
-            own_name, own_view = own[out[0]]
-            if src[0] == own_name and _same_view(out[1], own_view()):
+            own_name, own_view = own(out[0])
+            if src[0] == own_name and _same_view(out[1], own_view):
                 continue
             _fail(out[0], f"memory shared with {src[0]}",
                   f"no element shared with an input other than exactly aliasing its own slice of {own_name}")
@@ -339,7 +338,8 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
     eps = _check_eps(eps)
     kv_width = num_kv_heads * head_dim
     c = _SplitConfig(num_q_heads, num_kv_heads, head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim,
-                     (num_q_heads * head_dim, kv_width, kv_width), cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
+                     (num_q_heads * head_dim, kv_width, kv_width), cos_sin_cache, q_weight, k_weight, q_bias, k_bias,
+                     eps,
                      encode_rope(is_neox, sections, mrope_interleaved), bool(sections), device, anchor,
                      _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device), None)
     # A bound object's tensors are held by reference: their spans are computed once (replacing a tensor's
@@ -377,7 +377,8 @@ def _check_split_call(c: _SplitConfig, qkv, positions) -> None:
     T, p_shape = shape[0], positions.shape
     if c.mrope:
         if len(p_shape) != 2 or p_shape[0] != 3 or _sizes_differ(p_shape[1], T):
-            _fail("positions", f"shape {tuple(p_shape)}", f"shape (3, {T}) (temporal, height, width) with mrope_section")
+            _fail("positions", f"shape {tuple(p_shape)}",
+                  f"shape (3, {T}) (temporal, height, width) with mrope_section")
     elif len(p_shape) != 1 or _sizes_differ(p_shape[0], T):
         hint = " (3-D positions need mrope_section)" if len(p_shape) == 2 else ""
         _fail("positions", f"shape {tuple(p_shape)}", f"shape ({T},) for RoPE{hint}")
@@ -388,6 +389,9 @@ def _check_split_call(c: _SplitConfig, qkv, positions) -> None:
 
 
 
+_SPLIT_OUTS = ("q_out", "k_out", "v_out")
+
+
 def _run_split(c: _SplitConfig, qkv, positions, out):
     _check_split_call(c, qkv, positions)
     args = (qkv, positions, c.cos_sin_cache, c.q_weight, c.k_weight, c.q_bias, c.k_bias, c.num_q_heads,
@@ -395,13 +399,11 @@ def _run_split(c: _SplitConfig, qkv, positions, out):
     if out is None:
         return c.ops.split(*args)
     T, kv = qkv.shape[0], c.num_kv_heads * c.head_dim
-    _check_out_tuple(out, ("q_out", "k_out", "v_out"), ((T, c.num_q_heads * c.head_dim), (T, kv), (T, kv)), qkv,
-                     "qkv")
+    _check_out_tuple(out, _SPLIT_OUTS, ((T, c.num_q_heads * c.head_dim), (T, kv), (T, kv)), qkv, "qkv")
     if _real_memory(qkv, *out):
-        views = lambda i: (lambda: _library.inplace_views(qkv, c.num_q_heads, c.num_kv_heads)[i])  # noqa: E731
-        _check_outputs(tuple(zip(("q_out", "k_out", "v_out"), out)),
+        _check_outputs(tuple(zip(_SPLIT_OUTS, out)),
                        _spans((("qkv", qkv), ("positions", positions))) + _static_spans(c),
-                       {"q_out": ("qkv", views(0)), "k_out": ("qkv", views(1)), "v_out": ("qkv", views(2))})
+                       lambda name: ("qkv", qkv.split_with_sizes(c.widths, 1)[_SPLIT_OUTS.index(name)]))
     c.ops.split_out(*args, *out)
     return tuple(out)
 
@@ -654,7 +656,7 @@ def _run_norm(c: _NormConfig, x, residual, out):
     if _real_memory(x, y, residual_out):
         _check_outputs((("y_out", y), ("residual_out", residual_out)),
                        _spans((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias))),
-                       {"y_out": ("x", lambda: x), "residual_out": ("residual", lambda: residual)})
+                       lambda name: ("x", x) if name == "y_out" else ("residual", residual))
     c.ops.norm_out(x, residual, c.weight, c.bias, c.eps, y, residual_out)
     return y, (residual_out if residual is not None else x)
 

@@ -353,3 +353,31 @@ def test_specialised_and_streaming_store_paths_at_large_t(is_neox, rotary_dim, n
     views = qkvfuse.split_qkv_rmsnorm_rope_(work, **{k: v for k, v in kwargs.items() if k != "qkv"}, backend="cpu")
     for a, b, c in zip(got, one, views):
         assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(a), _bits(c.contiguous()))
+
+
+def test_capability_beyond_the_cpu_is_a_clear_error_not_sigill(tmp_path):
+    """QKVFUSE_CPU_CAPABILITY naming an instruction set this CPU lacks: the backend is unavailable with that
+    reason (auto falls back with one warning, an explicit backend="cpu" raises), never a SIGILL."""
+    from qkvfuse.backends import cpu
+
+    if cpu._width(torch.backends.cpu.get_cpu_capability()) == "AVX512":
+        pytest.skip("this CPU has AVX-512: nothing beyond it to ask for")
+    script = """
+        import json, warnings, torch, qkvfuse
+        from qkvfuse.backends import available_backends
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, _ = qkvfuse.add_rmsnorm(torch.randn(2, 8), None, torch.ones(8))
+        try:
+            qkvfuse.add_rmsnorm(torch.randn(2, 8), None, torch.ones(8), backend="cpu")
+            explicit = "no error"
+        except RuntimeError as exc:
+            explicit = str(exc)
+        print(json.dumps({"warnings": [str(w.message) for w in caught], "explicit": explicit,
+                          "reason": available_backends()["cpu"]}))
+    """
+    result = _run_child(script, {"QKVFUSE_CPU_CAPABILITY": "AVX512", "QKVFUSE_BUILD_DIR": str(tmp_path),
+                                 "QKVFUSE_BACKEND": ""})
+    assert len(result["warnings"]) == 1 and "this CPU supports up to" in result["warnings"][0]
+    assert "QKVFUSE_CPU_CAPABILITY=AVX512: this CPU supports up to" in result["reason"]
+    assert "requested but is unavailable" in result["explicit"]

@@ -272,11 +272,14 @@ def test_add_rmsnorm_blocks(blocks, H, residual):
         assert torch.equal(x2, y) and torch.equal(r2, res_out)
 
 
-def test_dispatch_device_types():
+def test_device_types_and_registration():
+    """The launchers serve cuda/xpu/npu (the auto ops' device keys) and CPU tensors under the interpreter."""
     from qkvfuse.backends import triton as backend
 
-    assert backend.DISPATCH_DEVICE_TYPES == ("cuda", "xpu", "npu")
+    assert backend.DEVICE_TYPES == ("cuda", "xpu", "npu")
     assert backend.available() == (True, "")
+    for key in ("CUDA", "XPU", "PrivateUse1"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("qkvfuse::split_qkv_rmsnorm_rope", key), key
     assert qkvfuse.backends.resolve_backend(None, "cpu") != "triton"  # CPU tensors keep the CPU backend
 
 

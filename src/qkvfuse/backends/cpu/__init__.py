@@ -44,13 +44,29 @@ _state: Optional[Tuple[bool, str]] = None
 _lock = threading.RLock()
 
 
+_WIDTHS = ("DEFAULT", "AVX2", "AVX512")  # narrowest first
+
+
+def _width(name: str) -> str:
+    name = name.upper()
+    return "AVX512" if name.startswith("AVX512") else (name if name in _CAPABILITY_FLAGS else "DEFAULT")
+
+
 def capability() -> str:
-    """The ATen vector capability the library is built for (a key of the flag table)."""
-    requested = os.environ.get("QKVFUSE_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
-    requested = requested.upper()
-    if requested.startswith("AVX512"):
-        return "AVX512"
-    return requested if requested in _CAPABILITY_FLAGS else "DEFAULT"
+    """The ATen vector capability the library is built for (a key of the flag table): this CPU's, as torch
+    detects it, or ``$QKVFUSE_CPU_CAPABILITY``. Asking for more than the CPU has raises ``RuntimeError`` (the
+    library would die with SIGILL): the backend is then unavailable, with that reason."""
+    detected = _width(torch.backends.cpu.get_cpu_capability())
+    requested = os.environ.get("QKVFUSE_CPU_CAPABILITY")
+    if not requested:
+        return detected
+    if requested.upper() not in _WIDTHS and not requested.upper().startswith("AVX512"):
+        raise RuntimeError(f"QKVFUSE_CPU_CAPABILITY: expected one of {', '.join(_WIDTHS)}, got {requested!r}")
+    wanted = _width(requested)
+    if _WIDTHS.index(wanted) > _WIDTHS.index(detected):
+        raise RuntimeError(f"QKVFUSE_CPU_CAPABILITY={requested}: this CPU supports up to {detected} (torch's "
+                           f"detection); a build for {wanted} would stop the process with an illegal instruction")
+    return wanted
 
 
 _HERE = Path(__file__).resolve().parent
