@@ -26,7 +26,6 @@ Rules that hold on every backend:
 from __future__ import annotations
 
 import math
-import sys
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -135,14 +134,17 @@ def _check_no_grad(named) -> None:
 # --------------------------------------------------------------------------------------------------------
 # The exact overlap rule.
 # --------------------------------------------------------------------------------------------------------
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _real_memory(*tensors) -> bool:
-    """True when every tensor has real memory to compare (not traced by dynamo, not fake or meta)."""
+    """True when every tensor is a plain tensor (or parameter) with memory to compare: not traced by dynamo, not
+    meta, not a subclass (fake, functional, distributed tensors have no comparable data pointers)."""
     if torch.compiler.is_compiling():
         return False
-    # A FakeTensor can only exist once its module is imported (importing it here would pull in torch._dynamo).
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
     for t in tensors:
-        if t is not None and (t.is_meta or (fake is not None and isinstance(t, fake.FakeTensor))):
+        # type() identity, not isinstance: tensor subclasses' isinstance goes through a Python metaclass hook.
+        if t is not None and (type(t) not in _PLAIN or t.is_meta):
             return False
     return True
 
@@ -215,10 +217,9 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _check_outputs(outs, inputs, own) -> None:
-    """``outs`` (name, tensor) share no element with an input (``inputs``: :func:`_spans` entries) -- except
+    """``outs`` share no element with an input (both lists of :func:`_spans` entries) -- except
     output ``name`` exactly aliasing ``own(name)`` = (its input's name, the view it may be; called only on a
-    conflict) -- nor with each other. Each span is computed once (this runs on every call with ``out=``)."""
-    outs = _spans(outs)
+    conflict) -- nor with each other."""
     if not outs:
         return
     lo, hi = min(o[3][0] for o in outs), max(o[3][1] for o in outs)
@@ -239,19 +240,35 @@ def _check_outputs(outs, inputs, own) -> None:
                 _fail(out[0], f"memory shared with {other[0]}", "outputs that share no element with each other")
 
 
-def _check_out_tuple(out, names, shapes, like: torch.Tensor, like_name: str) -> None:
+def _check_out_tuple(out, names, shapes, like: torch.Tensor, like_name: str, real: bool) -> list:
+    """Check ``out`` (tensors with ``like``'s device and dtype, these shapes, a unit last stride and
+    non-overlapping rows); with ``real`` (their memory can be compared: :func:`_real_memory`) return the
+    :func:`_spans` entries of its non-empty tensors, read from the checked layout (this runs on every call with
+    ``out=``)."""
     if not isinstance(out, (tuple, list)) or len(out) != len(names):
         got = f"{len(out)} tensors" if isinstance(out, (tuple, list)) else type(out).__name__
         _fail("out", got, f"a tuple of {len(names)} tensors ({', '.join(names)})", TypeError)
+    device, dtype, size_of = like.device, like.dtype, like.element_size()
+    entries = []
     for name, t, shape in zip(names, out, shapes):
         if t is None:
             _fail(name, "None", f"a tensor (out= takes all of {', '.join(names)})", TypeError)
-        _check_tensor(name, t, like.device, like_name)
-        if t.dtype != like.dtype:
-            _fail(name, f"dtype {t.dtype}", f"dtype {like.dtype} ({like_name}'s)", TypeError)
-        if tuple(t.shape) != shape:
+        _check_tensor(name, t, device, like_name)
+        if t.dtype != dtype:
+            _fail(name, f"dtype {t.dtype}", f"dtype {dtype} ({like_name}'s)", TypeError)
+        if t.shape != shape:
             _fail(name, f"shape {tuple(t.shape)}", f"shape {shape}")
-        _check_rows(name, t, shape[1])
+        rows, width = shape
+        row_stride, col_stride = t.stride()
+        if col_stride != 1 or row_stride < width:
+            if rows and width:
+                _fail(name, f"strides {t.stride()}", f"a contiguous last dim (stride 1) and row stride >= {width}")
+            continue
+        if real and rows and width:
+            first, step = t.data_ptr(), (row_stride * size_of if rows > 1 else 0)
+            entries.append((name, t, (first, step, rows, width * size_of),
+                            (first, first + (rows - 1) * step + width * size_of)))
+    return entries
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -276,6 +293,7 @@ class _SplitConfig(NamedTuple):
     io_dtypes: Tuple[torch.dtype, ...]
     ops: _Ops
     static_spans: Optional[list]  # bound objects: (name, tensor, byte span) of the table, weights and biases
+    static_args: tuple  # the ops' arguments after qkv and positions
 
 
 def _static_spans(c) -> list:
@@ -341,7 +359,9 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
                      (num_q_heads * head_dim, kv_width, kv_width), cos_sin_cache, q_weight, k_weight, q_bias, k_bias,
                      eps,
                      encode_rope(is_neox, sections, mrope_interleaved), bool(sections), device, anchor,
-                     _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device), None)
+                     _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device), None,
+                     (cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, eps,
+                      encode_rope(is_neox, sections, mrope_interleaved)))
     # A bound object's tensors are held by reference: their spans are computed once (replacing a tensor's
     # storage under a bound object, e.g. `weight.data = ...`, needs a new object).
     return c._replace(static_spans=_static_spans(c)) if bound and _real_memory(cos_sin_cache, q_weight) else c
@@ -394,17 +414,17 @@ _SPLIT_OUTS = ("q_out", "k_out", "v_out")
 
 def _run_split(c: _SplitConfig, qkv, positions, out):
     _check_split_call(c, qkv, positions)
-    args = (qkv, positions, c.cos_sin_cache, c.q_weight, c.k_weight, c.q_bias, c.k_bias, c.num_q_heads,
-            c.num_kv_heads, c.eps, c.rope)
     if out is None:
-        return c.ops.split(*args)
+        return c.ops.split(qkv, positions, *c.static_args)
     T, kv = qkv.shape[0], c.num_kv_heads * c.head_dim
-    _check_out_tuple(out, _SPLIT_OUTS, ((T, c.num_q_heads * c.head_dim), (T, kv), (T, kv)), qkv, "qkv")
-    if _real_memory(qkv, *out):
-        _check_outputs(tuple(zip(_SPLIT_OUTS, out)),
+    real = _real_memory(qkv, *out) if isinstance(out, (tuple, list)) else False
+    entries = _check_out_tuple(out, _SPLIT_OUTS, ((T, c.num_q_heads * c.head_dim), (T, kv), (T, kv)), qkv, "qkv",
+                               real)
+    if real:
+        _check_outputs(entries,
                        _spans((("qkv", qkv), ("positions", positions))) + _static_spans(c),
                        lambda name: ("qkv", qkv.split_with_sizes(c.widths, 1)[_SPLIT_OUTS.index(name)]))
-    c.ops.split_out(*args, *out)
+    c.ops.split_out(qkv, positions, *c.static_args, *out)
     return tuple(out)
 
 
@@ -416,8 +436,7 @@ def _run_split_(c: _SplitConfig, qkv, positions):
             if _meet(target, src):
                 _fail("qkv", f"memory shared with {src[0]}", "an in-place target that shares no element with another "
                       "input")
-    c.ops.split_inplace(qkv, positions, c.cos_sin_cache, c.q_weight, c.k_weight, c.q_bias, c.k_bias, c.num_q_heads,
-                        c.num_kv_heads, c.eps, c.rope)
+    c.ops.split_inplace(qkv, positions, *c.static_args)
     return qkv.split_with_sizes(c.widths, 1)
 
 
@@ -648,13 +667,15 @@ def _run_norm(c: _NormConfig, x, residual, out):
     if residual is None:
         if isinstance(out, (tuple, list)) and len(out) == 2 and out[1] is None:
             out = (out[0],)
-        _check_out_tuple(out[:1] if isinstance(out, (tuple, list)) else out, ("y_out",), (shape,), x, "x")
-        y, residual_out = out[0], None
+        out = out[:1] if isinstance(out, (tuple, list)) else out
+        names, shapes = ("y_out",), (shape,)
     else:
-        _check_out_tuple(out, ("y_out", "residual_out"), (shape, shape), x, "x")
-        y, residual_out = out
-    if _real_memory(x, y, residual_out):
-        _check_outputs((("y_out", y), ("residual_out", residual_out)),
+        names, shapes = ("y_out", "residual_out"), (shape, shape)
+    real = _real_memory(x, *out) if isinstance(out, (tuple, list)) else False
+    entries = _check_out_tuple(out, names, shapes, x, "x", real)
+    y, residual_out = (out[0], None) if residual is None else out
+    if real:
+        _check_outputs(entries,
                        _spans((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias))),
                        lambda name: ("x", x) if name == "y_out" else ("residual", residual))
     c.ops.norm_out(x, residual, c.weight, c.bias, c.eps, y, residual_out)
