@@ -622,9 +622,11 @@ class _NormConfig(NamedTuple):
     anchor: str
     io_dtypes: Tuple[torch.dtype, ...]
     ops: _Ops
+    static_spans: Optional[list]  # bound objects: the :func:`_spans` entries of the weight and bias
 
 
-def _norm_config(weight, eps, bias, backend, device=None, anchor="weight", hidden=None) -> _NormConfig:
+def _norm_config(weight, eps, bias, backend, device=None, anchor="weight", hidden=None,
+                 bound=False) -> _NormConfig:
     if not isinstance(weight, torch.Tensor):
         _fail("weight", type(weight).__name__, "a torch.Tensor", TypeError)
     device = weight.device if device is None else device
@@ -632,8 +634,9 @@ def _norm_config(weight, eps, bias, backend, device=None, anchor="weight", hidde
     _check_vector("weight", weight, hidden if hidden is not None else -1, device, anchor)
     if bias is not None:
         _check_vector("bias", bias, hidden, device, anchor)
+    spans = _spans((("weight", weight), ("bias", bias))) if bound and _real_memory(weight, bias) else None
     return _NormConfig(weight, bias, _check_eps(eps), hidden, device, anchor, _io_dtypes((weight, bias)),
-                       _ops_for(backend, device))
+                       _ops_for(backend, device), spans)
 
 
 def _check_x(x) -> None:
@@ -676,7 +679,9 @@ def _run_norm(c: _NormConfig, x, residual, out):
     y, residual_out = (out[0], None) if residual is None else out
     if real:
         _check_outputs(entries,
-                       _spans((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias))),
+                       _spans((("x", x), ("residual", residual))) + (
+                           c.static_spans if c.static_spans is not None
+                           else _spans((("weight", c.weight), ("bias", c.bias)))),
                        lambda name: ("x", x) if name == "y_out" else ("residual", residual))
     c.ops.norm_out(x, residual, c.weight, c.bias, c.eps, y, residual_out)
     return y, (residual_out if residual is not None else x)
@@ -705,7 +710,7 @@ class AddRMSNorm:
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, bias: Optional[torch.Tensor] = None, *,
                  backend: Optional[str] = None):
-        self.config = _norm_config(weight, eps, bias, backend)
+        self.config = _norm_config(weight, eps, bias, backend, bound=True)
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
                  out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
