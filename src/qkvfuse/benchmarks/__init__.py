@@ -21,7 +21,7 @@ from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
 from .percall import CallRow, percall_norm, percall_split, percall_summary, print_percall, print_percall_summary
-from .report import (BUSY_SHARE, TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine,
+from .report import (BUSY_SHARE, configure, TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine,
                      print_summary, print_tables, summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, cpu_snapshot, machine_info, others_share
 
@@ -109,17 +109,9 @@ def run_bench(args) -> int:
 
         return run_e2e_cli(args)
     t_start = time.perf_counter()
-    try:
-        cfg = config_from_args(args)
-    except (KeyError, ValueError) as exc:
-        print(f"bench: {exc.args[0] if exc.args else exc}")
-        return 2
-    threads = getattr(args, "threads", None)
-    if threads is not None:
-        if threads < 1:
-            print(f"bench: --threads: expected a positive int, got {threads}")
-            return 2
-        torch.set_num_threads(threads)
+    cfg, code = configure(args, config_from_args)
+    if code is not None:
+        return code
     machine = machine_info()
     print_machine(machine)
     print("qkvfuse cpu backend: " + (f"unavailable, column skipped ({cfg.cpu_reason})" if cfg.cpu_reason

@@ -534,19 +534,11 @@ def config_from_args(args) -> E2EConfig:
 
 def run_e2e_cli(args) -> int:
     """``bench --e2e``: 0, 1 when a row failed (a check or an exception), 2 for bad flags."""
-    from .report import print_machine
+    from .report import configure, print_machine
 
-    try:
-        cfg = config_from_args(args)
-    except (KeyError, ValueError) as exc:
-        print(f"bench: {exc.args[0] if exc.args else exc}")
-        return 2
-    threads = getattr(args, "threads", None)
-    if threads is not None:
-        if threads < 1:
-            print(f"bench: --threads: expected a positive int, got {threads}")
-            return 2
-        torch.set_num_threads(threads)
+    cfg, code = configure(args, config_from_args)
+    if code is not None:
+        return code
     t0 = time.perf_counter()
     machine = machine_info()
     print_machine(machine)

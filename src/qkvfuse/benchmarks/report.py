@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import torch
+
 from .._verify.sections import Section, print_section
 from .harness import BARE, COMPILED, COPY, CPU, EAGER, ROTATE_MAX_T, Row
 
@@ -59,6 +61,23 @@ def _pct(r: Optional[float]) -> str:
 
 def _times(v: Optional[float]) -> str:
     return "" if v is None else f"{v:.2f}x"
+
+
+def configure(args, config_from_args):
+    """``(config, None)`` from the parsed flags (``--threads`` applied), or ``(None, 2)`` after printing why a flag
+    is bad: the start of every ``bench`` mode."""
+    try:
+        cfg = config_from_args(args)
+    except (KeyError, ValueError) as exc:
+        print(f"bench: {exc.args[0] if exc.args else exc}")
+        return None, 2
+    threads = getattr(args, "threads", None)
+    if threads is not None:
+        if threads < 1:
+            print(f"bench: --threads: expected a positive int, got {threads}")
+            return None, 2
+        torch.set_num_threads(threads)
+    return cfg, None
 
 
 def print_machine(info: Dict[str, object]) -> None:

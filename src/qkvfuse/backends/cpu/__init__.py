@@ -148,20 +148,18 @@ _lazy_lib: Optional[torch.library.Library] = None
 _fall_back = None
 
 
-def _first_call_split(*args) -> None:
-    ok, reason = available()
-    if not ok:
-        _fall_back(reason)
-        return reference.split_qkv_rmsnorm_rope_out(*args)
-    split_qkv_rmsnorm_rope_out(*args)
+def _first_call(native, fallback):
+    """A kernel that builds and loads the library, then runs ``native`` (the C++ kernel, through the
+    dispatcher), or ``fallback`` (the reference) with one warning when the library cannot be built."""
 
+    def kernel(*args) -> None:
+        ok, reason = available()
+        if not ok:
+            _fall_back(reason)
+            return fallback(*args)
+        return native(*args)
 
-def _first_call_norm(*args) -> None:
-    ok, reason = available()
-    if not ok:
-        _fall_back(reason)
-        return reference.add_rmsnorm_out(*args)
-    add_rmsnorm_out(*args)
+    return kernel
 
 
 def register_lazy_kernels(fall_back) -> None:
@@ -175,7 +173,9 @@ def register_lazy_kernels(fall_back) -> None:
 def _register_lazy() -> None:
     global _lazy_lib
     _lazy_lib = _library.impl_library("auto")
-    _library.register_kernels(_lazy_lib, "CPU", _first_call_split, _first_call_norm)
+    _library.register_kernels(_lazy_lib, "CPU", _first_call(split_qkv_rmsnorm_rope_out,
+                                                            reference.split_qkv_rmsnorm_rope_out),
+                              _first_call(add_rmsnorm_out, reference.add_rmsnorm_out))
 
 
 def split_qkv_rmsnorm_rope_out(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
