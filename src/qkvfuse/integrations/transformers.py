@@ -27,6 +27,15 @@ Weights. q/k/v projection weights (and biases) are concatenated once, at patch t
 parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
 views are broken later (``model.to(...)``, a parameter replaced), the next forward re-concatenates.
 
+Offloaded models (accelerate ``device_map`` with CPU/disk offload: parameters on the meta device, hooks that
+materialise them per forward) are refused at patch time with ``NotImplementedError``, before anything changes.
+
+Autocast. Under ``torch.autocast`` an fp32 model's projections give bf16/fp16 activations while the residual
+stream stays fp32: transformers adds the attention output to the residual with type promotion (fp32) and its
+RMSNorm runs in fp32. The fused add+norm requires equal dtypes, so with autocast enabled (or whenever the two
+dtypes differ) each decoder layer runs its own unfused code for that call, with one warning; the fused attention
+prepare still runs (low-precision qkv with fp32 norm weights, the rotary table in fp32).
+
 The patched model is for inference: the fused ops have no autograd formula. A call that must record autograd
 (grad mode on and an input or parameter that requires grad, e.g. a plain ``model(ids)`` outside
 ``torch.no_grad()``) runs transformers' unfused code for that layer, with one warning, so gradients are those of
@@ -332,14 +341,22 @@ class _FusedLayer:
 
 
 _warned_unfused: set = set()
+_AUTOGRAD = ("while autograd records (grad mode on and an input or parameter requires grad): the fused ops are "
+             "inference only. Run under torch.no_grad() or torch.inference_mode() for the fused path.")
+_AUTOCAST = ("(residual add + post-attention RMSNorm) under torch.autocast: autocast makes the attention output "
+             "low-precision while the residual stream stays in the weights' dtype, and transformers adds them with "
+             "type promotion, which the fused add+norm (equal dtypes) does not; the fused attention prepare still "
+             "runs. Disable autocast (load the model in the dtype you want) for the fused add+norm.")
+_MIXED = ("(residual add + post-attention RMSNorm) for an attention output of dtype {x} and a residual of dtype "
+          "{r}: transformers adds them with type promotion, which the fused add+norm (equal dtypes) does not.")
 
 
-def _warn_unfused(where: str) -> None:
-    if where not in _warned_unfused:
-        _warned_unfused.add(where)
-        warnings.warn(f"qkvfuse: {where} runs transformers' unfused code while autograd records (grad mode on and "
-                      f"an input or parameter requires grad): the fused ops are inference only. Run under "
-                      f"torch.no_grad() or torch.inference_mode() for the fused path.", RuntimeWarning, stacklevel=3)
+def _warn_unfused(where: str, reason: str = _AUTOGRAD) -> None:
+    """One RuntimeWarning per layer class and reason that a patched layer ran transformers' unfused code."""
+    key = (where, reason)
+    if key not in _warned_unfused:
+        _warned_unfused.add(key)
+        warnings.warn(f"qkvfuse: {where} runs transformers' unfused code {reason}", RuntimeWarning, stacklevel=3)
 
 
 def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
@@ -352,11 +369,21 @@ def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
     if torch.is_grad_enabled() and (hidden_states.requires_grad or norm.weight.requires_grad):
         _warn_unfused(type(self).__name__)
         return type(self).forward(self, hidden_states, *args, **kwargs)
+    if torch.is_autocast_enabled(hidden_states.device.type):
+        # The whole layer's own code (its attention stays the patched one): under autocast transformers adds a
+        # low-precision attention output to an fp32 residual with type promotion and normalises in fp32.
+        _warn_unfused(type(self).__name__, _AUTOCAST)
+        return type(self).forward(self, hidden_states, *args, **kwargs)
     if args:
         kwargs.update(zip(fused.arg_names, args))
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    if hidden_states.dtype != residual.dtype:
+        # Exactly the unpatched layer's add (type promotion) and norm.
+        _warn_unfused(type(self).__name__, _MIXED.format(x=hidden_states.dtype, r=residual.dtype))
+        residual = residual + hidden_states
+        return residual + self.mlp(norm(residual))
     shape = hidden_states.shape
     normed, residual = fused.bound(norm)(hidden_states.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]))
     hidden_states = self.mlp(normed.view(shape))
@@ -477,8 +504,12 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         Unsupported model class (the message lists the supported ones), a q/k/v projection that is not a plain
         ``torch.nn.Linear`` (quantised layers), or an unsupported dtype.
     NotImplementedError
-        rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK), or shared-expert overlap requested while
-        ``qkvfuse.moe.glm4`` is unavailable.
+        rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK), shared-expert overlap requested while
+        ``qkvfuse.moe.glm4`` is unavailable, or an offloaded model (accelerate ``device_map`` with CPU/disk
+        offload): a parameter or buffer on the ``meta`` device, a module carrying an accelerate hook
+        (``_hf_hook``; any accelerate dispatch, since the patch replaces the forwards those hooks wrap), or an
+        ``hf_device_map`` naming ``"disk"``, or ``"cpu"`` next to an accelerator. Checked before anything
+        changes: the model stays unpatched and working.
 
     Warns
     -----
@@ -487,6 +518,7 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         still rotates with the exact fp32 frequencies.
     """
     family = _family_of(model)
+    _check_not_offloaded(model)
     overlap = _overlap_requested(shared_expert_overlap)
     options = (backend, bool(fuse_add_rmsnorm), overlap)
     current: Optional[_PatchState] = getattr(model, "_qkvfuse_patch", None)
@@ -530,6 +562,33 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
             remove_qkvfuse(model)
             raise
     return model
+
+
+def _offload_reason(model: nn.Module) -> Optional[str]:
+    """Why ``model`` looks offloaded or dispatched by accelerate, or None."""
+    for kind, tensors in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in tensors:
+            if tensor.is_meta:
+                return f"{kind} {name} is on the meta device"
+    for name, module in model.named_modules():
+        if hasattr(module, "_hf_hook"):
+            return f"module {name or type(model).__name__} carries an accelerate hook (_hf_hook)"
+    device_map = getattr(model, "hf_device_map", None)
+    if isinstance(device_map, dict):
+        devices = {str(d) for d in device_map.values()}
+        if "disk" in devices or ("cpu" in devices and devices - {"cpu"}):
+            return f"hf_device_map places modules on {sorted(devices)}"
+    return None
+
+
+def _check_not_offloaded(model: nn.Module) -> None:
+    reason = _offload_reason(model)
+    if reason is not None:
+        raise NotImplementedError(
+            f"apply_qkvfuse: the model is offloaded or dispatched by accelerate ({reason}): device_map with CPU/disk "
+            f"offload keeps parameters on the meta device and materialises them per forward through hooks; "
+            f"qkvfuse fuses materialised weights only and replaces the forwards those hooks wrap - load the model "
+            f"without offloading (no device_map, or one device)")
 
 
 def _validate_attention(attn: nn.Module) -> None:
