@@ -23,7 +23,7 @@ import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["Section", "Options", "Entry", "REGISTRY", "print_section", "sections_for", "load", "run",
-           "triton_interpreter"]
+           "backends_section", "triton_interpreter"]
 
 
 @dataclasses.dataclass
@@ -37,7 +37,8 @@ class Section:
 
     @property
     def failures(self) -> int:
-        return sum(1 for r in self.rows if not r.get("pass", False))
+        """Rows that did not pass; a row with ``"pass": None`` is skipped (shown as SKIP, not a failure)."""
+        return sum(1 for r in self.rows if r.get("pass", False) is not None and not r.get("pass", False))
 
 
 @dataclasses.dataclass
@@ -77,15 +78,16 @@ class Entry:
     target: str  # "module:function"
     device: bool  # a device section (runs with --device <accelerator> or --cpu-interpreter)
     summary: str
+    backends: bool = False  # checks the host backends: a "backends" table (which can run here) goes first
 
 
 REGISTRY: Dict[str, Entry] = {
     "ops": Entry("qkvfuse._verify.conformance:ops_section", False,
-                 "every preset's prepare step and add_rmsnorm, per backend, vs the float64 oracle"),
+                 "every preset's prepare step and add_rmsnorm, per backend, vs the float64 oracle", True),
     "models": Entry("qkvfuse._verify.models:section", False,
-                    "tiny transformers models patched vs unpatched, logits to logits"),
+                    "tiny transformers models patched vs unpatched, logits to logits", True),
     "failure-modes": Entry("qkvfuse._verify.failure_modes:section", False,
-                           "public failure modes of fused kernels, bad input, fuzz-lite, determinism"),
+                           "public failure modes of fused kernels, bad input, fuzz-lite, determinism", True),
     "conformance": Entry("qkvfuse._verify.device:conformance_section", True,
                          "Triton at realistic sizes vs the float64 oracle"),
     "stability": Entry("qkvfuse._verify.device:stability_section", True,
@@ -122,6 +124,8 @@ def load(name: str) -> Callable[[Options], Optional[Section]]:
 
 
 def _fmt(value) -> str:
+    if value is None:
+        return "SKIP"
     if isinstance(value, bool):
         return "PASS" if value else "FAIL"
     if isinstance(value, float):
@@ -140,7 +144,7 @@ def print_section(section: Section) -> None:
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     for row in section.rows:
-        if not row.get("pass", False) and row.get("detail"):
+        if row.get("pass", False) is not None and not row.get("pass", False) and row.get("detail"):
             print(f"  FAIL detail: {row['detail']}")
 
 
@@ -171,6 +175,33 @@ def _failed(name: str, exc: BaseException) -> Section:
                                               "detail": f"{type(exc).__name__}: {exc}"}])
 
 
+def backends_section(opts: Options) -> Section:
+    """Whether each backend of this host run can run here, with the reason when it cannot: a requested
+    (``--backend``) backend that cannot run is a failed row, any other a skipped one (the sections leave it out)."""
+    from ..backends import BACKEND_NAMES, available_backends
+
+    no_interpreter = triton_interpreter()  # before anything imports triton (see triton_interpreter)
+    try:
+        reasons = dict(available_backends())
+    except Exception as exc:  # noqa: BLE001 -- a reason, not a traceback
+        reasons = {name: f"{type(exc).__name__}: {exc}" for name in BACKEND_NAMES}
+    if no_interpreter and not reasons.get("triton"):
+        reasons["triton"] = no_interpreter
+    rows = []
+    for name in BACKEND_NAMES:
+        requested = bool(opts.backends) and name in opts.backends
+        if opts.backends and not requested:
+            continue
+        reason = reasons.get(name, "")
+        rows.append({"backend": name, "status": "unavailable" if reason else "available",
+                     "pass": True if not reason else (False if requested else None), "detail": reason})
+    note = "a requested backend that cannot run fails; otherwise an unavailable backend is skipped"
+    skipped = [r for r in rows if r["pass"] is None]
+    if skipped:
+        note += "\n" + "\n".join(f"skipped {r['backend']}: {r['detail']}" for r in skipped)
+    return Section("backends", ("backend", "status", "pass"), rows, note)
+
+
 def run(opts: Options) -> int:
     """Run the sections of ``opts`` (host or device), print each table, return 1 if any row failed (2: bad
     section names). The JSON (``opts.json``) is rewritten after every section, so a run cut short keeps its
@@ -179,6 +210,13 @@ def run(opts: Options) -> int:
         reason = triton_interpreter()
         if reason:
             print(f"verify: --cpu-interpreter: {reason}")
+            return 2
+    if opts.backends:
+        from ..backends import BACKEND_NAMES
+
+        unknown = [b for b in opts.backends if b not in BACKEND_NAMES]
+        if unknown:
+            print(f"verify: --backend {', '.join(unknown)}: not a backend; choose from {', '.join(BACKEND_NAMES)}")
             return 2
     names = sections_for(opts)
     if opts.sections:
@@ -193,6 +231,22 @@ def run(opts: Options) -> int:
     print(json.dumps(info))
     result: Dict[str, object] = dict(info, sections=[])
     failures, start = 0, time.perf_counter()
+    if not opts.device_run and any(REGISTRY[n].backends for n in names):  # which backends can run, first
+        t0 = time.perf_counter()
+        section = backends_section(opts)
+        print_section(section)
+        failures += section.failures
+        result["sections"].append(dict(dataclasses.asdict(section), name="backends",
+                                       seconds=round(time.perf_counter() - t0, 1)))
+        if opts.json:
+            with open(opts.json, "w") as fh:
+                json.dump(result, fh, indent=1, default=str)
+        if opts.backends:  # the sections get the requested backends that can run
+            runnable = [r["backend"] for r in section.rows if r["pass"]]
+            if not runnable:
+                print("\nverify: no requested backend can run here; the sections that check backends are skipped")
+                names = [n for n in names if not REGISTRY[n].backends]
+            opts = dataclasses.replace(opts, backends=runnable)
     for name in names:
         t0 = time.perf_counter()
         try:
@@ -219,7 +273,9 @@ def run(opts: Options) -> int:
         if opts.json:
             with open(opts.json, "w") as fh:
                 json.dump(result, fh, indent=1, default=str)
-    total = sum(len(s["rows"]) for s in result["sections"])
-    print(f"\nverify: {total - failures} passed, {failures} failed in {time.perf_counter() - start:.0f} s"
+    total = sum(sum(r.get("pass", False) is not None for r in s["rows"]) for s in result["sections"])
+    skipped = sum(sum(r.get("pass", False) is None for r in s["rows"]) for s in result["sections"])
+    print(f"\nverify: {total - failures} passed, {failures} failed"
+          + (f", {skipped} skipped" if skipped else "") + f" in {time.perf_counter() - start:.0f} s"
           + (f"; JSON: {opts.json}" if opts.json else ""))
     return 1 if failures else 0

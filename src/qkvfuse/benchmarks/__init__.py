@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from typing import List
@@ -102,7 +103,8 @@ def run_bench(args) -> int:
     """Run the benchmark described by the CLI flags; print the tables and the summary last.
 
     Returns 0, or 1 when the cpu backend broke the accuracy rule on the benchmark's inputs (checked once per
-    cell, NaN-poisoned outputs, before timing), or 2 for bad flags. ``--e2e`` runs :mod:`.e2e` instead.
+    cell, NaN-poisoned outputs, before timing) or ``--json`` / ``--plot`` could not be written after the run (the
+    tables and summary are printed first, then the error), or 2 for bad flags. ``--e2e`` runs :mod:`.e2e` instead.
     """
     if getattr(args, "e2e", False):
         from .e2e import run_e2e_cli
@@ -155,12 +157,22 @@ def run_bench(args) -> int:
         print_percall(percall_rows)
     summary = summarize(rows, cfg.cpu_reason)
     percall_verdicts = percall_summary(percall_rows, BUSY_SHARE)
+    written, output_errors = [], []  # an output that fails after the run is reported after the summary
     if args.json:
-        write_json(args.json, machine, _config_json(cfg), rows, summary,
-                   {"percall": {"rows": [dataclasses.asdict(r) for r in percall_rows], "summary": percall_verdicts}})
+        try:
+            write_json(args.json, machine, _config_json(cfg), rows, summary,
+                       {"percall": {"rows": [dataclasses.asdict(r) for r in percall_rows],
+                                    "summary": percall_verdicts}})
+            written.append(args.json)
+        except Exception as exc:  # noqa: BLE001 -- the measurements are printed regardless
+            output_errors.append(f"--json {args.json}: {type(exc).__name__}: {exc}")
     if args.plot:
-        write_plot(args.plot, rows, f"qkvfuse bench: {machine['cpu']}, {machine['torch_threads']} threads "
-                                    f"(out= solid, fresh dashed; T <= 16 rotated buffers)")
+        try:
+            write_plot(args.plot, rows, f"qkvfuse bench: {machine['cpu']}, {machine['torch_threads']} threads "
+                                        f"(out= solid, fresh dashed; T <= 16 rotated buffers)")
+            written.append(args.plot)
+        except Exception as exc:  # noqa: BLE001 -- the summary is printed regardless
+            output_errors.append(f"--plot {args.plot}: {type(exc).__name__}: {exc}")
     if rows:
         print_summary(rows, summary, cfg.cpu_reason)
     print_percall_summary(percall_verdicts)
@@ -171,8 +183,11 @@ def run_bench(args) -> int:
                                        for r in percall_rows if r.check and r.check != "ok" and r.data == "hot"]
     for line in failures:
         print(f"ACCURACY FAILURE (qkvfuse cpu vs the float64 oracle, accuracy rule): {line}")
-    written = [p for p in (args.json, args.plot) if p]
+    for line in output_errors:
+        print(f"bench: could not write {line}", file=sys.stderr)
     print(f"\nbench: {len(rows) + len(percall_rows)} rows in {time.perf_counter() - t_start:.0f} s; load average "
           f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'] or [])} at the end"
-          + (f"; wrote {', '.join(written)}" if written else ""))
-    return 1 if failures else 0
+          + (f"; wrote {', '.join(written)}" if written else "")
+          + (f"; FAILED to write {', '.join(e.split(':')[0] for e in output_errors)}" if output_errors else ""),
+          flush=True)
+    return 1 if failures or output_errors else 0

@@ -12,7 +12,7 @@ from .._verify.sections import Section, print_section
 from .harness import BARE, COMPILED, COPY, CPU, EAGER, ROTATE_MAX_T, Row
 
 __all__ = ["check_failures", "busy_warning", "print_machine", "print_tables", "print_compile_times", "summarize",
-           "print_summary", "write_json", "write_plot", "TABLE_NOTE", "TARGETS"]
+           "print_summary", "write_json", "write_plot", "matplotlib_unavailable", "TABLE_NOTE", "TARGETS"]
 
 TABLE_NOTE = (
     "us: median per call over the rounds. GB/s: bytes the op must read + write / us. roofline: copy_ time / "
@@ -271,6 +271,15 @@ def write_json(path: str, machine: Dict[str, object], config: Dict[str, object],
                "rows": [dataclasses.asdict(r) for r in rows], "summary": list(summary), **(extra or {})}
     with open(path, "w") as fh:
         json.dump(payload, fh, indent=1)
+
+
+def matplotlib_unavailable() -> str:
+    """Why :func:`write_plot` cannot draw here ("" when it can): ``bench --plot`` checks it before the run."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
 
 
 def write_plot(path: str, rows: Sequence[Row], title: str) -> None:

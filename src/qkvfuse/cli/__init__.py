@@ -8,25 +8,36 @@ device timings; ``--cpu-interpreter`` is a dry run of those on CPU (small sizes,
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .._verify.sections import REGISTRY
+    from ..backends import BACKEND_NAMES
+
     parser = argparse.ArgumentParser(prog="qkvfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser("verify", help="verify every backend against the float64 oracle (non-zero exit on failure)")
     verify.add_argument("--quick", action="store_true", help="fewer rows (CI-sized)")
-    verify.add_argument("--backend", action="append", help="only these backends (repeatable)")
-    verify.add_argument("--section", action="append",
+    verify.add_argument("--backend", action="append", choices=BACKEND_NAMES,
+                        help="only these backends (repeatable); a requested backend that cannot run here is a "
+                             "failed row with its reason")
+    verify.add_argument("--section", action="append", choices=list(REGISTRY),
                         help="only these sections (repeatable): ops, models, failure-modes; with --device cuda or "
                              "--cpu-interpreter: conformance, stability, moe-streams")
-    verify.add_argument("--json", help="also write the rows as JSON to this path (rewritten after every section)")
+    verify.add_argument("--json", help="also write the rows as JSON to this path (rewritten after every section; "
+                                       "an unwritable path is an error before anything runs)")
     _device_arguments(verify)
     bench = sub.add_parser("bench", help="benchmark the fused ops against eager, torch.compile and a copy roofline")
     bench.add_argument("--quick", action="store_true", help="a short run (used by `make run`)")
-    bench.add_argument("--json", help="write the table as JSON to this path")
-    bench.add_argument("--plot", help="write a PNG chart to this path")
+    bench.add_argument("--json", help="write the table as JSON to this path (an unwritable path is an error "
+                                      "before anything runs)")
+    bench.add_argument("--plot", help="write a PNG chart to this path (needs matplotlib; without it, or with an "
+                                      "unwritable path, an error before anything runs; if the chart still cannot "
+                                      "be written after the run, the tables and summary are printed, then the "
+                                      "error, and the exit status is 1)")
     bench.add_argument("--preset", action="append", help="only these presets (repeatable)")
     bench.add_argument("--dtype", action="append", choices=["bf16", "fp32", "fp16"], help="only these dtypes")
     bench.add_argument("--tokens", action="append", type=int, help="only these token counts")
@@ -45,6 +56,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
                                  "then print its path")
     args = parser.parse_args(argv)
+    if args.command in ("verify", "bench"):
+        problem = _output_problem(args)
+        if problem:
+            print(f"{args.command}: {problem}", file=sys.stderr)
+            return 2
     if args.command == "build":
         try:
             from ..backends.cpu import prebuild
@@ -74,6 +90,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..benchmarks import run_bench
 
     return run_bench(args)
+
+
+def _unwritable(path: str) -> str:
+    """Why ``path`` cannot be written ("" when it can): opened for appending, and removed again if it was new."""
+    if os.path.isdir(path):
+        return "is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    if not existed:
+        os.remove(path)
+    return ""
+
+
+def _output_problem(args) -> str:
+    """Checks of the output flags before anything runs: the paths can be written, the chart can be drawn."""
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if path:
+            reason = _unwritable(path)
+            if reason:
+                return f"--{flag} {path}: {reason}"
+    if getattr(args, "plot", None):
+        from ..benchmarks.report import matplotlib_unavailable
+
+        reason = matplotlib_unavailable()
+        if reason:
+            return f"--plot {args.plot}: needs matplotlib ({reason}); install it or drop --plot"
+    return ""
 
 
 def _device_arguments(parser: argparse.ArgumentParser, extra: str = "") -> None:
