@@ -1,7 +1,7 @@
 """Launchers: the reference signatures of :mod:`qkvfuse.reference`, running the kernels of :mod:`.kernels`.
 
 A launcher does host arithmetic on shapes and strides and one kernel launch: no host synchronisation, no
-allocation, no loop over heads, so it is safe under CUDA-graph capture and inside ``torch.compile`` (where
+allocation (except a unit-stride copy of a non-contiguous ``[D]`` norm weight or bias), no loop over heads, so it is safe under CUDA-graph capture and inside ``torch.compile`` (where
 it runs behind the opaque ``torch.ops.qkvfuse`` op).
 
 Block sizes on a device depend on the head geometry only, never on T: a new batch size reuses the compiled
@@ -83,6 +83,14 @@ def _on_device(t: torch.Tensor):
     return module.device(t.device)
 
 
+def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t`` with unit stride for a kernel that reads a 1-D vector as contiguous (norm weights and biases): the
+    validator accepts any strides (a stride-2 view, a stride-0 ``expand``). ``t`` itself when already contiguous
+    (no cost in the common case); otherwise a copy of a ``[D]`` vector -- an allocation on the current stream,
+    which is safe under CUDA-graph capture (the copy is captured with the launch)."""
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def split_qkv_rmsnorm_rope_out(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -125,6 +133,7 @@ def split_qkv_rmsnorm_rope_out(
     in_place = q_out.data_ptr() == qkv.data_ptr() or k_out.data_ptr() == qkv.data_ptr() + num_q_heads * head_dim * (
         qkv.element_size())
     norm = q_weight is not None
+    q_weight, k_weight, q_bias, k_bias = _dense(q_weight), _dense(k_weight), _dense(q_bias), _dense(k_bias)
     # Absent weights/biases are never read (constexpr flags); any pointer of the right device fills the slot.
     q_w, k_w = (q_weight, k_weight) if norm else (qkv, qkv)
     q_b = q_bias if q_bias is not None else q_w
@@ -158,6 +167,7 @@ def add_rmsnorm_out(
     cfg = norm_config(T, H)
     has_res = residual is not None
     res, res_out = (residual, residual_out) if has_res else (x, y_out)
+    weight, bias = _dense(weight), _dense(bias)
     with _on_device(x):
         add_rmsnorm_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
             x, res, weight, bias if bias is not None else weight, y_out, res_out, T, H, float(eps),
