@@ -169,18 +169,10 @@ def test_add_rmsnorm_in_place_overwrite_of_a_saved_tensor_makes_backward_raise(b
 # 2b. In-place writes into inference tensors outside inference_mode raise, as torch's own in-place ops do
 # --------------------------------------------------------------------------------------------------------
 INFERENCE_ERROR = "Inplace update to inference tensor outside InferenceMode"
-TRITON_INFERENCE_XFAIL = (
-    "backend='triton' (qkvfuse_triton namespace) bumps versions with the Python ADInplaceOrView kernel of "
-    "qkvfuse._library._version_bumping_kernel, i.e. torch.autograd.graph.increment_version, which silently skips "
-    "inference tensors (they have no version counter); the Triton kernel writes through raw pointers, so nothing "
-    "raises and the inference tensor is overwritten outside inference_mode -- whether only the written tensors or "
-    "all tensors (weights, table, positions too) are inference tensors. The reference backend raises only because "
-    "its kernel's own torch in-place ops do; the auto ops raise through the native C++ ADInplaceOrView kernel.")
 
 
 def _inference_case(backend, request):
-    if backend == "triton":
-        request.applymarker(pytest.mark.xfail(strict=True, raises=AssertionError, reason=TRITON_INFERENCE_XFAIL))
+    """Every backend refuses (fixed: the Python version-counter kernel now raises as torch does)."""
 
 
 def _raises_like_torch(call):

@@ -93,7 +93,13 @@ def _version_bumping_kernel(op, mutated):
     after = torch._C._after_ADInplaceOrView_keyset
 
     def kernel(keyset, *args):
-        torch.autograd.graph.increment_version([args[i] for i in mutated if args[i] is not None])
+        written = [args[i] for i in mutated if args[i] is not None]
+        # increment_version skips inference tensors silently; torch's in-place ops refuse to write them outside
+        # inference mode, and so does this (the native C++ kernel gets the same from TensorImpl::bump_version).
+        if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
+            raise RuntimeError("Inplace update to inference tensor outside InferenceMode is not allowed. You can "
+                               "make a clone to get a normal tensor before doing inplace update.")
+        torch.autograd.graph.increment_version(written)
         return op.redispatch(keyset & after, *args)
 
     return kernel

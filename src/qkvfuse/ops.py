@@ -342,7 +342,9 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
     if not isinstance(is_neox, bool):
         _fail("is_neox", repr(is_neox), "a bool", TypeError)
     if (q_weight is None) != (k_weight is None):
-        _fail("q_weight/k_weight", "only one of them", "both (QK-norm) or neither (no norm)")
+        given, missing = ("q_weight", "k_weight") if k_weight is None else ("k_weight", "q_weight")
+        _fail(missing, "None", f"a tensor since {given} is given (QK-norm takes both q_weight and k_weight, or "
+              "neither)")
     if q_weight is not None:
         _check_vector("q_weight", q_weight, head_dim, device, anchor)
         _check_vector("k_weight", k_weight, head_dim, device, anchor)
@@ -352,7 +354,8 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
                 _fail(name, "a bias without norm weights", "q_weight and k_weight when a norm bias is given")
             _check_vector(name, bias, head_dim, device, anchor)
     if (q_bias is None) != (k_bias is None):
-        _fail("q_bias/k_bias", "only one of them", "both (a post-norm bias for Q and K) or neither")
+        given, missing = ("q_bias", "k_bias") if k_bias is None else ("k_bias", "q_bias")
+        _fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
     eps = _check_eps(eps)
     kv_width = num_kv_heads * head_dim
     c = _SplitConfig(num_q_heads, num_kv_heads, head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim,

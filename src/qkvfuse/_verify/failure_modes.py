@@ -580,7 +580,7 @@ BAD_CALLS: List[BadCall] = [
        lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_mrope_kwargs(mrope_interleaved="yes"), backend=b)),
     _B("is_neox an int", "is_neox", lambda b: _split(b, is_neox=1)),
     # norm weights and biases
-    _B("only q_weight", "q_weight", lambda b: _split(b, k_weight=None, q_bias=None, k_bias=None)),
+    _B("only q_weight", "k_weight", lambda b: _split(b, k_weight=None, q_bias=None, k_bias=None)),
     _B("q_weight wrong length", "q_weight", lambda b: _split(b, q_weight=torch.ones(32))),
     _B("k_weight float64", "k_weight", lambda b: _split(b, k_weight=torch.ones(64, dtype=torch.float64))),
     _B("k_weight on another device", "k_weight", lambda b: _split(b, k_weight=torch.ones(64, device=_META))),
