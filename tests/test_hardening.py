@@ -17,20 +17,12 @@ import pytest
 import torch
 
 import qkvfuse
+from _support.bits import assert_bitwise
 
 HQ, HKV, D, T = 2, 1, 64, 5
 SIZES = (HQ * D, HKV * D, HKV * D)
 WIDTH = sum(SIZES)
 ACT = torch.bfloat16  # the activations' dtype of the strided-weight tests
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
-
-
-def assert_bitwise(got, want):
-    got, want = tuple(got), tuple(want)
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype), f"output {i}"
-        assert torch.equal(a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype])), f"output {i} differs"
 
 
 def cache():

@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkvfuse
+from _support.bits import assert_bitwise
 from qkvfuse._library import NAMESPACES
 from qkvfuse.backends import select_ops
 from qkvfuse._verify import SplitCase, make_norm_inputs, make_split_inputs
@@ -48,7 +49,6 @@ CASES = {"rope-bf16": ROPE, "mrope-fp32": MROPE}
 
 OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
        "add_rmsnorm_out")
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -129,14 +129,6 @@ def namespace(backend) -> str:
 
 def expected_overloads(backend) -> set:
     return {f"{namespace(backend)}.{op}.default" for op in OPS}
-
-
-def assert_bitwise(got, want):
-    got, want = tuple(got), tuple(want)
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert (a.shape, a.dtype) == (b.shape, b.dtype), f"output {i}"
-        assert torch.equal(a.view(_INT_VIEW[a.dtype]), b.view(_INT_VIEW[b.dtype])), f"output {i} differs"
 
 
 def eager(model, inputs):
@@ -588,4 +580,4 @@ def test_packed_output_buffer_and_overlap_errors(backend, case):
     with pytest.raises(ValueError, match=r"^q_out: .*shared with qkv"):
         qkvfuse.split_qkv_rmsnorm_rope(work, positions, **kw, backend=backend,
                                        out=(work[:, 1 : 1 + sizes[0]], torch.empty_like(k_w), torch.empty_like(v_w)))
-    assert torch.equal(work.view(_INT_VIEW[work.dtype]), qkv.view(_INT_VIEW[qkv.dtype]))  # nothing written
+    assert_bitwise((work,), (qkv,))  # nothing written

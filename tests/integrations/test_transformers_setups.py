@@ -34,24 +34,6 @@ def _one_thread():
         yield
 
 
-@pytest.fixture
-def op_calls(monkeypatch):
-    calls = {"split": 0, "norm": 0}
-    split, norm = qkvfuse.QKNormRope.inplace, qkvfuse.AddRMSNorm.__call__
-
-    def counting_split(*args, **kwargs):
-        calls["split"] += 1
-        return split(*args, **kwargs)
-
-    def counting_norm(*args, **kwargs):
-        calls["norm"] += 1
-        return norm(*args, **kwargs)
-
-    monkeypatch.setattr(qkvfuse.QKNormRope, "inplace", counting_split)
-    monkeypatch.setattr(qkvfuse.AddRMSNorm, "__call__", counting_norm)
-    return calls
-
-
 def _layers(model) -> int:
     return model.config.get_text_config().num_hidden_layers
 

@@ -1,0 +1,25 @@
+"""Fixtures shared by the transformers integration tests."""
+
+import pytest
+
+import qkvfuse
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """Counts of the fused ops the patched model calls (proves the patch is not silently bypassed): the layers'
+    bound objects' in-place prepare and add+norm calls."""
+    calls = {"split": 0, "norm": 0}
+    split, norm = qkvfuse.QKNormRope.inplace, qkvfuse.AddRMSNorm.__call__
+
+    def counting_split(*args, **kwargs):
+        calls["split"] += 1
+        return split(*args, **kwargs)
+
+    def counting_norm(*args, **kwargs):
+        calls["norm"] += 1
+        return norm(*args, **kwargs)
+
+    monkeypatch.setattr(qkvfuse.QKNormRope, "inplace", counting_split)
+    monkeypatch.setattr(qkvfuse.AddRMSNorm, "__call__", counting_norm)
+    return calls
