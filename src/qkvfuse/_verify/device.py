@@ -176,6 +176,25 @@ def conformance_section(opts: Options) -> Section:
         except Exception as exc:
             rows.append(failed_row(label, exc))
 
+    # Norm weights and biases that are not contiguous (a column of a stacked parameter, a stride-0 expand, an
+    # offset view): the launcher must honour what the validator accepts (issue 16 item 1); on a GPU a kernel
+    # reading them as contiguous reads out of bounds.
+    for label, make in (("strided weights (stride 2)", lambda w: torch.stack([w, torch.full_like(w, float("nan"))],
+                                                                              1)[:, 0]),
+                        ("stride-0 weights (expand)", lambda w: w[:1].expand(w.shape[0])),
+                        ("offset weights", lambda w: torch.cat([torch.full_like(w[:3], float("nan")), w])[3:])):
+        t0 = time.perf_counter()
+        try:
+            case = split_case("GLM-4.7", 7 if small else 2048, torch.bfloat16, bias=True)
+            kwargs = make_split_inputs(case, seed=3, device=device)
+            for name in ("q_weight", "k_weight", "q_bias", "k_bias"):
+                kwargs[name] = make(kwargs[name])
+            out = poisoned_outputs(case, device)
+            qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend="triton")
+            rows.append(split_row(label, case, kwargs, out, t0))
+        except Exception as exc:
+            rows.append(failed_row(label, exc))
+
     # Out-of-range positions with the host check bypassed (the launcher, as under graph capture): clamped inside
     # the kernel; the table is a view into a NaN-bordered buffer, so a read outside it would show as NaN.
     t0 = time.perf_counter()
