@@ -11,9 +11,8 @@ import torch
 
 import qkvfuse
 from _support.cases import run_split_case
-from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
-                             make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
-                             unfused_add_rmsnorm, unfused_split)
+from qkvfuse._verify import (SplitCase, check_norm_outputs, make_norm_inputs, make_split_inputs,
+                             oracle_add_rmsnorm, poisoned_like, unfused_add_rmsnorm)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -22,8 +22,8 @@ import qkvfuse
 from qkvfuse._library import encode_rope
 from qkvfuse.backends import available_backends
 from qkvfuse.rope import mrope_axis_map
-from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
-                             oracle_add_rmsnorm, oracle_split, poisoned_like, unfused_add_rmsnorm, unfused_split)
+from qkvfuse._verify import (SplitCase, check_split_outputs, make_norm_inputs, make_split_inputs, oracle_split,
+                             poisoned_like, unfused_split)
 
 REASON = available_backends()["cpu"]
 if REASON and "cpu" in os.environ.get("QKVFUSE_REQUIRE_BACKENDS", "").split(","):

@@ -27,7 +27,6 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-import qkvfuse.ops
 from qkvfuse._verify import models as vm
 from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
 from qkvfuse._verify.tiny_models import (TINY_MODELS, build_tiny_model, image_token_count, tiny_config,

@@ -19,7 +19,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-import qkvfuse
 from qkvfuse._verify import models as vm
 from qkvfuse._verify.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR
 from qkvfuse._verify.tiny_models import build_tiny_model, clone_model, tiny_prompt

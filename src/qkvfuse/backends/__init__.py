@@ -26,8 +26,6 @@ import threading
 import warnings
 from typing import Dict, Optional, Tuple
 
-import torch
-
 from .. import _library, reference
 
 __all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "get_backend"]
