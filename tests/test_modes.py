@@ -413,21 +413,12 @@ def test_meta_tensors_with_a_cpu_only_backend_is_a_clear_error(fast_backend):
 # --------------------------------------------------------------------------------------------------------
 # 5-7. Dispatch and function modes, the profiler, inference_mode / no_grad
 # --------------------------------------------------------------------------------------------------------
-def test_torch_dispatch_mode_sees_the_ops(backend, case):
+@pytest.mark.parametrize("recorder", [RecordDispatch, RecordFunction], ids=["dispatch-mode", "function-mode"])
+def test_recording_modes_see_the_ops(backend, case, recorder):
     model = Prepare(case, backend)
     inputs = call_inputs(case, seed=1)
     want = eager(model, inputs)
-    with RecordDispatch() as mode, torch.no_grad():
-        got = model(*inputs)
-    assert_bitwise(got, want)
-    assert qkvfuse_calls(mode.calls) == expected_overloads(backend)
-
-
-def test_torch_function_mode_sees_the_ops(backend, case):
-    model = Prepare(case, backend)
-    inputs = call_inputs(case, seed=1)
-    want = eager(model, inputs)
-    with RecordFunction() as mode, torch.no_grad():
+    with recorder() as mode, torch.no_grad():
         got = model(*inputs)
     assert_bitwise(got, want)
     assert qkvfuse_calls(mode.calls) == expected_overloads(backend)

@@ -161,11 +161,8 @@ def _rows(t: torch.Tensor) -> Optional[Tuple[int, int, int, int]]:
     return None
 
 
-def _span(t: torch.Tensor, rows=None) -> Tuple[int, int]:
+def _span(t: torch.Tensor) -> Tuple[int, int]:
     """Byte range ``[start, end)`` a strided tensor touches (``numel() > 0``)."""
-    if rows is not None:
-        first, row_stride, count, width = rows
-        return first, first + (count - 1) * row_stride + width
     size_of = t.element_size()
     start = end = t.data_ptr()
     for size, stride in zip(t.shape, t.stride()):
@@ -193,17 +190,17 @@ def _share_elements(ra, rb) -> bool:
     return k_lo <= k_hi
 
 
+def _entry(name: str, t: torch.Tensor, rows):
+    """A :func:`_spans` entry: ``(name, tensor, rows layout or None, byte span)``."""
+    if rows is None:
+        return name, t, None, _span(t)
+    first, row_stride, count, width = rows
+    return name, t, rows, (first, first + (count - 1) * row_stride + width)
+
+
 def _spans(named):
-    """``(name, tensor, rows layout, byte span)`` of the non-empty tensors among ``(name, tensor or None)``."""
-    entries = []
-    for name, t in named:
-        if t is not None and t.numel():
-            rows = _rows(t)
-            if rows is not None:  # the usual case, inlined: this runs on every call with outputs
-                entries.append((name, t, rows, (rows[0], rows[0] + (rows[2] - 1) * rows[1] + rows[3])))
-            else:
-                entries.append((name, t, None, _span(t)))
-    return entries
+    """The :func:`_entry` of each non-empty tensor among ``(name, tensor or None)``."""
+    return [_entry(name, t, _rows(t)) for name, t in named if t is not None and t.numel()]
 
 
 def _meet(a, b) -> bool:
@@ -264,10 +261,9 @@ def _check_out_tuple(out, names, shapes, like: torch.Tensor, like_name: str, rea
             if rows and width:
                 _fail(name, f"strides {t.stride()}", f"a contiguous last dim (stride 1) and row stride >= {width}")
             continue
-        if real and rows and width:
-            first, step = t.data_ptr(), (row_stride * size_of if rows > 1 else 0)
-            entries.append((name, t, (first, step, rows, width * size_of),
-                            (first, first + (rows - 1) * step + width * size_of)))
+        if real and rows and width:  # the layout just checked is a row layout: no second read of it
+            entries.append(_entry(name, t, (t.data_ptr(), row_stride * size_of if rows > 1 else 0, rows,
+                                            width * size_of)))
     return entries
 
 
@@ -286,7 +282,6 @@ class _SplitConfig(NamedTuple):
     q_bias: Optional[torch.Tensor]
     k_bias: Optional[torch.Tensor]
     eps: float
-    rope: int
     mrope: bool
     device: torch.device
     anchor: str  # the argument that fixed the device, for messages
@@ -358,16 +353,14 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
         _fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
     eps = _check_eps(eps)
     kv_width = num_kv_heads * head_dim
+    tensors = (cos_sin_cache, q_weight, k_weight, q_bias, k_bias)
     c = _SplitConfig(num_q_heads, num_kv_heads, head_dim, (num_q_heads + 2 * num_kv_heads) * head_dim,
-                     (num_q_heads * head_dim, kv_width, kv_width), cos_sin_cache, q_weight, k_weight, q_bias, k_bias,
-                     eps,
-                     encode_rope(is_neox, sections, mrope_interleaved), bool(sections), device, anchor,
-                     _io_dtypes((q_weight, k_weight, q_bias, k_bias)), _ops_for(backend, device), None,
-                     (cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, eps,
-                      encode_rope(is_neox, sections, mrope_interleaved)))
+                     (num_q_heads * head_dim, kv_width, kv_width), *tensors, eps, bool(sections), device, anchor,
+                     _io_dtypes(tensors[1:]), _ops_for(backend, device), None,
+                     (*tensors, num_q_heads, num_kv_heads, eps, encode_rope(is_neox, sections, mrope_interleaved)))
     # A bound object's tensors are held by reference: their spans are computed once (replacing a tensor's
     # storage under a bound object, e.g. `weight.data = ...`, needs a new object).
-    return c._replace(static_spans=_static_spans(c)) if bound and _real_memory(cos_sin_cache, q_weight) else c
+    return c._replace(static_spans=_static_spans(c)) if bound and _real_memory(*tensors) else c
 
 
 def _check_qkv(qkv, device: Optional[torch.device] = None, anchor: str = "") -> None:
