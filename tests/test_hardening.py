@@ -135,7 +135,7 @@ def test_split_overwrite_of_a_saved_tensor_makes_backward_raise(backend, form):
         z.sum().backward()
 
 
-@pytest.mark.parametrize("form", ["add_rmsnorm", "AddRMSNorm"])
+@pytest.mark.parametrize("form", ["add_rmsnorm", "AddRMSNorm", "add_rmsnorm_", "AddRMSNorm.inplace"])
 @pytest.mark.parametrize("saved", ["x", "residual"])
 def test_add_rmsnorm_in_place_overwrite_of_a_saved_tensor_makes_backward_raise(backend, form, saved):
     hidden = 64
@@ -151,8 +151,12 @@ def test_add_rmsnorm_in_place_overwrite_of_a_saved_tensor_makes_backward_raise(b
     with torch.no_grad():
         if form == "add_rmsnorm":
             qkvfuse.add_rmsnorm(x, residual, weight, 1e-6, out=(x, residual), backend=backend)
-        else:
+        elif form == "AddRMSNorm":
             qkvfuse.AddRMSNorm(weight, backend=backend)(x, residual, out=(x, residual))
+        elif form == "add_rmsnorm_":
+            qkvfuse.add_rmsnorm_(x, residual, weight, 1e-6, backend=backend)
+        else:
+            qkvfuse.AddRMSNorm(weight, backend=backend).inplace(x, residual)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
 
@@ -206,7 +210,7 @@ def test_split_write_into_an_inference_tensor_raises(backend, form, which, reque
     _raises_like_torch(call)
 
 
-@pytest.mark.parametrize("form", ["add_rmsnorm", "AddRMSNorm"])
+@pytest.mark.parametrize("form", ["add_rmsnorm", "AddRMSNorm", "add_rmsnorm_"])
 @pytest.mark.parametrize("which", ["written", "all"])
 def test_add_rmsnorm_write_into_an_inference_tensor_raises(backend, form, which, request):
     _inference_case(backend, request)
@@ -220,9 +224,11 @@ def test_add_rmsnorm_write_into_an_inference_tensor_raises(backend, form, which,
     if form == "add_rmsnorm":
         call = lambda: qkvfuse.add_rmsnorm(x, residual, weight, 1e-6, bias, out=(x, residual),  # noqa: E731
                                            backend=backend)
-    else:
+    elif form == "AddRMSNorm":
         norm = qkvfuse.AddRMSNorm(weight, 1e-6, bias, backend=backend)
         call = lambda: norm(x, residual, out=(x, residual))  # noqa: E731
+    else:
+        call = lambda: qkvfuse.add_rmsnorm_(x, residual, weight, 1e-6, bias, backend=backend)  # noqa: E731
     _raises_like_torch(call)
 
 

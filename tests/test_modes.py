@@ -2,8 +2,8 @@
 
 Every entry point -- :class:`qkvfuse.QKNormRope` (call, ``out=`` into a packed buffer, ``out=`` exactly aliasing
 its own slices of ``qkv``, ``.inplace``), the public :func:`~qkvfuse.split_qkv_rmsnorm_rope` (functional, ``out=``)
-and :func:`~qkvfuse.split_qkv_rmsnorm_rope_`, :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``)
-and :func:`~qkvfuse.add_rmsnorm` (with and without a residual) -- runs in one module, :class:`Prepare`, which each
+and :func:`~qkvfuse.split_qkv_rmsnorm_rope_`, :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``,
+``.inplace``), :func:`~qkvfuse.add_rmsnorm` (with and without a residual) and :func:`~qkvfuse.add_rmsnorm_` -- runs in one module, :class:`Prepare`, which each
 test runs eagerly and then under one mode: ``torch.jit.trace``, ``torch.export`` (strict / non-strict, saved and
 loaded in a fresh process), ``torch.compile`` (static, dynamic over T), ``FakeTensorMode`` and meta tensors, a
 ``TorchDispatchMode`` / ``TorchFunctionMode``, the profiler, ``inference_mode`` / ``no_grad``. Outputs must be
@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import qkvfuse
 from _support.bits import assert_bitwise
-from qkvfuse._library import NAMESPACES
+from qkvfuse._library import NAMESPACES, OPS
 from qkvfuse.backends import select_ops
 from qkvfuse._verify import SplitCase, make_norm_inputs, make_split_inputs
 
@@ -46,8 +46,6 @@ MROPE = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=48
                   mrope_section=(8, 8, 8), mrope_interleaved=True)
 CASES = {"rope-bf16": ROPE, "mrope-fp32": MROPE}
 
-OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
-       "add_rmsnorm_out")
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
@@ -116,9 +114,13 @@ class Prepare(torch.nn.Module):
         y, r = self.norm(q, residual)  # bound add + norm
         x2, r2 = q.clone(), residual.clone()  # bound, in-place out=(x, residual)
         self.norm(x2, r2, out=(x2, r2))
+        x5, r5 = q.clone(), residual.clone()  # bound, .inplace
+        self.norm.inplace(x5, r5)
+        x6, r6 = fq.clone(), residual.clone()  # public, in place
+        qkvfuse.add_rmsnorm_(x6, r6, self.weight, 1e-6, self.bias, backend=b)
         y3, r3 = qkvfuse.add_rmsnorm(fq, residual, self.weight, 1e-6, self.bias, backend=b)  # public
         y4, _ = qkvfuse.add_rmsnorm(fq, None, self.weight, 1e-6, backend=b)  # public, no residual
-        return q, k, v, packed, work, aliased, fq, fk, fv, fpacked, fwork, y, r, x2, r2, y3, r3, y4
+        return q, k, v, packed, work, aliased, fq, fk, fv, fpacked, fwork, y, r, x2, r2, x5, r5, x6, r6, y3, r3, y4
 
 
 def namespace(backend) -> str:

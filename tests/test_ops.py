@@ -138,6 +138,32 @@ def test_add_rmsnorm_in_place(backend, dtype):
                                      out=(x, residual), backend=backend)
     assert y is x and res_out is residual
     assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
+    bound = qkvfuse.AddRMSNorm(kwargs["weight"], kwargs["eps"], kwargs["bias"], backend=backend)
+    for form in (lambda x, r: qkvfuse.add_rmsnorm_(x, r, kwargs["weight"], kwargs["eps"], kwargs["bias"],
+                                                   backend=backend), bound.inplace):
+        x, residual = kwargs["x"].clone(), kwargs["residual"].clone()
+        got = form(x, residual)
+        assert got[0] is x and got[1] is residual
+        assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
+    x = kwargs["x"].clone()  # without a residual: a plain in-place RMSNorm
+    assert qkvfuse.add_rmsnorm_(x, None, kwargs["weight"], kwargs["eps"], backend=backend)[0] is x
+    assert torch.equal(x, qkvfuse.add_rmsnorm(kwargs["x"], None, kwargs["weight"], kwargs["eps"],
+                                              backend=backend)[0])
+
+
+@pytest.mark.parametrize("target", ["same", "overlapping rows", "weight"])
+def test_add_rmsnorm_in_place_refuses_shared_targets(backend, target):
+    buf = torch.randn(5, 96)
+    weight = torch.randn(64)
+    x, residual = {"same": (buf[:, :64], buf[:, :64]), "overlapping rows": (buf[:, :64], buf[:, 32:]),
+                   "weight": (buf[:1, :64], torch.randn(1, 64))}[target]
+    weight = buf[0, :64] if target == "weight" else weight
+    before = buf.clone()
+    with pytest.raises(ValueError, match="x|residual"):
+        qkvfuse.add_rmsnorm_(x, residual, weight, backend=backend)
+    assert torch.equal(buf, before)
+    left, right = buf[:, :48], buf[:, 48:]  # column halves of one buffer share no element: accepted
+    qkvfuse.add_rmsnorm_(left, right, torch.randn(48), backend=backend)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ def test_opcheck_norm_ops(with_residual, backend):
     res_out = torch.empty_like(x) if with_residual else None
     opcheck(_overload("add_rmsnorm_out", backend), (x, residual, weight, bias, 1e-6, torch.empty_like(x), res_out),
             test_utils=utils)
+    opcheck(_overload("add_rmsnorm_inplace", backend),
+            (x.clone(), residual.clone() if with_residual else None, weight, bias, 1e-6), test_utils=utils)
 
 
 @pytest.mark.parametrize("code", [(True, (), False), (False, (), False), (True, (24, 20, 20), True),
@@ -155,8 +157,7 @@ def test_import_registers_every_backends_kernels_without_building_or_importing_t
 
     script = """
 import sys, torch, qkvfuse
-ops = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
-       "add_rmsnorm_out"]
+from qkvfuse._library import OPS as ops
 missing = [(op, ns, key) for op in ops for ns, keys in (("qkvfuse", ("CPU", "CUDA", "XPU", "PrivateUse1")),
            ("qkvfuse_triton", ("CPU", "CUDA")), ("qkvfuse_reference", ("CompositeExplicitAutograd",)))
            for key in keys if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{op}", key)]

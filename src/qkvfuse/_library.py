@@ -10,7 +10,8 @@ Ops, defined in three namespaces with one schema each:
 * ``split_qkv_rmsnorm_rope_out`` -- writes ``q_out, k_out, v_out``;
 * ``split_qkv_rmsnorm_rope_inplace`` -- rewrites the Q and K heads inside ``qkv``;
 * ``add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias); without a residual the second
-  output of the functional form is an empty placeholder.
+  output of the functional form is an empty placeholder;
+* ``add_rmsnorm_inplace`` -- the engines' in-place form: ``y`` over ``x``, the rounded sum over ``residual``.
 
 The namespace names the backend: ``qkvfuse`` is "auto" (the dispatcher picks by device: the native kernel for
 ``CPU``, Triton for ``CUDA``/``XPU``/``PrivateUse1``, the reference elsewhere), ``qkvfuse_reference`` the
@@ -40,7 +41,7 @@ __all__ = ["NAMESPACES", "OPS", "encode_rope", "decode_rope", "impl_library", "r
 # Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
 OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
-       "add_rmsnorm_out")
+       "add_rmsnorm_out", "add_rmsnorm_inplace")
 MAX_HEAD_DIM = 512
 
 # --------------------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ _SPLIT_ARGS = ("Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor
 _NORM_ARGS = "Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps"
 
 _MUTATED = {"split_qkv_rmsnorm_rope_out": (11, 12, 13), "split_qkv_rmsnorm_rope_inplace": (0,),
-            "add_rmsnorm_out": (5, 6)}  # argument indices each mutating form writes
+            "add_rmsnorm_out": (5, 6), "add_rmsnorm_inplace": (0, 1)}  # argument indices each mutating form writes
 _libs = {}
 for _ns in NAMESPACES.values():
     _lib = _libs[_ns] = torch.library.Library(_ns, "DEF")
@@ -87,6 +88,7 @@ for _ns in NAMESPACES.values():
     _lib.define(f"split_qkv_rmsnorm_rope_inplace(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
     _lib.define(f"add_rmsnorm({_NORM_ARGS}) -> (Tensor, Tensor)")
     _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()")
+    _lib.define("add_rmsnorm_inplace(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, Tensor? bias, float eps) -> ()")
 
 
 def _version_bumping_kernel(op, mutated):
@@ -160,7 +162,8 @@ for _ns, _lib in _libs.items():
 #   split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, mrope_section,
 #             mrope_interleaved, q_out, k_out, v_out)
 #   norm_out(x, residual, weight, bias, eps, y_out, residual_out)
-# and adapted here to the schemas (functional and in-place forms derived from the out= form).
+# and adapted here to the schemas (functional and in-place forms derived from the out= form; the norm kernels
+# accept outputs that exactly alias their own inputs).
 # --------------------------------------------------------------------------------------------------------
 SplitOut = Callable[..., None]
 NormOut = Callable[..., None]
@@ -173,7 +176,7 @@ def impl_library(backend: str) -> torch.library.Library:
 
 
 def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut) -> None:
-    """Register reference-signature kernels for all five ops of ``lib``'s namespace on ``dispatch_key``."""
+    """Register reference-signature kernels for all six ops of ``lib``'s namespace on ``dispatch_key``."""
 
     def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out):
         check_positions(positions, cache.shape[0])  # before any output is written
@@ -194,11 +197,15 @@ def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: S
         norm_out(x, residual, weight, bias, eps, y, residual_out if residual is not None else None)
         return y, residual_out
 
+    def norm_inplace(x, residual, weight, bias, eps):
+        norm_out(x, residual, weight, bias, eps, x, residual)
+
     lib.impl("split_qkv_rmsnorm_rope", functional, dispatch_key)
     lib.impl("split_qkv_rmsnorm_rope_out", out, dispatch_key)
     lib.impl("split_qkv_rmsnorm_rope_inplace", inplace, dispatch_key)
     lib.impl("add_rmsnorm", norm_functional, dispatch_key)
     lib.impl("add_rmsnorm_out", norm_out, dispatch_key)
+    lib.impl("add_rmsnorm_inplace", norm_inplace, dispatch_key)
 
 
 # --------------------------------------------------------------------------------------------------------

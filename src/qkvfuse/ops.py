@@ -34,8 +34,8 @@ from . import _library
 from ._library import MAX_HEAD_DIM, encode_rope
 from .backends import select_ops
 
-__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "QKNormRope", "AddRMSNorm",
-           "MAX_HEAD_DIM"]
+__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "add_rmsnorm_", "QKNormRope",
+           "AddRMSNorm", "MAX_HEAD_DIM"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INTS = (torch.int32, torch.int64)
@@ -47,6 +47,7 @@ class _Ops(NamedTuple):
     split_inplace: object
     norm: object
     norm_out: object
+    norm_inplace: object
 
 
 # One bundle of ops per backend choice (see qkvfuse._library.NAMESPACES).
@@ -644,7 +645,8 @@ def _check_x(x) -> None:
         _fail("x", f"shape {tuple(x.shape)}", "shape (T, H) with H >= 1")
 
 
-def _run_norm(c: _NormConfig, x, residual, out):
+def _check_norm_call(c: _NormConfig, x, residual) -> None:
+    """Per-call checks of ``x`` and ``residual`` against a validated configuration."""
     if x.shape[1] != c.hidden:
         _fail("x", f"shape {tuple(x.shape)}", f"shape (T, {c.hidden}) (weight's length)")
     _check_rows("x", x, c.hidden)
@@ -659,6 +661,14 @@ def _run_norm(c: _NormConfig, x, residual, out):
         _check_rows("residual", residual, c.hidden)
     if torch.is_grad_enabled():
         _check_no_grad((("x", x), ("residual", residual), ("weight", c.weight), ("bias", c.bias)))
+
+
+def _norm_static_spans(c: _NormConfig) -> list:
+    return c.static_spans if c.static_spans is not None else _spans((("weight", c.weight), ("bias", c.bias)))
+
+
+def _run_norm(c: _NormConfig, x, residual, out):
+    _check_norm_call(c, x, residual)
     if out is None:
         y, residual_out = c.ops.norm(x, residual, c.weight, c.bias, c.eps)
         return y, (residual_out if residual is not None else x)
@@ -675,12 +685,25 @@ def _run_norm(c: _NormConfig, x, residual, out):
     y, residual_out = (out[0], None) if residual is None else out
     if real:
         _check_outputs(entries,
-                       _spans((("x", x), ("residual", residual))) + (
-                           c.static_spans if c.static_spans is not None
-                           else _spans((("weight", c.weight), ("bias", c.bias)))),
+                       _spans((("x", x), ("residual", residual))) + _norm_static_spans(c),
                        lambda name: ("x", x) if name == "y_out" else ("residual", residual))
     c.ops.norm_out(x, residual, c.weight, c.bias, c.eps, y, residual_out)
     return y, (residual_out if residual is not None else x)
+
+
+def _run_norm_(c: _NormConfig, x, residual):
+    _check_norm_call(c, x, residual)
+    if _real_memory(x, residual):
+        targets = _spans((("x", x), ("residual", residual)))
+        if len(targets) == 2 and _meet(*targets):
+            _fail("residual", "memory shared with x", "an in-place target that shares no element with x")
+        for target in targets:
+            for src in _norm_static_spans(c):
+                if _meet(target, src):
+                    _fail(target[0], f"memory shared with {src[0]}",
+                          "an in-place target that shares no element with another input")
+    c.ops.norm_inplace(x, residual, c.weight, c.bias, c.eps)
+    return x, (residual if residual is not None else x)
 
 
 class AddRMSNorm:
@@ -698,8 +721,8 @@ class AddRMSNorm:
         As for :class:`QKNormRope`.
 
     Calls: ``y, residual_out = norm(x, residual)`` and ``norm(x, residual, out=(y, residual_out))`` with the
-    semantics of :func:`add_rmsnorm`; ``out=(x, residual)`` is the in-place form engines use (``y`` over ``x``,
-    the rounded sum over ``residual``).
+    semantics of :func:`add_rmsnorm`, and ``norm.inplace(x, residual)``, the in-place form engines use (``y`` over
+    ``x``, the rounded sum over ``residual``: :func:`add_rmsnorm_`).
     """
 
     __slots__ = ("config",)
@@ -715,6 +738,15 @@ class AddRMSNorm:
         if x.device != c.device:
             _fail("x", f"a tensor on {x.device}", f"a tensor on {c.device} (the device of {c.anchor})")
         return _run_norm(c, x, residual, out)
+
+    def inplace(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """``y`` over ``x`` and the rounded sum over ``residual``; returns ``(x, residual)``. See
+        :func:`add_rmsnorm_`."""
+        c = self.config
+        _check_x(x)
+        if x.device != c.device:
+            _fail("x", f"a tensor on {x.device}", f"a tensor on {c.device} (the device of {c.anchor})")
+        return _run_norm_(c, x, residual)
 
     def __repr__(self) -> str:
         return f"AddRMSNorm(hidden={self.config.hidden}, eps={self.config.eps}, bias={self.config.bias is not None})"
@@ -759,3 +791,25 @@ def add_rmsnorm(
     _check_x(x)
     c = _norm_config(weight, eps, bias, backend, x.device, "x", x.shape[1])
     return _run_norm(c, x, residual, out)
+
+
+def add_rmsnorm_(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """In-place :func:`add_rmsnorm` (vLLM's ``fused_add_rms_norm`` form): ``y`` is written over ``x`` and the
+    rounded sum ``x + residual`` over ``residual``.
+
+    Same arguments and values as :func:`add_rmsnorm` (without ``out``). ``x`` and ``residual`` may not share an
+    element with each other or with ``weight``/``bias``. Returns ``(x, residual)`` (``(x, x)`` without a
+    residual: a plain in-place RMSNorm); both version counters are bumped, as by any in-place torch op. Every
+    row is read before it is written, so no extra buffer is used.
+    """
+    _check_x(x)
+    c = _norm_config(weight, eps, bias, backend, x.device, "x", x.shape[1])
+    return _run_norm_(c, x, residual)

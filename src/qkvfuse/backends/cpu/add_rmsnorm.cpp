@@ -259,6 +259,12 @@ void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& w
   add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out));
 }
 
+// In place (the engines' form): y over x, the rounded sum over residual. Exact aliasing is safe (norm_row).
+void add_rmsnorm_inplace(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
+                         double eps) {
+  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, x, borrow(residual));
+}
+
 std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                        const OptTensor& bias, double eps) {
   return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps);
@@ -270,4 +276,5 @@ std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residua
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("add_rmsnorm", &qkvfuse_cpu::add_rmsnorm);
   m.impl("add_rmsnorm_out", &qkvfuse_cpu::add_rmsnorm_out);
+  m.impl("add_rmsnorm_inplace", &qkvfuse_cpu::add_rmsnorm_inplace);
 }

@@ -1,6 +1,6 @@
 // The ADInplaceOrView kernels of the auto ops' mutating forms (qkvfuse::split_qkv_rmsnorm_rope_out, ..._inplace,
-// add_rmsnorm_out): bump the version counter of every tensor argument the schema marks as written, then
-// redispatch below ADInplaceOrView. They replace qkvfuse._library's Python kernels of the same job when this
+// add_rmsnorm_out, add_rmsnorm_inplace): bump the version counter of every tensor argument the schema marks as
+// written, then redispatch below ADInplaceOrView. They replace qkvfuse._library's Python kernels of the same job when this
 // library loads, so a call outside inference mode pays no Python frame for it. Bumping an inference tensor
 // outside inference mode raises, as for any in-place torch op.
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -28,7 +28,8 @@ void bump_written_then_redispatch(const c10::OperatorHandle& op, c10::DispatchKe
 }  // namespace qkvfuse_cpu
 
 TORCH_LIBRARY_IMPL(qkvfuse, ADInplaceOrView, m) {
-  for (const char* name : {"split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm_out"}) {
+  for (const char* name : {"split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm_out",
+                           "add_rmsnorm_inplace"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&qkvfuse_cpu::bump_written_then_redispatch>());
   }
 }
