@@ -201,8 +201,8 @@ def test_mutation_temporal_row_only_is_caught(name, monkeypatch):
 
 def test_mutation_wrong_mrope_layout_is_caught(monkeypatch):
     """Qwen3-VL read as contiguous sections (as if mrope_interleaved were honoured and false) must fail."""
-    family = hf.SUPPORTED_MODELS["Qwen3VLForConditionalGeneration"]
-    monkeypatch.setitem(hf.SUPPORTED_MODELS, "Qwen3VLForConditionalGeneration",
+    family = hf.SUPPORTED_MODELS["qwen3_vl"]
+    monkeypatch.setitem(hf.SUPPORTED_MODELS, "qwen3_vl",
                         dataclasses.replace(family, mrope_interleaved=False))
     report = vm.check_prefill("Qwen3-VL")
     assert not report.ok and report.max_err > 10 * MODEL_FP32_LOGIT_RTOL
@@ -368,7 +368,7 @@ def test_unknown_model_class_raises_listing_supported():
     for supported in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
                       "Glm4MoeForCausalLM", "Glm4vMoeForConditionalGeneration"):
         assert supported in str(err.value)
-    with pytest.raises(TypeError, match="LlamaForCausalLM is not supported"):
+    with pytest.raises(TypeError, match=r"LlamaForCausalLM \(config.model_type=.llama.\) is not supported"):
         hf.apply_qkvfuse(model)
 
 

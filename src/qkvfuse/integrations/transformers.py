@@ -47,6 +47,7 @@ transformers state, e.g. Qwen3-VL's ``rope_deltas``, has the same limit).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import os
 import sys
@@ -57,6 +58,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _nn_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import ops
@@ -68,29 +70,35 @@ __all__ = ["apply_qkvfuse", "remove_qkvfuse", "SUPPORTED_MODELS", "is_patched"]
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    """How one model family is laid out: the classes the patch expects, and its rotary layout."""
+    """How one model family is laid out: the transformers classes the patch expects (matched by name through the
+    MRO, so subclasses are accepted), and its rotary layout."""
 
+    classes: Tuple[str, ...]  # the family's model classes (for messages)
     text_model: str  # the decoder stack: has ``rotary_emb`` and ``layers``
     decoder_layer: str
     attention: str
     mrope_interleaved: Optional[bool] = None  # None: plain RoPE; True: Qwen3-VL; False: contiguous sections
 
 
-_QWEN3 = _Family("Qwen3Model", "Qwen3DecoderLayer", "Qwen3Attention")
-_QWEN3_MOE = _Family("Qwen3MoeModel", "Qwen3MoeDecoderLayer", "Qwen3MoeAttention")
-_QWEN3_VL = _Family("Qwen3VLTextModel", "Qwen3VLTextDecoderLayer", "Qwen3VLTextAttention", mrope_interleaved=True)
-_GLM4_MOE = _Family("Glm4MoeModel", "Glm4MoeDecoderLayer", "Glm4MoeAttention")
-_GLM4V_MOE = _Family("Glm4vMoeTextModel", "Glm4vMoeTextDecoderLayer", "Glm4vMoeTextAttention",
+_QWEN3 = _Family(("Qwen3ForCausalLM", "Qwen3Model"), "Qwen3Model", "Qwen3DecoderLayer", "Qwen3Attention")
+_QWEN3_MOE = _Family(("Qwen3MoeForCausalLM", "Qwen3MoeModel"), "Qwen3MoeModel", "Qwen3MoeDecoderLayer",
+                     "Qwen3MoeAttention")
+_QWEN3_VL = _Family(("Qwen3VLForConditionalGeneration", "Qwen3VLModel", "Qwen3VLTextModel"), "Qwen3VLTextModel",
+                    "Qwen3VLTextDecoderLayer", "Qwen3VLTextAttention", mrope_interleaved=True)
+_GLM4_MOE = _Family(("Glm4MoeForCausalLM", "Glm4MoeModel"), "Glm4MoeModel", "Glm4MoeDecoderLayer",
+                    "Glm4MoeAttention")
+_GLM4V_MOE = _Family(("Glm4vMoeForConditionalGeneration", "Glm4vMoeModel", "Glm4vMoeTextModel"),
+                     "Glm4vMoeTextModel", "Glm4vMoeTextDecoderLayer", "Glm4vMoeTextAttention",
                      mrope_interleaved=False)
 
-# The one list of supported model classes (transformers class name -> family).
+# The one list of supported models: ``config.model_type`` -> family (Liger's dispatch: subclasses of the
+# transformers classes, and the bare text models of the multimodal families, are recognised by their config).
 SUPPORTED_MODELS: Dict[str, _Family] = {
-    "Qwen3ForCausalLM": _QWEN3, "Qwen3Model": _QWEN3,
-    "Qwen3MoeForCausalLM": _QWEN3_MOE, "Qwen3MoeModel": _QWEN3_MOE,
-    "Qwen3VLForConditionalGeneration": _QWEN3_VL, "Qwen3VLModel": _QWEN3_VL, "Qwen3VLTextModel": _QWEN3_VL,
-    "Glm4MoeForCausalLM": _GLM4_MOE, "Glm4MoeModel": _GLM4_MOE,
-    "Glm4vMoeForConditionalGeneration": _GLM4V_MOE, "Glm4vMoeModel": _GLM4V_MOE,
-    "Glm4vMoeTextModel": _GLM4V_MOE,
+    "qwen3": _QWEN3,
+    "qwen3_moe": _QWEN3_MOE,
+    "qwen3_vl": _QWEN3_VL, "qwen3_vl_text": _QWEN3_VL,
+    "glm4_moe": _GLM4_MOE,
+    "glm4v_moe": _GLM4V_MOE, "glm4v_moe_text": _GLM4V_MOE,
 }
 _OVERLAP_ENV = "QKVFUSE_SHARED_EXPERT_OVERLAP"
 _FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,8 +123,14 @@ class _Rope:
         if mrope_interleaved is not None:
             self.mrope_section = tuple(int(s) for s in rotary.mrope_section)
         self._check_against(rotary)
+        self.rows = self.max_position  # rows of the table; grows with the positions the model computes
         self.captured: Optional[torch.Tensor] = None
         self._tables: Dict[torch.device, torch.Tensor] = {}
+        self.state: Optional["_PatchState"] = None  # the patch that owns this text model
+
+    def __getstate__(self):
+        # deepcopy / pickle: no capture outlives a forward, and the tables are rebuilt on first use.
+        return {**self.__dict__, "captured": None, "_tables": {}}
 
     def _check_against(self, rotary: nn.Module) -> None:
         try:
@@ -141,13 +155,38 @@ class _Rope:
                 RuntimeWarning, stacklevel=4)
 
     def table(self, device: torch.device) -> torch.Tensor:
-        """``[max_position, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use)."""
+        """``[rows, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use)."""
         table = self._tables.get(device)
         if table is None:
-            table = build_cos_sin_cache(self.rotary_dim, self.max_position, self.theta, self.rope_parameters,
+            table = build_cos_sin_cache(self.rotary_dim, self.rows, self.theta, self.rope_parameters,
                                         dtype=torch.float32, device=device)
             self._tables[device] = table
         return table
+
+    def cover(self, position_ids: torch.Tensor) -> None:
+        """Grow the table (at least doubling) so that it holds every position in ``position_ids``.
+
+        transformers' rotary modules of the supported rope types compute any position from fixed frequencies, so
+        a prompt longer than ``max_position_embeddings`` runs unpatched; the grown table has the same frequencies
+        (rows are ``p * inv_freq``, so its first rows are the old table's). One host read of the largest position
+        per forward (all layers share the table); none under torch.compile or CUDA graph capture.
+        """
+        if position_ids.is_meta or not position_ids.numel() or (
+                position_ids.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return
+        top = int(position_ids.max())
+        if top < self.rows:
+            return
+        rows = max(top + 1, 2 * self.rows)
+        fixed = compute_inv_freq(self.rotary_dim, self.theta, self.rope_parameters, self.max_position)
+        grown = compute_inv_freq(self.rotary_dim, self.theta, self.rope_parameters, rows)
+        if not (torch.equal(fixed[0], grown[0]) and fixed[1] == grown[1]):
+            raise NotImplementedError(
+                f"qkvfuse: position {top} is past max_position_embeddings={self.max_position}, and the rope "
+                f"frequencies of rope_parameters={self.rope_parameters} depend on the table length (give 'factor' "
+                f"and 'original_max_position_embeddings' explicitly)")
+        self.rows = rows
+        self._tables.clear()
 
 
 def _flat_positions(captured: Optional[torch.Tensor], batch: int, seq: int, mrope: bool) -> torch.Tensor:
@@ -168,12 +207,19 @@ def _flat_positions(captured: Optional[torch.Tensor], batch: int, seq: int, mrop
     return captured.expand(batch, seq).reshape(batch * seq)
 
 
-def _capturing_rotary_forward(rope: _Rope):
-    def forward(self, x, position_ids, *args, **kwargs):
-        rope.captured = position_ids
-        return type(self).forward(self, x, position_ids, *args, **kwargs)
+def _capturing_rotary_forward(self, x, position_ids, *args, **kwargs):
+    """The rotary module's forward, recording the ids it is given (installed as ``functools.partial(fn, module)``:
+    module-level functions keep a patched model picklable and deep-copyable)."""
+    rope: _Rope = self._qkvfuse_rope
+    rope.captured = position_ids
+    if not torch.compiler.is_compiling():
+        rope.cover(position_ids)
+    return type(self).forward(self, x, position_ids, *args, **kwargs)
 
-    return forward
+
+def _clear_positions(module, args, output) -> None:
+    """Forward hook of the text model (always called): the capture lives for one forward only."""
+    module._qkvfuse_rope.captured = None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -184,40 +230,125 @@ def _is_plain_linear(module) -> bool:
     return type(module) is nn.Linear
 
 
-class _FusedAttention:
-    """Per-attention-layer state: geometry, the concatenated QKV parameters, and the norm weights' owners."""
+# Module-wide hooks (torch.nn.modules.module.register_module_forward_hook / _pre_hook) fire for every module the
+# unfused code calls; the fused path does not call the projections or norms. The dicts are never rebound.
+_GLOBAL_HOOKS = (_nn_module._global_forward_hooks, _nn_module._global_forward_pre_hooks)
 
-    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str]):
+
+def _module_edit(name: str, module: nn.Module) -> Optional[str]:
+    """Why the fused path would skip something the user attached to ``module`` (a hook or an instance forward)."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        return f"because {name} has forward hooks or pre-hooks, which the fused path would not call"
+    if "forward" in module.__dict__:
+        return f"because {name}.forward was replaced on the instance, which the fused path would not call"
+    return None
+
+
+def _global_hook_edit() -> Optional[str]:
+    if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1]:
+        return ("because a global module forward hook is registered (torch.nn.modules.module."
+                "register_module_forward_hook), which the fused path would not call for the fused modules")
+    return None
+
+
+def _trace_time_sync(fused: "_FusedAttention", attn: nn.Module) -> bool:
+    """Under torch.compile, once per trace on the real tensors: adopt replaced projections and re-derive the fused
+    weight if the projections' parameters are no longer views into it (data pointers do not trace)."""
+    fused.edit(attn)
+    fused.qkv_params()
+    return True
+
+
+_trace_time_sync = torch._dynamo.assume_constant_result(_trace_time_sync)
+
+
+class _FusedAttention:
+    """Per-attention-layer state: geometry, the concatenated QKV parameters, and the modules the fused path
+    stands in for (q/k/v projections, q/k norms), so that a replaced or hooked one is noticed per call."""
+
+    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str], eager):
         config = attn.config
         self.rope = rope
         self.backend = backend
         self.num_q_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
-        self.projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        widths = (self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                  self.num_kv_heads * self.head_dim)
-        for name, proj, width in zip(("q_proj", "k_proj", "v_proj"), self.projections, widths):
-            if proj.out_features != width:
-                raise ValueError(f"apply_qkvfuse: {name}.out_features = {proj.out_features}, expected {width} "
-                                 f"from the config's heads x head_dim")
-        self.widths = widths
+        self.widths = (self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                       self.num_kv_heads * self.head_dim)
+        self.in_features = attn.q_proj.in_features
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        reason = self._unfusable(projections)
+        if reason is not None:
+            raise ValueError(f"apply_qkvfuse: {reason}")
+        self.projections = projections
         # QK-norm: Qwen3 always, GLM-4.x when use_qk_norm (off for 4.5-Air), GLM-4.5V never.
         self.qk_norm = hasattr(attn, "q_norm") and getattr(attn, "use_qk_norm", True)
+        self.norms = (attn.q_norm, attn.k_norm) if self.qk_norm else ()
         self.eps = float(attn.q_norm.variance_epsilon) if self.qk_norm else 1e-6
         self.sliding_window = "sliding_window" in vars(attn)  # Qwen3 passes it to the attention interface
-        self.eager = getattr(sys.modules[type(attn).__module__], "eager_attention_forward")
+        self.eager = eager
         self.weight: Optional[torch.Tensor] = None
         self.bias: Optional[torch.Tensor] = None
+        self.params: Tuple = ()  # the parameter objects the fused weight was derived from
         self._bound: Optional[ops.QKNormRope] = None
         self.fuse()
 
+    def __getstate__(self):
+        # deepcopy / pickle: the bound op (it holds dispatcher handles) is rebuilt on first use.
+        return {**self.__dict__, "_bound": None}
+
+    def _unfusable(self, projections) -> Optional[str]:
+        for name, proj, width in zip(("q_proj", "k_proj", "v_proj"), projections, self.widths):
+            if not _is_plain_linear(proj):
+                return (f"{name} is a {type(proj).__module__}.{type(proj).__name__}, not a plain torch.nn.Linear "
+                        f"(e.g. a LoRA or quantisation wrapper), which the fused QKV GEMM cannot stand in for")
+            if proj.out_features != width or proj.in_features != self.in_features:
+                return (f"{name} maps {proj.in_features} -> {proj.out_features} features, expected "
+                        f"{self.in_features} -> {width} from the config's heads x head_dim")
+            if proj.weight.dtype not in _FUSABLE_DTYPES:
+                return f"{name}.weight has dtype {proj.weight.dtype}; expected one of {list(_FUSABLE_DTYPES)}"
+        return None
+
+    def edit(self, attn: nn.Module) -> Optional[str]:
+        """Why this call cannot take the fused path, or None (identity and dict-emptiness checks only).
+
+        A projection replaced by another plain ``nn.Linear`` of the same shape is adopted (the fused weight is
+        re-derived); a norm replaced by one of the same class is adopted. Anything else the fused path cannot
+        honour (a wrapper such as LoRA, a hook, an instance forward, a global module hook) is returned as the
+        reason to run transformers' unfused code for this call.
+        """
+        m = attn._modules
+        q, k, v = self.projections
+        if m.get("q_proj") is not q or m.get("k_proj") is not k or m.get("v_proj") is not v:
+            new = (m.get("q_proj"), m.get("k_proj"), m.get("v_proj"))
+            reason = self._unfusable(new)
+            if reason is not None:
+                return f"because {reason}"
+            if not torch.compiler.is_compiling():  # under compile, _trace_time_sync adopts
+                self.projections = new
+                self.fuse()
+            q, k, v = self.projections
+        if self.qk_norm:
+            qn, kn = self.norms
+            if m.get("q_norm") is not qn or m.get("k_norm") is not kn:
+                new = (m.get("q_norm"), m.get("k_norm"))
+                if any(type(n) is not type(qn) or getattr(n, "variance_epsilon", None) != self.eps for n in new):
+                    return (f"because q_norm/k_norm were replaced by {type(new[0]).__name__}/"
+                            f"{type(new[1]).__name__} modules that are not {type(qn).__name__}(eps={self.eps})")
+                self.norms = new
+                qn, kn = new
+            reason = _module_edit("q_norm", qn) or _module_edit("k_norm", kn)
+            if reason is not None:
+                return reason
+        return (_module_edit("q_proj", q) or _module_edit("k_proj", k) or _module_edit("v_proj", v)
+                or _global_hook_edit())
+
     def bound(self, attn: nn.Module, device: torch.device) -> ops.QKNormRope:
         """The layer's :class:`qkvfuse.QKNormRope`, built once per table and norm weights (rebuilt when the
-        model moves to another device or a norm weight is replaced)."""
+        model moves to another device, the table grows or a norm weight is replaced)."""
         table = self.rope.table(device)
-        q_w = attn.q_norm.weight if self.qk_norm else None
-        k_w = attn.k_norm.weight if self.qk_norm else None
+        q_w = self.norms[0].weight if self.qk_norm else None
+        k_w = self.norms[1].weight if self.qk_norm else None
         bound = self._bound
         if (bound is None or bound.config.cos_sin_cache is not table or bound.config.q_weight is not q_w
                 or bound.config.k_weight is not k_w):
@@ -233,7 +364,7 @@ class _FusedAttention:
             return False
         params = [p for proj in self.projections for p in (proj.weight, proj.bias) if p is not None]
         if self.qk_norm:
-            params += [attn.q_norm.weight, attn.k_norm.weight]
+            params += [self.norms[0].weight, self.norms[1].weight]
         return hidden_states.requires_grad or any(p.requires_grad for p in params)
 
     def fuse(self) -> None:
@@ -242,14 +373,14 @@ class _FusedAttention:
             self.weight = torch.cat([p.weight.detach() for p in self.projections], dim=0)
             for proj, view in zip(self.projections, self.weight.split(self.widths, dim=0)):
                 proj.weight.data = view
-            if all(p.bias is None for p in self.projections):
-                self.bias = None
-                return
-            self.bias = torch.cat([p.bias.detach() if p.bias is not None else self.weight.new_zeros(w)
-                                   for p, w in zip(self.projections, self.widths)])
-            for proj, view in zip(self.projections, self.bias.split(self.widths)):
-                if proj.bias is not None:
-                    proj.bias.data = view
+            self.bias = None
+            if any(p.bias is not None for p in self.projections):
+                self.bias = torch.cat([p.bias.detach() if p.bias is not None else self.weight.new_zeros(w)
+                                       for p, w in zip(self.projections, self.widths)])
+                for proj, view in zip(self.projections, self.bias.split(self.widths)):
+                    if proj.bias is not None:
+                        proj.bias.data = view
+        self.params = tuple(p.weight for p in self.projections) + tuple(p.bias for p in self.projections)
 
     def unfuse(self) -> None:
         """Give each projection its own contiguous weight (and bias) again, with the same values."""
@@ -259,11 +390,16 @@ class _FusedAttention:
                 if proj.bias is not None:
                     proj.bias.data = proj.bias.data.clone()
         self.weight = self.bias = None
+        self.params = ()
 
     def _views_intact(self) -> bool:
         w_offset = b_offset = 0
-        for proj, width in zip(self.projections, self.widths):
-            for param, fused, offset in ((proj.weight, self.weight, w_offset), (proj.bias, self.bias, b_offset)):
+        params = self.params
+        for i, (proj, width) in enumerate(zip(self.projections, self.widths)):
+            weight, bias = proj.weight, proj.bias
+            if weight is not params[i] or bias is not params[3 + i]:  # a parameter replaced or removed
+                return False
+            for param, fused, offset in ((weight, self.weight, w_offset), (bias, self.bias, b_offset)):
                 if param is None:
                     continue
                 if (fused is None or param.dtype != fused.dtype or param.device != fused.device
@@ -274,22 +410,40 @@ class _FusedAttention:
         return True
 
     def qkv_params(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        # model.to(device/dtype) or a replaced parameter turns the views into separate tensors: re-fuse.
+        """The fused weight and bias, re-derived first if a parameter was replaced or moved (``model.to``,
+        ``proj.weight = ...``, ``weight.data = ...``): the views are checked by data pointer."""
         if not self._views_intact():
             self.fuse()
         return self.weight, self.bias
 
+    def traced_qkv_params(self) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """Under torch.compile: the fused weight and bias while the projections hold the parameter objects they
+        were derived from in the fused weight's dtype and device (dynamo guards on both, so replacing a parameter
+        or casting the model recompiles), else None (three GEMMs)."""
+        weight = self.weight
+        for proj, w, b in zip(self.projections, self.params[:3], self.params[3:]):
+            if (proj.weight is not w or proj.bias is not b or proj.weight.dtype != weight.dtype
+                    or proj.weight.device != weight.device):
+                return None
+        return weight, self.bias
+
 
 def _fused_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                              past_key_values=None, **kwargs):
-    """Attention with one QKV GEMM and one fused split + QK-RMSNorm + RoPE/mRoPE (replaces ``forward``).
+    """Attention with one QKV GEMM and one fused split + QK-RMSNorm + RoPE/mRoPE (``functools.partial(fn, attn)``
+    as the instance's ``forward``).
 
     ``position_embeddings`` (transformers' cos/sin, rounded to the activation dtype) is not used: the fused op
-    reads the fp32 table at the positions the rotary module received.
+    reads the fp32 table at the positions the rotary module received. A call the fused path cannot honour
+    (autograd, a replaced/wrapped/hooked projection or norm) runs the class's own forward, with one warning.
     """
     fused: _FusedAttention = self._qkvfuse
-    if fused.needs_autograd(self, hidden_states):
-        _warn_unfused(type(self).__name__)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        _trace_time_sync(fused, self)
+    reason = _AUTOGRAD if fused.needs_autograd(self, hidden_states) else fused.edit(self)
+    if reason is not None:
+        _warn_unfused(type(self).__name__, reason)
         return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                                   **kwargs)
     rope = fused.rope
@@ -297,13 +451,13 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
     batch, seq = (1, input_shape[0]) if len(input_shape) == 1 else input_shape
     hq, hkv, d = fused.num_q_heads, fused.num_kv_heads, fused.head_dim
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if torch.compiler.is_compiling():
-        # Under torch.compile the fused views cannot be checked (data pointers do not trace; the check would
-        # break the graph at every layer): each projection's own current parameters, outputs concatenated.
+    params = fused.traced_qkv_params() if compiling else fused.qkv_params()
+    if params is None:
+        # Compiled after a parameter was replaced or cast, before the trace-time sync could re-derive the fused
+        # weight: each projection's own current parameters.
         qkv = torch.cat([F.linear(flat, p.weight, p.bias) for p in fused.projections], dim=-1)
     else:
-        weight, bias = fused.qkv_params()
-        qkv = F.linear(flat, weight, bias)  # [B*T, (Hq + 2Hkv) * D]
+        qkv = F.linear(flat, *params)  # [B*T, (Hq + 2Hkv) * D]
     positions = _flat_positions(rope.captured, batch, seq, rope.mrope_section is not None)
     q, k, v = fused.bound(self, qkv.device).inplace(qkv, positions)
     # Views into qkv (row stride = its width) reshaped to transformers' [B, H, T, D].
@@ -326,11 +480,32 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
 # --------------------------------------------------------------------------------------------------------
 # The patched decoder layer: residual add after attention + post-attention RMSNorm in one call.
 # --------------------------------------------------------------------------------------------------------
-@dataclasses.dataclass
 class _FusedLayer:
-    arg_names: Tuple[str, ...]  # the original forward's parameters after hidden_states, for positional calls
-    backend: Optional[str]
-    _bound: Optional[ops.AddRMSNorm] = None
+    """Per-decoder-layer state: the post-attention norm the fused add+norm stands in for, and its bound op."""
+
+    def __init__(self, layer: nn.Module, backend: Optional[str]):
+        names = tuple(inspect.signature(type(layer).forward).parameters)[2:]
+        # The original forward's parameters after hidden_states, for positional calls.
+        self.arg_names: Tuple[str, ...] = tuple(n for n in names if n not in ("args", "kwargs"))
+        self.backend = backend
+        self.norm: nn.Module = layer.post_attention_layernorm
+        self._bound: Optional[ops.AddRMSNorm] = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_bound": None}
+
+    def edit(self, layer: nn.Module) -> Optional[str]:
+        """Why this call cannot fuse the add+norm, or None (identity and dict-emptiness checks only); a norm
+        replaced by one of the same class is adopted."""
+        norm = layer._modules.get("post_attention_layernorm")
+        if norm is not self.norm:
+            if type(norm) is not type(self.norm):
+                return (f"because post_attention_layernorm was replaced by a {type(norm).__name__}, not a "
+                        f"{type(self.norm).__name__}")
+            self.norm = norm
+        if layer.training and torch.is_grad_enabled() and getattr(layer, "gradient_checkpointing", False):
+            return _CHECKPOINTING
+        return _module_edit("post_attention_layernorm", norm) or _global_hook_edit()
 
     def bound(self, norm: nn.Module) -> ops.AddRMSNorm:
         """The layer's :class:`qkvfuse.AddRMSNorm` (rebuilt when the norm weight is replaced or moved)."""
@@ -343,6 +518,8 @@ class _FusedLayer:
 _warned_unfused: set = set()
 _AUTOGRAD = ("while autograd records (grad mode on and an input or parameter requires grad): the fused ops are "
              "inference only. Run under torch.no_grad() or torch.inference_mode() for the fused path.")
+_CHECKPOINTING = ("while gradient checkpointing is on in training mode (grad mode on): the layer's own "
+                  "checkpointed forward runs (its attention decides for itself).")
 _AUTOCAST = ("(residual add + post-attention RMSNorm) under torch.autocast: autocast makes the attention output "
              "low-precision while the residual stream stays in the weights' dtype, and transformers adds them with "
              "type promotion, which the fused add+norm (equal dtypes) does not; the fused attention prepare still "
@@ -360,28 +537,34 @@ def _warn_unfused(where: str, reason: str = _AUTOGRAD) -> None:
 
 
 def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
-    """Decoder layer whose post-attention residual add and RMSNorm are one ``add_rmsnorm`` (replaces ``forward``).
+    """Decoder layer whose post-attention residual add and RMSNorm are one ``add_rmsnorm`` (``functools.partial``
+    as the instance's ``forward``).
 
     Fusion stays inside the layer: Qwen3-VL adds DeepStack features to the hidden states between layers.
     """
     fused: _FusedLayer = self._qkvfuse
-    norm = self.post_attention_layernorm
-    if torch.is_grad_enabled() and (hidden_states.requires_grad or norm.weight.requires_grad):
-        _warn_unfused(type(self).__name__)
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    if torch.is_autocast_enabled(hidden_states.device.type):
+    reason = fused.edit(self)
+    if reason is None and torch.is_grad_enabled() and (hidden_states.requires_grad
+                                                       or fused.norm.weight.requires_grad):
+        reason = _AUTOGRAD
+    if reason is None and torch.is_autocast_enabled(hidden_states.device.type):
         # The whole layer's own code (its attention stays the patched one): under autocast transformers adds a
         # low-precision attention output to an fp32 residual with type promotion and normalises in fp32.
-        _warn_unfused(type(self).__name__, _AUTOCAST)
+        reason = _AUTOCAST
+    if reason is not None:
+        _warn_unfused(type(self).__name__, reason)
         return type(self).forward(self, hidden_states, *args, **kwargs)
     if args:
         kwargs.update(zip(fused.arg_names, args))
+    norm = fused.norm
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
-    if hidden_states.dtype != residual.dtype:
-        # Exactly the unpatched layer's add (type promotion) and norm.
-        _warn_unfused(type(self).__name__, _MIXED.format(x=hidden_states.dtype, r=residual.dtype))
+    if hidden_states.dtype != residual.dtype or (torch.is_grad_enabled() and hidden_states.requires_grad):
+        # Exactly the unpatched layer's add (type promotion) and norm: mixed dtypes, or an attention output that
+        # records autograd (e.g. a LoRA adapter on the projections of a frozen model).
+        _warn_unfused(type(self).__name__, _MIXED.format(x=hidden_states.dtype, r=residual.dtype)
+                      if hidden_states.dtype != residual.dtype else _AUTOGRAD)
         residual = residual + hidden_states
         return residual + self.mlp(norm(residual))
     shape = hidden_states.shape
@@ -395,7 +578,11 @@ def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
 # --------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _PatchState:
+    """What one :func:`apply_qkvfuse` call changed (kept on the patched model as ``_qkvfuse_patch``)."""
+
     options: Tuple
+    owner: Optional[nn.Module] = None  # the model apply_qkvfuse was called on
+    text_models: List[nn.Module] = dataclasses.field(default_factory=list)
     attentions: List[nn.Module] = dataclasses.field(default_factory=list)
     layers: List[nn.Module] = dataclasses.field(default_factory=list)
     rotaries: List[nn.Module] = dataclasses.field(default_factory=list)
@@ -403,28 +590,63 @@ class _PatchState:
     moe_blocks: List[nn.Module] = dataclasses.field(default_factory=list)
 
 
+def _supported_list() -> str:
+    by_family: Dict[_Family, List[str]] = {}
+    for model_type, family in SUPPORTED_MODELS.items():
+        by_family.setdefault(family, []).append(model_type)
+    return "; ".join(f"{'/'.join(types_)} ({', '.join(f.classes)})" for f, types_ in by_family.items())
+
+
 def _family_of(model: nn.Module) -> _Family:
-    family = SUPPORTED_MODELS.get(type(model).__name__)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    family = SUPPORTED_MODELS.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise TypeError(f"apply_qkvfuse: {type(model).__name__} is not supported; supported model classes: "
-                        f"{', '.join(SUPPORTED_MODELS)}")
+        raise TypeError(f"apply_qkvfuse: {type(model).__name__} (config.model_type={model_type!r}) is not supported; "
+                        f"supported config.model_type values (and their transformers classes, subclasses "
+                        f"included): {_supported_list()}")
     return family
 
 
+def _base(cls: type, name: str) -> Optional[type]:
+    """The class named ``name`` in ``cls``'s MRO (``cls`` itself or a base), or None."""
+    return next((c for c in cls.__mro__ if c.__name__ == name), None)
+
+
 def _text_models(model: nn.Module, family: _Family) -> List[nn.Module]:
-    found = [m for m in model.modules() if type(m).__name__ == family.text_model]
+    found = [m for m in model.modules() if _base(type(m), family.text_model) is not None]
     if not found:
         raise TypeError(f"apply_qkvfuse: no {family.text_model} found inside {type(model).__name__}")
     return found
 
 
+def _own_forward(module: nn.Module) -> bool:
+    """Whether ``module.forward`` is one of this patch's (``functools.partial`` of a patched forward)."""
+    forward = module.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func in _PATCHED_FORWARDS
+
+
+def _check_forward(module: nn.Module, base: type, what: str) -> None:
+    """The patch replaces ``base.forward``: refuse a subclass that overrides it, or a forward set on the instance by
+    someone else (another patcher), rather than silently dropping it."""
+    if inspect.unwrap(type(module).forward) is not inspect.unwrap(base.forward):
+        raise TypeError(f"apply_qkvfuse: {what} {type(module).__name__} overrides {base.__name__}.forward, which "
+                        f"qkvfuse replaces; patch the unmodified class")
+    if "forward" in module.__dict__ and not _own_forward(module):
+        raise TypeError(f"apply_qkvfuse: {what} {type(module).__name__} has a forward set on the instance (patched "
+                        f"by another tool?), which qkvfuse would replace; undo that patch first")
+
+
 def _check_layer(layer: nn.Module, family: _Family) -> None:
-    if type(layer).__name__ != family.decoder_layer:
-        raise TypeError(f"apply_qkvfuse: expected decoder layers of class {family.decoder_layer}, found "
-                        f"{type(layer).__name__}")
-    if type(layer.self_attn).__name__ != family.attention:
-        raise TypeError(f"apply_qkvfuse: expected attention of class {family.attention}, found "
+    base_layer = _base(type(layer), family.decoder_layer)
+    if base_layer is None:
+        raise TypeError(f"apply_qkvfuse: expected decoder layers of class {family.decoder_layer} (or a subclass), "
+                        f"found {type(layer).__name__}")
+    base_attn = _base(type(layer.self_attn), family.attention)
+    if base_attn is None:
+        raise TypeError(f"apply_qkvfuse: expected attention of class {family.attention} (or a subclass), found "
                         f"{type(layer.self_attn).__name__}")
+    _check_forward(layer, base_layer, "decoder layer")
+    _check_forward(layer.self_attn, base_attn, "attention")
 
 
 def _overlap_requested(shared_expert_overlap: Optional[bool]) -> Optional[bool]:
@@ -462,9 +684,22 @@ def _patch_moe(model: nn.Module, overlap: bool, explicit: bool) -> List[nn.Modul
     return blocks
 
 
+def _covering_states(model: nn.Module) -> List[_PatchState]:
+    """The patches that cover ``model``: its own, one of a submodule (an inner model patched first) or one of an
+    enclosing model (found through the text models it patched)."""
+    states: Dict[int, _PatchState] = {}
+    for module in model.modules():
+        for state in (module.__dict__.get("_qkvfuse_patch"),
+                      getattr(module.__dict__.get("_qkvfuse_rope"), "state", None)):
+            if state is not None:
+                states.setdefault(id(state), state)
+    return list(states.values())
+
+
 def is_patched(model: nn.Module) -> bool:
-    """Whether :func:`apply_qkvfuse` has patched ``model`` (and :func:`remove_qkvfuse` has not undone it)."""
-    return getattr(model, "_qkvfuse_patch", None) is not None
+    """Whether ``model``'s attention layers run qkvfuse: :func:`apply_qkvfuse` patched it, a model inside it or a
+    model around it (and :func:`remove_qkvfuse` has not undone that)."""
+    return bool(_covering_states(model))
 
 
 def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_rmsnorm: bool = True,
@@ -496,13 +731,17 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         ``[B*T, (Hq + 2*Hkv) * head_dim]`` buffer and one fused split + QK-RMSNorm + RoPE/mRoPE over it, at the
         positions the model's rotary module receives, with an fp32 cos/sin table of ``max_position_embeddings``
         rows (positions must stay below it). q/k/v weights become views into one concatenated tensor.
-        Calling it again with the same options does nothing; with other options it re-patches.
+        Calling it again with the same options does nothing but re-derive the fused weight if a projection's
+        parameters changed storage (e.g. under ``torch.compile``, see the README); with other options it
+        re-patches. Nesting is idempotent: patching ``model.model`` and then ``model`` (or the reverse) leaves one
+        patch, owned by the outer model when it was patched last.
 
     Raises
     ------
     TypeError
-        Unsupported model class (the message lists the supported ones), a q/k/v projection that is not a plain
-        ``torch.nn.Linear`` (quantised layers), or an unsupported dtype.
+        Unsupported ``config.model_type`` (the message lists the supported ones), a decoder layer or attention
+        class that overrides the ``forward`` qkvfuse replaces (or carries another tool's instance ``forward``),
+        a q/k/v projection that is not a plain ``torch.nn.Linear`` (quantised layers), or an unsupported dtype.
     NotImplementedError
         rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK), shared-expert overlap requested while
         ``qkvfuse.moe.glm4`` is unavailable, or an offloaded model (accelerate ``device_map`` with CPU/disk
@@ -521,38 +760,52 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     _check_not_offloaded(model)
     overlap = _overlap_requested(shared_expert_overlap)
     options = (backend, bool(fuse_add_rmsnorm), overlap)
-    current: Optional[_PatchState] = getattr(model, "_qkvfuse_patch", None)
-    if current is not None:
-        if current.options == options:
-            return model
-        remove_qkvfuse(model)
+    text_models = _text_models(model, family)
+    covering = _covering_states(model)
+    if (len(covering) == 1 and covering[0].options == options
+            and {id(m) for m in text_models} <= {id(m) for m in covering[0].text_models}):
+        # Already patched so (by this call's model or one around it): keep it, re-derive stale fused weights.
+        for attn in covering[0].attentions:
+            attn._qkvfuse.qkv_params()
+        return model
     device = next(model.parameters()).device
     resolve_backend(backend, device.type)  # an invalid or unavailable explicit backend fails here, not mid-forward
 
-    # Validate everything before changing anything, so a failure leaves the model untouched.
+    # Validate everything before changing anything, so a failure leaves the model untouched. A patched forward
+    # found here is undone below (re-patching), so only foreign ones are refused.
     plan = []
-    for text_model in _text_models(model, family):
+    for text_model in text_models:
         rope = _Rope(text_model.rotary_emb, family.mrope_interleaved)
+        if "forward" in text_model.rotary_emb.__dict__ and not _own_forward(text_model.rotary_emb):
+            raise TypeError(f"apply_qkvfuse: {type(text_model.rotary_emb).__name__} has a forward set on the "
+                            f"instance (patched by another tool?), which qkvfuse would replace")
         for layer in text_model.layers:
             _check_layer(layer, family)
             _validate_attention(layer.self_attn)
         plan.append((text_model, rope))
+    for state in covering:  # other options, or an inner model patched first: re-patch from the original model
+        _remove_state(state)
 
-    state = _PatchState(options)
+    state = _PatchState(options, owner=model)
     for text_model, rope in plan:
+        eager = getattr(sys.modules[_base(type(text_model.layers[0].self_attn), family.attention).__module__],
+                        "eager_attention_forward")
+        rope.state = state
         rotary = text_model.rotary_emb
-        rotary.forward = types.MethodType(_capturing_rotary_forward(rope), rotary)
+        # Plain attributes (not submodules), shared by the rotary forward and the text model's clearing hook.
+        text_model._qkvfuse_rope = rotary._qkvfuse_rope = rope
+        rotary.forward = functools.partial(_capturing_rotary_forward, rotary)
+        state.text_models.append(text_model)
         state.rotaries.append(rotary)
-        state.hooks.append(text_model.register_forward_hook(_clear_positions(rope), always_call=True))
+        state.hooks.append(text_model.register_forward_hook(_clear_positions, always_call=True))
         for layer in text_model.layers:
             attn = layer.self_attn
-            attn._qkvfuse = _FusedAttention(attn, rope, backend)
-            attn.forward = types.MethodType(_fused_attention_forward, attn)
+            attn._qkvfuse = _FusedAttention(attn, rope, backend, eager)
+            attn.forward = functools.partial(_fused_attention_forward, attn)
             state.attentions.append(attn)
             if fuse_add_rmsnorm:
-                names = tuple(inspect.signature(type(layer).forward).parameters)[2:]
-                layer._qkvfuse = _FusedLayer(tuple(n for n in names if n not in ("args", "kwargs")), backend)
-                layer.forward = types.MethodType(_fused_decoder_forward, layer)
+                layer._qkvfuse = _FusedLayer(layer, backend)
+                layer.forward = functools.partial(_fused_decoder_forward, layer)
                 state.layers.append(layer)
     model._qkvfuse_patch = state
     if overlap is not None:
@@ -604,22 +857,19 @@ def _validate_attention(attn: nn.Module) -> None:
                             f"{list(_FUSABLE_DTYPES)}")
 
 
-def _clear_positions(rope: _Rope):
-    def hook(module, args, output):
-        rope.captured = None
-
-    return hook
-
-
 def remove_qkvfuse(model: nn.Module) -> nn.Module:
     """Undo :func:`apply_qkvfuse`: original forwards, separate q/k/v weights with unchanged values.
 
-    The model then computes bit-identical outputs to before the patch. A model that is not patched is returned
-    unchanged.
+    The model then computes bit-identical outputs to before the patch. Whichever model was patched (this one, a
+    model inside it, or one around it), the patch covering this model's attention layers is undone. A model that
+    is not patched is returned unchanged.
     """
-    state: Optional[_PatchState] = getattr(model, "_qkvfuse_patch", None)
-    if state is None:
-        return model
+    for state in _covering_states(model):
+        _remove_state(state)
+    return model
+
+
+def _remove_state(state: _PatchState) -> None:
     if state.moe_blocks:
         unpatch = _glm4_moe_api().unpatch
         for block in state.moe_blocks:
@@ -628,6 +878,9 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
         hook.remove()
     for rotary in state.rotaries:
         del rotary.forward
+        del rotary._qkvfuse_rope
+    for text_model in state.text_models:
+        del text_model._qkvfuse_rope
     for attn in state.attentions:
         attn._qkvfuse.unfuse()
         del attn.forward
@@ -635,5 +888,7 @@ def remove_qkvfuse(model: nn.Module) -> nn.Module:
     for layer in state.layers:
         del layer.forward
         del layer._qkvfuse
-    del model._qkvfuse_patch
-    return model
+    del state.owner._qkvfuse_patch
+
+
+_PATCHED_FORWARDS = (_capturing_rotary_forward, _fused_attention_forward, _fused_decoder_forward)
