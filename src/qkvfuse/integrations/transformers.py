@@ -733,8 +733,8 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         rows (positions must stay below it). q/k/v weights become views into one concatenated tensor.
         Calling it again with the same options does nothing but re-derive the fused weight if a projection's
         parameters changed storage (e.g. under ``torch.compile``, see the README); with other options it
-        re-patches. Nesting is idempotent: patching ``model.model`` and then ``model`` (or the reverse) leaves one
-        patch, owned by the outer model when it was patched last.
+        re-patches. Nesting is idempotent: patching ``model.model`` and then ``model`` (or the reverse) with the same
+        options keeps the first patch; other options re-patch from the original model.
 
     Raises
     ------
