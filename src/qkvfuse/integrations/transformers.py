@@ -15,7 +15,8 @@ forward, so a stale capture can never be used. The same code path serves prefill
 padded batches: nothing branches on the forward mode.
 
 The rotary table is built once per model and device by :func:`qkvfuse.build_cos_sin_cache` from the config's
-``rope_parameters`` (theta, scaling, partial rotary factor) with ``max_position_embeddings`` rows, in fp32,
+``rope_parameters`` (theta, scaling, partial rotary factor) with ``max_position_embeddings`` rows, in fp32 (grown
+in eager forwards when the captured positions reach past it, as transformers' rotary computes any position),
 and checked at patch time against the inverse frequencies and attention scaling of the model's own rotary
 module; the mRoPE sections are the rotary module's own (transformers' default when the config omits them).
 Qwen3-VL is always interleaved: transformers never reads ``mrope_interleaved``.
@@ -25,7 +26,18 @@ and norm weights, so a decode step pays only the per-call checks.
 
 Weights. q/k/v projection weights (and biases) are concatenated once, at patch time, and each projection's
 parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
-views are broken later (``model.to(...)``, a parameter replaced), the next forward re-concatenates.
+views are broken later (``model.to(...)``, a parameter replaced), the next forward re-concatenates; under
+torch.compile the check runs once per trace and dynamo's guards on the parameter objects trigger the retrace.
+
+Edits after patching. Each patched layer remembers the modules its fused path stands in for (q/k/v projections,
+q/k norms, the post-attention norm) and checks per call, by identity and dict emptiness only, that they are
+still there and carry no forward hooks, pre-hooks or instance forward (and that no global module hook is
+registered). A plain ``nn.Linear`` (or same-class norm) put in their place is adopted; anything else (a LoRA
+wrapper, a hook) makes that call run transformers' unfused code for the layer, with one warning naming why.
+
+Copies. Forwards are ``functools.partial(<module-level function>, module)`` and the clearing hook is a
+module-level function, with the per-model state in plain attributes: ``copy.deepcopy``, ``pickle`` and
+``torch.save`` give a patched copy that owns its fused weights. Patching is idempotent across nesting.
 
 Offloaded models (accelerate ``device_map`` with CPU/disk offload: parameters on the meta device, hooks that
 materialise them per forward) are refused at patch time with ``NotImplementedError``, before anything changes.
