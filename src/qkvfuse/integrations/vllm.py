@@ -1,0 +1,508 @@
+"""qkvfuse inside vLLM: fused attention-prepare (and optionally add+RMSNorm) for Qwen3 / Qwen3-MoE / GLM-4.x.
+
+Switched on per engine, never by installing the package::
+
+    LLM(model, additional_config={"qkvfuse": {"attention": True, "add_rmsnorm": False}})
+    vllm serve MODEL --additional-config '{"qkvfuse": {"attention": true}}'
+
+``additional_config`` is part of vLLM's compile-cache hash, so a compiled graph with and without qkvfuse never
+share a cache entry. ``QKVFUSE_VLLM=1`` is a convenience that means ``{"attention": true}`` when the config has no
+``qkvfuse`` entry; an environment variable is *not* part of vLLM's compile-cache hash, so with
+``enforce_eager=False`` clear the cache (``~/.cache/vllm/torch_compile_cache``) when switching it.
+
+Options (``additional_config["qkvfuse"]``): ``attention`` (bool) fuses each qualifying attention layer's split +
+QK-RMSNorm + RoPE/mRoPE into one :class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder
+layer's two norms with :class:`qkvfuse.AddRMSNorm` (in place, as vLLM's own fused kernel writes); ``verify``
+(bool, eager only) also runs vLLM's own path on every fused call and raises past qkvfuse's accuracy rule;
+``backend`` (``"auto"``, ``"cpu"``, ``"triton"``, ``"reference"``).
+
+How it hooks in. :func:`register` is the ``vllm.general_plugins`` entry point, which vLLM calls in every process
+(front end, engine core, workers, the model-inspection subprocess): it only arranges for
+``BaseModelLoader.load_model`` to be wrapped when vLLM imports it (idempotent; nothing of vLLM is imported or
+changed otherwise, and without vLLM it does nothing). After a model is built and
+its weights loaded, :func:`fuse_model` reads the options from the engine's config and, for each attention layer
+of a supported class (``Qwen3Attention``, ``Qwen3MoeAttention``, ``Glm4MoeAttention``: also the language models
+of Qwen3-VL and GLM-4.5V), replaces that *instance's* ``forward`` with one that calls the fused op -- the class
+and every other layer keep vLLM's code. One bound object per layer (built once; rebuilt if vLLM replaces the
+rotary table or a norm weight); eager calls rewrite Q and K inside the packed projection output (no copies);
+under ``torch.compile`` the functional op on the module's own parameters (a graph with no mutation of
+intermediates, no host syncs, shapes from the trace).
+
+A layer is fused only when it qualifies, else it keeps vLLM's code and the log says why: the methods qkvfuse
+replaces and the vLLM code whose semantics it reproduces hash to a version it was tested with
+(:data:`TESTED_SOURCES`, vLLM 0.32.0); the rotary module is ``RotaryEmbedding`` (or a subclass that changes only
+its table: YaRN, linear, NTK, Llama-3 scaling) or ``MRotaryEmbedding``; the norms are plain ``RMSNorm`` with one
+eps; head_dim even and <= 512, rotary_dim even and <= head_dim; a fast qkvfuse backend runs on the device; none
+of vLLM's own QK-norm+RoPE fusion passes is on. It logs once per process what it fused, e.g.
+``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary 128, neox)``.
+
+Numerics: the rotary table used is vLLM's own (in the model dtype, as vLLM's rotation reads it); qkvfuse computes
+norm and rotation in fp32 and rounds once, which is at least as accurate as vLLM's unfused path (tested against a
+float64 oracle). Tensor parallelism works as it does for vLLM's code: each rank's layer holds its local heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.abc
+import inspect
+import logging
+import os
+import sys
+import textwrap
+import types
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .. import ops
+from ..backends import resolve_backend
+
+__all__ = ["register", "fuse_model", "Options", "options_from_config", "TESTED_SOURCES", "CONFIG_KEY", "ENV_VAR"]
+
+CONFIG_KEY = "qkvfuse"
+ENV_VAR = "QKVFUSE_VLLM"
+logger = logging.getLogger("vllm.qkvfuse")  # a child of vLLM's logger: its handler and level apply
+
+# --------------------------------------------------------------------------------------------------------
+# The vLLM code the fused forwards replace or reproduce, by a hash of its source (vLLM 0.32.0). A layer whose
+# class's code hashes differently is left to vLLM, with one log line naming the method.
+# --------------------------------------------------------------------------------------------------------
+TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
+    "Qwen3Attention.forward": ("0cd83a1ca6e0b9d9",),
+    "Qwen3MoeAttention.forward": ("3b1a3f0021a921e2",),
+    "Glm4MoeAttention.forward": ("146011759baad531",),
+    "RotaryEmbedding.forward_static": ("32056fe8f633e8b9",),
+    "MRotaryEmbedding.forward_native": ("6ac6d9987318e64b",),
+    "apply_interleaved_rope": ("2c8171918a095180",),
+    "RMSNorm.forward_native": ("136165e3f2b54441",),
+    "Qwen3DecoderLayer.forward": ("ed1f90a51dab0fe3",),
+    "Qwen3MoeDecoderLayer.forward": ("ed1f90a51dab0fe3",),
+    "Glm4MoeDecoderLayer.forward": ("8df3b528d54b1de4",),
+}
+
+_ATTENTION = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe", "Glm4MoeAttention": "glm4_moe"}
+_DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "Glm4MoeDecoderLayer": "glm4_moe"}
+_OPTION_TYPES = {"attention": bool, "add_rmsnorm": bool, "verify": bool, "backend": str}
+
+
+def source_hash(fn) -> str:
+    """The hash :data:`TESTED_SOURCES` holds for a function: sha256 of its dedented source, 16 hex digits."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Options.
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the plugin does for one engine (``additional_config["qkvfuse"]``)."""
+
+    attention: bool = False
+    add_rmsnorm: bool = False
+    verify: bool = False
+    backend: Optional[str] = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.attention or self.add_rmsnorm
+
+
+def options_from_config(additional_config) -> Options:
+    """Parse ``additional_config`` (vLLM's dict); ``$QKVFUSE_VLLM=1`` means ``{"attention": true}`` when it has
+    no ``qkvfuse`` entry. Raises ``ValueError`` naming a bad key or value."""
+    raw = additional_config.get(CONFIG_KEY) if isinstance(additional_config, dict) else None
+    if raw is None:
+        return Options(attention=True) if os.environ.get(ENV_VAR, "") == "1" else Options()
+    if isinstance(raw, bool):
+        return Options(attention=raw)
+    if not isinstance(raw, dict):
+        raise ValueError(f"additional_config[{CONFIG_KEY!r}]: expected a dict such as {{'attention': true}}, got "
+                         f"{raw!r}")
+    for key, value in raw.items():
+        if key not in _OPTION_TYPES:
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}]: unknown key {key!r} (expected "
+                             f"{', '.join(_OPTION_TYPES)})")
+        if not isinstance(value, _OPTION_TYPES[key]) and not (key == "backend" and value is None):
+            raise ValueError(f"additional_config[{CONFIG_KEY!r}][{key!r}]: expected a "
+                             f"{_OPTION_TYPES[key].__name__}, got {value!r}")
+    return Options(**raw)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The entry point.
+# --------------------------------------------------------------------------------------------------------
+_MARK = "__qkvfuse_wrapped__"
+_LOADER_MODULE = "vllm.model_executor.model_loader.base_loader"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: arrange for ``BaseModelLoader.load_model`` to pass each loaded
+    model to :func:`fuse_model`. Idempotent and cheap: it imports nothing of vLLM (the loader module is wrapped
+    when vLLM imports it, or now if it already has), and without vLLM it does nothing."""
+    module = sys.modules.get(_LOADER_MODULE)
+    if module is not None:
+        _wrap_loader(module)
+    elif not any(isinstance(f, _LoaderHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LoaderHook())
+
+
+def _wrap_loader(module) -> None:
+    loader_cls = module.BaseModelLoader
+    original = loader_cls.load_model
+    if getattr(original, _MARK, False):
+        return
+
+    def load_model(self, vllm_config, model_config, *args, **kwargs):
+        model = original(self, vllm_config, model_config, *args, **kwargs)
+        fuse_model(model, vllm_config)
+        return model
+
+    load_model.__wrapped__ = original
+    setattr(load_model, _MARK, True)
+    loader_cls.load_model = load_model
+
+
+class _LoaderHook(importlib.abc.MetaPathFinder):
+    """Wraps the loader module right after vLLM imports it (then steps out of ``sys.meta_path``)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _LOADER_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+
+                def exec_and_wrap(module, exec_module=exec_module):
+                    exec_module(module)
+                    _wrap_loader(module)
+
+                spec.loader.exec_module = exec_and_wrap
+                if self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                return spec
+        return None
+
+
+_logged: set = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info("%s", message)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Version checks.
+# --------------------------------------------------------------------------------------------------------
+def _vllm_sources(module_name: str):
+    """``{name in TESTED_SOURCES: function}`` for the model module ``module_name`` and the shared layers."""
+    from vllm.model_executor.layers import layernorm
+    from vllm.model_executor.layers.rotary_embedding import base, mrope
+
+    models = importlib.import_module(f"vllm.model_executor.models.{module_name}")
+    found = {"RotaryEmbedding.forward_static": base.RotaryEmbedding.forward_static,
+             "MRotaryEmbedding.forward_native": mrope.MRotaryEmbedding.forward_native,
+             "apply_interleaved_rope": mrope.apply_interleaved_rope,
+             "RMSNorm.forward_native": layernorm.RMSNorm.forward_native}
+    for table in (_ATTENTION, _DECODER):
+        for cls_name, mod in table.items():
+            if mod == module_name and hasattr(models, cls_name):
+                found[f"{cls_name}.forward"] = getattr(models, cls_name).forward
+    return found
+
+
+def _untested(names: List[str], module_name: str) -> Optional[str]:
+    """The first of ``names`` whose source hash is not a tested one (as a reason), else None."""
+    sources = _vllm_sources(module_name)
+    for name in names:
+        fn = sources.get(name)
+        if fn is None:
+            return f"{name} not found in this vLLM"
+        if source_hash(fn) not in TESTED_SOURCES[name]:
+            return (f"{name} differs from the vLLM versions qkvfuse was tested with (0.32.0); its code is left in "
+                    "place")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Attention layers.
+# --------------------------------------------------------------------------------------------------------
+class _Prepare:
+    """One attention layer's fused prepare: the bound op (eager) and the static arguments (compiled)."""
+
+    def __init__(self, module, backend: Optional[str], verify: bool):
+        self.module, self.backend, self.verify = module, backend, verify
+        rot = module.rotary_emb
+        self.rotary = rot
+        self.qk_norm = getattr(module, "use_qk_norm", True)
+        self.hq, self.hkv, self.head_dim = module.num_heads, module.num_kv_heads, module.head_dim
+        self.sections = tuple(rot.mrope_section) if getattr(rot, "mrope_section", None) else None
+        self.interleaved = bool(getattr(rot, "mrope_interleaved", False))
+        self.eps = module.q_norm.variance_epsilon if self.qk_norm else 1e-6
+        self.is_neox = bool(rot.is_neox_style)
+        self._bind()
+
+    def _weights(self):
+        m = self.module
+        return (m.q_norm.weight, m.k_norm.weight) if self.qk_norm else (None, None)
+
+    def _bind(self) -> None:
+        """(Re)build the bound objects from the rotary table and the norm weights now in the module."""
+        self.cache = self.rotary.cos_sin_cache
+        self.weights = self._weights()
+        qw, kw = (None if w is None else w.detach() for w in self.weights)
+        common = dict(q_weight=qw, k_weight=kw, eps=self.eps, is_neox=self.is_neox, backend=self.backend)
+        self.prep = ops.QKNormRope(self.hq, self.hkv, self.head_dim, self.cache, mrope_section=self.sections,
+                                   mrope_interleaved=self.interleaved, **common)
+        # MRotaryEmbedding also takes 1-D (text-only) positions: equal rows, i.e. plain RoPE on the same table.
+        self.prep_1d = (ops.QKNormRope(self.hq, self.hkv, self.head_dim, self.cache, **common)
+                        if self.sections else self.prep)
+
+    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor):
+        if torch.compiler.is_compiling():
+            qw, kw = self._weights()
+            mrope = self.sections is not None and positions.dim() == 2
+            return ops.split_qkv_rmsnorm_rope(
+                qkv, positions, self.rotary.cos_sin_cache, self.hq, self.hkv, self.head_dim, q_weight=qw,
+                k_weight=kw, eps=self.eps, is_neox=self.is_neox, mrope_section=self.sections if mrope else None,
+                mrope_interleaved=self.interleaved, backend=self.backend)
+        w = self._weights()
+        if self.rotary.cos_sin_cache is not self.cache or w[0] is not self.weights[0] or w[1] is not self.weights[1]:
+            self._bind()  # vLLM replaced the table (e.g. moved it to another dtype) or a norm weight
+        prep = self.prep if positions.dim() == 2 or self.sections is None else self.prep_1d
+        if self.verify:
+            return _verified(self, prep, qkv, positions)
+        return prep.inplace(qkv, positions)
+
+
+def _fused_attention_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """vLLM's attention forward with the split + QK-norm + RoPE in one fused call."""
+    qkv, _ = self.qkv_proj(hidden_states)
+    q, k, v = self._qkvfuse(qkv, positions)
+    attn_output = self.attn(q, k, v)
+    output, _ = self.o_proj(attn_output)
+    return output
+
+
+def _vllm_prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
+    """vLLM's own prepare (the code the fused forward replaces), on a copy of ``qkv``."""
+    q, k, v = qkv.clone().split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+    if getattr(module, "use_qk_norm", True):
+        q = module.q_norm(q.reshape(-1, module.num_heads, module.head_dim)).reshape(q.shape)
+        k = module.k_norm(k.reshape(-1, module.num_kv_heads, module.head_dim)).reshape(k.shape)
+    q, k = module.rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def _verified(state: _Prepare, prep, qkv: torch.Tensor, positions: torch.Tensor):
+    """The ``verify`` option: the fused result judged against a float64 oracle next to vLLM's own path."""
+    from .._verify.accuracy import check_split_outputs  # the accuracy rule's one definition (verify mode only)
+    from .._verify.oracle import oracle_split
+
+    module = state.module
+    unfused = _vllm_prepare(module, qkv, positions)
+    source = qkv.clone()
+    outs = prep.inplace(qkv, positions)
+    c = prep.config
+    mrope = c.mrope
+    oracle = oracle_split(source, positions, c.cos_sin_cache, state.hq, state.hkv, state.head_dim,
+                          q_weight=c.q_weight, k_weight=c.k_weight, eps=state.eps, is_neox=state.is_neox,
+                          mrope_section=state.sections if mrope else None, mrope_interleaved=state.interleaved)
+    report = check_split_outputs(outs, oracle, unfused, source, state.hq, state.hkv, state.head_dim)
+    if not report.ok:
+        raise RuntimeError(f"qkvfuse verify: {type(module).__name__} fused output fails the accuracy rule against "
+                           f"vLLM's own path: {report}")
+    return outs
+
+
+def _competing_pass(vllm_config, flags) -> Optional[str]:
+    """The first of vLLM's fusion-pass ``flags`` that is on and can run (passes run only in compiled mode; the
+    norm+quant pass only on quantized models): such a pass would look for the code qkvfuse replaces."""
+    compilation = vllm_config.compilation_config
+    if getattr(compilation.mode, "name", str(compilation.mode)) == "NONE":
+        return None
+    return next((flag for flag in flags if getattr(compilation.pass_config, flag, False)), None)
+
+
+def _attention_reason(module, vllm_config, backend: Optional[str]) -> Tuple[Optional[str], str]:
+    """``(None, description)`` when ``module`` qualifies, else ``(reason, "")``."""
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    flag = _competing_pass(vllm_config, ("enable_qk_norm_rope_fusion", "fuse_qk_norm_rope_kvcache"))
+    if flag:
+        return f"vLLM's own QK-norm+RoPE fusion pass is on (pass_config.{flag})", ""
+    rot = getattr(module, "rotary_emb", None)
+    kind = type(rot)
+    plain_table_change = isinstance(rot, RotaryEmbedding) and all(
+        getattr(kind, name) is getattr(RotaryEmbedding, name)
+        for name in ("forward", "forward_native", "forward_static", "forward_cpu", "forward_cuda", "forward_hip",
+                     "forward_xpu", "_match_cos_sin_cache_dtype"))
+    if not (plain_table_change or kind is MRotaryEmbedding):
+        return f"rotary module {kind.__name__} is not one qkvfuse reproduces", ""
+    cache = getattr(rot, "cos_sin_cache", None)
+    head_dim, rotary_dim = module.head_dim, getattr(rot, "rotary_dim", None)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 2 or cache.shape[1] != rotary_dim:
+        return "the rotary module has no (max_position, rotary_dim) cos_sin_cache", ""
+    if rot.head_size != head_dim:
+        return f"rotary head_size {rot.head_size} != head_dim {head_dim}", ""
+    if head_dim % 2 or head_dim > ops.MAX_HEAD_DIM or rotary_dim % 2 or rotary_dim > head_dim:
+        return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)", ""
+    if getattr(module, "use_qk_norm", True):
+        norms = (module.q_norm, module.k_norm)
+        if any(type(n) is not RMSNorm or not n.has_weight or n.variance_size_override is not None
+               or tuple(n.weight.shape) != (head_dim,) for n in norms):
+            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight", ""
+        if norms[0].variance_epsilon != norms[1].variance_epsilon:
+            return "q_norm and k_norm have different eps", ""
+    if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"rotary table dtype {cache.dtype}", ""
+    name = resolve_backend(backend, cache.device.type)
+    if name == "reference" and backend != "reference":
+        return f"no fast qkvfuse backend for {cache.device.type} tensors", ""
+    style = "neox" if rot.is_neox_style else "gptj"
+    mrope = ""
+    if kind is MRotaryEmbedding and rot.mrope_section:
+        mrope = f", mrope {list(rot.mrope_section)}{' interleaved' if rot.mrope_interleaved else ''}"
+    return None, f"{name}, rotary {rotary_dim}, {style}{mrope}"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Decoder-layer add + RMSNorm.
+# --------------------------------------------------------------------------------------------------------
+class _Norm:
+    """One decoder-layer RMSNorm run by qkvfuse: in place with a residual (vLLM's fused kernel's form)."""
+
+    def __init__(self, norm, backend: Optional[str]):
+        self.norm, self.backend = norm, backend
+        self.eps = norm.variance_epsilon
+        self._bind()
+
+    def _bind(self) -> None:
+        self.weight = self.norm.weight
+        self.bound = ops.AddRMSNorm(self.weight.detach(), self.eps, backend=self.backend)
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if torch.compiler.is_compiling():
+            y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, backend=self.backend)
+            return y if residual is None else (y, r)
+        if self.norm.weight is not self.weight:
+            self._bind()
+        if residual is None:
+            return self.bound(x)[0]
+        return self.bound.inplace(x, residual)
+
+
+def _fused_norm_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+    if x.dim() != 2:  # vLLM passes [tokens, hidden]; anything else keeps vLLM's code
+        return type(self).forward(self, x, residual)
+    return self._qkvfuse(x, residual)
+
+
+def _norm_reason(norm, vllm_config, backend: Optional[str]) -> Optional[str]:
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    flag = _competing_pass(vllm_config, ("fuse_allreduce_rms",) + (("fuse_norm_quant",) if vllm_config.quant_config
+                                                                   is not None else ()))
+    if flag:
+        return f"vLLM's own norm fusion pass is on (pass_config.{flag})"
+    if type(norm) is not RMSNorm or not norm.has_weight or norm.variance_size_override is not None:
+        return f"{type(norm).__name__} is not a plain RMSNorm with a weight"
+    name = resolve_backend(backend, norm.weight.device.type)
+    if name == "reference" and backend != "reference":
+        return f"no fast qkvfuse backend for {norm.weight.device.type} tensors"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The model walk.
+# --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Report:
+    """What :func:`fuse_model` did: per class, how many layers were fused and why others were not."""
+
+    fused: Dict[str, int] = dataclasses.field(default_factory=dict)
+    total: Dict[str, int] = dataclasses.field(default_factory=dict)
+    reasons: Dict[str, str] = dataclasses.field(default_factory=dict)
+    details: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def lines(self) -> List[str]:
+        out = []
+        for name, total in self.total.items():
+            fused = self.fused.get(name, 0)
+            detail = f" ({self.details[name]})" if name in self.details else ""
+            out.append(f"qkvfuse: fused {fused}/{total} {name}{detail}")
+            if fused < total:
+                out.append(f"qkvfuse: left {total - fused}/{total} {name} to vLLM: {self.reasons.get(name, '?')}")
+        return out
+
+
+def _module_of(cls) -> str:
+    return cls.__module__.rsplit(".", 1)[-1]
+
+
+def fuse_model(model: torch.nn.Module, vllm_config) -> Report:
+    """Fuse the qualifying layers of a loaded vLLM ``model`` as ``vllm_config.additional_config`` asks (nothing
+    when the plugin is off); returns the :class:`Report` it also logs once per process."""
+    opts = options_from_config(getattr(vllm_config, "additional_config", None))
+    report = Report()
+    if not opts.enabled:
+        return report
+    untested: Dict[str, Optional[str]] = {}
+    for module in model.modules():
+        cls_name = type(module).__name__
+        table = _ATTENTION if opts.attention and cls_name in _ATTENTION else (
+            _DECODER if opts.add_rmsnorm and cls_name in _DECODER else None)
+        if table is None or _module_of(type(module)) != table[cls_name]:
+            continue
+        if cls_name not in untested:
+            names = [f"{cls_name}.forward"] + (["RotaryEmbedding.forward_static", "MRotaryEmbedding.forward_native",
+                                                "apply_interleaved_rope", "RMSNorm.forward_native"]
+                                               if table is _ATTENTION else ["RMSNorm.forward_native"])
+            untested[cls_name] = _untested(names, table[cls_name])
+        if table is _ATTENTION:
+            _fuse_attention(module, cls_name, vllm_config, opts, untested[cls_name], report)
+        else:
+            _fuse_norms(module, cls_name, vllm_config, opts, untested[cls_name], report)
+    for line in report.lines():
+        _log_once(line)
+    return report
+
+
+def _count(report: Report, name: str, reason: Optional[str], detail: str = "") -> None:
+    report.total[name] = report.total.get(name, 0) + 1
+    if reason is None:
+        report.fused[name] = report.fused.get(name, 0) + 1
+        if detail:
+            report.details[name] = detail
+    else:
+        report.reasons.setdefault(name, reason)
+
+
+def _fuse_attention(module, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report) -> None:
+    reason, detail = (untested, "") if untested else _attention_reason(module, vllm_config, opts.backend)
+    if reason is None:
+        module._qkvfuse = _Prepare(module, opts.backend, opts.verify)
+        module.forward = types.MethodType(_fused_attention_forward, module)
+    _count(report, cls_name, reason, detail)
+
+
+def _fuse_norms(layer, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report) -> None:
+    name = f"{cls_name} add+RMSNorm"
+    for attr in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, attr, None)
+        reason = untested or (_norm_reason(norm, vllm_config, opts.backend) if norm is not None
+                              else f"no {attr}")
+        if reason is None:
+            norm._qkvfuse = _Norm(norm, opts.backend)
+            norm.forward = types.MethodType(_fused_norm_forward, norm)
+        _count(report, name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None
+               else "")

