@@ -469,6 +469,27 @@ def test_torch_compile_does_one_qkv_gemm_per_layer(name, backend):
     _assert_same(got, _logits(unpatched, inputs))
 
 
+def test_torch_compile_sees_replaced_modules_and_parameters(op_calls):
+    """After compiling, a q_proj replaced by a new nn.Linear and a k_proj weight replaced by a new Parameter are
+    used (dynamo's guards retrace; the trace-time sync re-derives the fused weight), still one GEMM per layer."""
+    unpatched, patched, inputs = _twins("Qwen3", "cpu")
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(patched, backend="eager", fullgraph=True)
+        with torch.no_grad():
+            compiled(**inputs)
+            for model in (unpatched, patched):
+                attn = _attn(model, 1)
+                torch.manual_seed(3)
+                attn.q_proj = nn.Linear(attn.q_proj.in_features, attn.q_proj.out_features, bias=False)
+                _attn(model, 0).k_proj.weight = nn.Parameter(_attn(model, 0).k_proj.weight * 1.5)
+            got = compiled(**inputs).logits
+    finally:
+        torch._dynamo.reset()
+    _assert_same(got, _logits(unpatched, inputs))
+    assert _attn(patched, 1)._qkvfuse.projections[0] is _attn(patched, 1).q_proj
+
+
 # ------------------------------------------------------------------------------------------------------------
 # peft.
 # ------------------------------------------------------------------------------------------------------------

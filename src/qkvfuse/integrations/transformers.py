@@ -266,7 +266,7 @@ def _global_hook_edit() -> Optional[str]:
 def _trace_time_sync(fused: "_FusedAttention", attn: nn.Module) -> bool:
     """Under torch.compile, once per trace on the real tensors: adopt replaced projections and re-derive the fused
     weight if the projections' parameters are no longer views into it (data pointers do not trace)."""
-    fused.edit(attn)
+    fused.edit(attn, adopt=True)
     fused.qkv_params()
     return True
 
@@ -321,13 +321,15 @@ class _FusedAttention:
                 return f"{name}.weight has dtype {proj.weight.dtype}; expected one of {list(_FUSABLE_DTYPES)}"
         return None
 
-    def edit(self, attn: nn.Module) -> Optional[str]:
+    def edit(self, attn: nn.Module, adopt: Optional[bool] = None) -> Optional[str]:
         """Why this call cannot take the fused path, or None (identity and dict-emptiness checks only).
 
         A projection replaced by another plain ``nn.Linear`` of the same shape is adopted (the fused weight is
         re-derived); a norm replaced by one of the same class is adopted. Anything else the fused path cannot
         honour (a wrapper such as LoRA, a hook, an instance forward, a global module hook) is returned as the
-        reason to run transformers' unfused code for this call.
+        reason to run transformers' unfused code for this call. ``adopt``: whether a replaced projection may be
+        adopted here (default: outside torch.compile, where it re-derives the weight; under compile only the
+        trace-time sync adopts, and a call that still sees a replaced module runs unfused).
         """
         m = attn._modules
         q, k, v = self.projections
@@ -336,9 +338,12 @@ class _FusedAttention:
             reason = self._unfusable(new)
             if reason is not None:
                 return f"because {reason}"
-            if not torch.compiler.is_compiling():  # under compile, _trace_time_sync adopts
-                self.projections = new
-                self.fuse()
+            if adopt is None:
+                adopt = not torch.compiler.is_compiling()
+            if not adopt:
+                return "because a projection was replaced after patching (retrace pending)"
+            self.projections = new
+            self.fuse()
             q, k, v = self.projections
         if self.qk_norm:
             qn, kn = self.norms
