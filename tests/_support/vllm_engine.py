@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -29,10 +29,17 @@ def save_tiny_model(name: str, path: str, seed: int = 0) -> str:
     return path
 
 
+class Run(NamedTuple):
+    tokens: List[List[int]]  # greedy tokens per prompt
+    logprobs: List[List[float]]  # the chosen tokens' logprobs
+    gaps: List[List[float]]  # logprob(chosen) - logprob(runner-up) per step: how close greedy was to a tie
+    fused: Optional[Dict[str, int]]  # fused_layers() of the engine's model (None when not inspected)
+
+
 def generate(model_dir: str, dtype: str, qkvfuse: Optional[dict], prompts: Sequence[Sequence[int]] = PROMPTS,
-             new_tokens: int = NEW_TOKENS, **llm_kwargs):
-    """Greedy tokens and their logprobs for ``prompts`` from a fresh engine; ``qkvfuse`` is the
-    ``additional_config`` entry (None: no entry). Returns ``(tokens, logprobs, report_lines)``."""
+             new_tokens: int = NEW_TOKENS, inspect: bool = True, **llm_kwargs) -> Run:
+    """Greedy generation of ``prompts`` by a fresh engine; ``qkvfuse`` is the ``additional_config`` entry (None:
+    no entry). ``inspect`` reads the fused layers off the model (in-process engines only)."""
     from vllm import LLM, SamplingParams
 
     additional = {} if qkvfuse is None else {"qkvfuse": qkvfuse}
@@ -42,16 +49,33 @@ def generate(model_dir: str, dtype: str, qkvfuse: Optional[dict], prompts: Seque
     llm = LLM(model=model_dir, **kwargs)
     try:
         params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True,
-                                logprobs=0)
+                                logprobs=2)
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        logprobs = [[step[tok].logprob for step, tok in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                    for o in outs]
-        fused = llm.apply_model(fused_layers)[0]  # one entry per worker: rank 0
+        logprobs, gaps = [], []
+        for o in outs:
+            steps = list(zip(o.outputs[0].logprobs, o.outputs[0].token_ids))
+            logprobs.append([step[tok].logprob for step, tok in steps])
+            gaps.append([step[tok].logprob - max(v.logprob for t, v in step.items() if t != tok)
+                         for step, tok in steps])
+        fused = llm.apply_model(fused_layers)[0] if inspect else None  # one entry per worker: rank 0
     finally:
         del llm
         gc.collect()
-    return tokens, logprobs, fused
+    return Run(tokens, logprobs, gaps, fused)
+
+
+def assert_same_greedy(tokens, reference: Run, tie: float) -> None:
+    """``tokens`` equal ``reference.tokens``, except that a sequence may part from the reference at a step where
+    the reference's own choice was within ``tie`` of its runner-up (a near tie that rounding noise can flip;
+    after it the sequences are no longer comparable)."""
+    for k, (seq, ref, gaps) in enumerate(zip(tokens, reference.tokens, reference.gaps)):
+        assert len(seq) == len(ref), (k, seq, ref)
+        for i, (a, b) in enumerate(zip(seq, ref)):
+            if a != b:
+                assert gaps[i] <= tie, (f"prompt {k} step {i}: token {a} != {b} where the reference's margin "
+                                        f"{gaps[i]:.4f} > {tie}", seq, ref)
+                break
 
 
 def fused_layers(model: torch.nn.Module) -> Dict[str, int]:

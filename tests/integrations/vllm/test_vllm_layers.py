@@ -1,0 +1,167 @@
+"""vLLM's own attention classes, built directly (no engine), fused by the plugin (issue 13, tests 1, 4 and the
+``verify`` option).
+
+Covers what the tiny engines cannot run here: the language-model layers of Qwen3-VL (``Qwen3Attention`` with an
+interleaved ``MRotaryEmbedding`` [24, 20, 20]) and GLM-4.5V (``Glm4MoeAttention`` without QK-norm, partial rotary,
+sectioned mRoPE [8, 12, 12]) -- vLLM's Qwen3-VL / GLM-4.5V model modules import torchvision, whose only wheels here
+are CUDA builds that fail to load beside a CPU torch. Positions are ``[3, T]`` with differing rows, as a strided
+slice, and 1-D text positions. The attention kernel is replaced by a module that returns its ``(q, k, v)``, so the
+fused forward is compared with vLLM's own forward on every element; ``torch.compile(fullgraph=True)`` traces the
+fused forward without a graph break.
+"""
+
+import socket
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from qkvfuse.integrations import vllm as plugin
+
+T = 11
+
+
+class Capture(nn.Module):
+    """Stands in for vLLM's ``Attention``: returns q, k, v side by side."""
+
+    def forward(self, q, k, v):
+        return torch.cat([q, k, v], dim=-1)
+
+
+class Identity(nn.Module):
+    def forward(self, x):
+        return x, None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.init_distributed_environment(1, 0, f"tcp://127.0.0.1:{_free_port()}", 0, "gloo")
+            parallel_state.ensure_model_parallel_initialized(1, 1)
+        yield config
+
+
+_count = iter(range(10**6))
+
+
+def _layer(kind: str, rope_parameters: dict, qk_norm: bool = True, dtype=torch.float32, head_dim: int = 128):
+    """A vLLM attention layer (2 KV heads, 6 Q heads) with random weights; its ``attn`` (built as a
+    :class:`Capture`: no attention backend is needed) and ``o_proj`` return their inputs."""
+    from vllm.model_executor.models import glm4_moe, qwen3
+
+    prefix = f"model.layers.{next(_count)}.self_attn"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qwen3, "Attention", lambda *args, **kwargs: Capture())
+        mp.setattr(glm4_moe, "Attention", lambda *args, **kwargs: Capture())
+        return _build(kind, rope_parameters, qk_norm, dtype, head_dim, prefix)
+
+
+def _build(kind, rope_parameters, qk_norm, dtype, head_dim, prefix):
+    if kind == "qwen3":
+        from vllm.model_executor.models.qwen3 import Qwen3Attention
+
+        layer = Qwen3Attention(hidden_size=96, num_heads=6, num_kv_heads=2, rope_parameters=rope_parameters,
+                               max_position=512, head_dim=head_dim, prefix=prefix)
+    else:
+        from vllm.model_executor.models.glm4_moe import Glm4MoeAttention
+
+        config = types.SimpleNamespace(rope_parameters=rope_parameters)
+        layer = Glm4MoeAttention(config, hidden_size=96, num_heads=6, num_kv_heads=2, max_position_embeddings=512,
+                                 head_dim=head_dim, qkv_bias=True, use_qk_norm=qk_norm, prefix=prefix)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.2) + (1 if p.dim() == 1 else 0))
+    layer = layer.to(dtype)
+    layer.qkv_proj.quant_method.process_weights_after_loading(layer.qkv_proj)  # what vLLM's loader does last
+    layer.o_proj = Identity()
+    return layer.eval()
+
+
+LAYERS = {
+    "qwen3-vl": ("qwen3", {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20],
+                           "mrope_interleaved": True}, True),
+    "glm-4.5v": ("glm", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
+                         "mrope_section": [8, 12, 12]}, False),
+    "glm-4.7": ("glm", {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}, True),
+    "qwen3-yarn": ("qwen3", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                             "original_max_position_embeddings": 128}, True),
+}
+
+
+def _positions(mrope: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if not mrope:
+        return torch.randint(0, 512, (T,), generator=g)
+    return torch.randint(0, 512, (3, T + 5), generator=g)[:, 3 : T + 3]  # rows differ; a strided slice
+
+
+def _fused(layer, vllm_config, verify=False):
+    report = plugin.Report()
+    plugin._fuse_attention(layer, type(layer).__name__, vllm_config, plugin.Options(attention=True, verify=verify),
+                           None, report)
+    assert report.fused == {type(layer).__name__: 1}, report.lines()
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_fused_forward_matches_vllms_forward(vllm_config, name, dtype):
+    kind, rope, qk_norm = LAYERS[name]
+    layer = _layer(kind, rope, qk_norm, dtype)
+    mrope = "mrope_section" in rope
+    cases = [_positions(mrope, s) for s in range(2)] + ([_positions(False, 5)] if mrope else [])  # + text-only
+    hidden = [torch.randn(T, 96, generator=torch.Generator().manual_seed(s)).to(dtype) for s in range(len(cases))]
+    with torch.inference_mode():
+        want = [type(layer).forward(layer, p, h) for p, h in zip(cases, hidden)]
+        _fused(layer, vllm_config)
+        got = [layer(p, h) for p, h in zip(cases, hidden)]
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        if dtype == torch.float32:
+            torch.testing.assert_close(g, w, rtol=3e-6, atol=3e-6)
+        else:  # one bf16 rounding (qkvfuse) against vLLM's chain of them: within a couple of bf16 ulps
+            torch.testing.assert_close(g, w, rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl", "glm-4.7"])
+def test_fused_forward_compiles_without_graph_breaks(vllm_config, name):
+    kind, rope, qk_norm = LAYERS[name]
+    layer = _fused(_layer(kind, rope, qk_norm), vllm_config)
+    positions, hidden = _positions("mrope_section" in rope), torch.randn(T, 96)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        eager = layer(positions, hidden)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(positions, hidden)
+    assert torch.equal(compiled, eager)
+
+
+def test_verify_option_passes_and_catches_a_wrong_result(vllm_config, monkeypatch):
+    kind, rope, qk_norm = LAYERS["qwen3-vl"]
+    layer = _fused(_layer(kind, rope, qk_norm, torch.bfloat16), vllm_config, verify=True)
+    positions, hidden = _positions(True), torch.randn(T, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        layer(positions, hidden)  # within the accuracy rule
+        state = layer._qkvfuse
+        original = state.prep.inplace
+
+        def off_by_a_bit(qkv, pos):
+            q, k, v = original(qkv, pos)
+            q[0, 0] += 0.25 * q[0, 0].abs() + 0.01
+            return q, k, v
+
+        monkeypatch.setattr(type(state.prep), "inplace", lambda self, qkv, pos: off_by_a_bit(qkv, pos))
+        with pytest.raises(RuntimeError, match="qkvfuse verify: Qwen3Attention"):
+            layer(positions, hidden)
