@@ -166,3 +166,17 @@ def test_prompts_mix_prefill_and_decode():
     from _support.vllm_engine import STEP_TOKENS
 
     assert max(len(p) for p in PROMPTS) > 2 * STEP_TOKENS and min(len(p) for p in PROMPTS) < STEP_TOKENS
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7"])
+def test_tensor_parallel_2_matches_tp_1(tiny_dir, name):
+    """TP 2 on CPU (vLLM's multiprocessing executor, gloo/shm collectives): each rank fuses its local heads
+    (Q heads split, the single KV head replicated); tokens equal TP 1 unfused (up to near ties: the all-reduce
+    sums the o_proj / MLP halves in another order)."""
+    model_dir = tiny_dir(name)
+    tokens, _, log = _child_tokens(model_dir, ON, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, tensor_parallel_size=2,
+                                   distributed_executor_backend="mp")
+    for rank in (0, 1):
+        assert any(f"Worker_TP{rank}" in line and f"qkvfuse: fused 2/2 {MODELS[name]}" in line
+                   for line in log.splitlines()), log[-3000:]
+    assert_same_greedy(tokens, generate(model_dir, "float32", {"attention": False}), LOGPROB_ATOL["float32"])
