@@ -312,6 +312,33 @@ def test_add_rmsnorm_nonfinite_weights_take_the_nan_safe_rows(dtype, bad):
         torch.testing.assert_close(g, e, equal_nan=True, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("special", [None, "inf", "nan"])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T, H", [(1, 4096), (3, 5120), (17, 64), (5, 48)])
+def test_add_rmsnorm_bf16_weights_read_as_stored(T, H, bias, special):
+    """bf16 activations with bf16 weights (a bf16 model's norms) read the weights as stored, without the
+    conversion pass: the same bits as the same weights given in fp32 (finite weights), every form, and NaN
+    where the reference has NaN (non-finite weights: every NaN then comes from a bf16 input, so the rounding of
+    the lane-order rows stays exact)."""
+    kw = make_norm_inputs(T, H, torch.bfloat16, residual=True, bias=bias, seed=T)
+    weight = kw["weight"].to(torch.bfloat16)
+    b16 = kw["bias"].to(torch.bfloat16) if bias else None
+    if special:
+        weight[3] = float(special)
+    got = qkvfuse.add_rmsnorm(kw["x"], kw["residual"], weight, kw["eps"], b16, backend="cpu")
+    x, r = kw["x"].clone(), kw["residual"].clone()
+    qkvfuse.add_rmsnorm_(x, r, weight, kw["eps"], b16, backend="cpu")
+    assert torch.equal(_bits(x), _bits(got[0])) and torch.equal(_bits(r), _bits(got[1]))
+    if special is None:
+        fp32 = qkvfuse.add_rmsnorm(kw["x"], kw["residual"], weight.float(), kw["eps"],
+                                   b16.float() if bias else None, backend="cpu")
+        assert torch.equal(_bits(got[0]), _bits(fp32[0])) and torch.equal(_bits(got[1]), _bits(fp32[1]))
+    else:
+        want = qkvfuse.add_rmsnorm(kw["x"], kw["residual"], weight, kw["eps"], b16, backend="reference")
+        assert torch.equal(torch.isnan(got[0]), torch.isnan(want[0]))
+        torch.testing.assert_close(got[0], want[0], equal_nan=True, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_finite_store_path_rounds_like_the_nan_safe_path(dtype):
     """A token whose cos/sin row holds a NaN takes the NaN-safe stores (ATen's converter); the same token with a
