@@ -4,7 +4,8 @@
 the bare op) against vLLM-CPU's in-place ``torch.ops._C.fused_add_rms_norm``, side by side in interleaved rounds
 (:func:`qkvfuse.benchmarks.timing.measure`), bf16, hidden 4096 and 5120, T in {1, 16, 256, 4096}, hot buffers and
 (T <= 16) buffers rotated past L2; weights in the activations' dtype, as in a bf16 model. The roofline is a copy
-of the same bytes (both read x and residual and write them back).
+of the same bytes (both read x and residual and write them back). Also vLLM's ``RMSNorm(x, residual)`` layer as
+vLLM-CPU runs it (its "native" IR implementation) and the same layer with the plugin's forward.
 
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
@@ -41,6 +42,27 @@ def _norm_sets(T: int, H: int, n: int):
              "residual": torch.randn(T, H, generator=g).to(torch.bfloat16)} for _ in range(n)]
 
 
+def _vllm_layers(weight: torch.Tensor):
+    """vLLM's ``RMSNorm`` layer as vLLM-CPU runs it, and the same layer with the plugin's forward."""
+    import types
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    from ..integrations import vllm as plugin
+
+    layers = []
+    with set_current_vllm_config(VllmConfig()):
+        for fused in (False, True):
+            layer = RMSNorm(weight.shape[0], eps=1e-6, dtype=weight.dtype)
+            layer.weight.data.copy_(weight)
+            if fused:
+                layer._qkvfuse = plugin._Norm(layer, None)
+                layer.forward = types.MethodType(plugin._fused_norm_forward, layer)
+            layers.append(layer)
+    return layers
+
+
 def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
@@ -51,11 +73,11 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     for H in HIDDEN:
         weight = (1 + 0.1 * torch.randn(H)).to(torch.bfloat16)
         bound = qkvfuse.AddRMSNorm(weight, 1e-6)
+        vllm_layer, fused_layer = _vllm_layers(weight)
         for T in TOKENS:
             layouts = [("hot", 1)] + ([("rotated", max(2, (4 * l2) // (4 * T * H * 2) + 1))] if T <= 16 else [])
             for layout, n in layouts:
-                ours, theirs, funcs, bares = _norm_sets(T, H, n), _norm_sets(T, H, n), _norm_sets(T, H, n), \
-                    _norm_sets(T, H, n)
+                ours, theirs, funcs, bares, lv, lf = (_norm_sets(T, H, n) for _ in range(6))
                 copy_src = [torch.randn(2, T, H).to(torch.bfloat16) for _ in range(n)]
                 copy_dst = [torch.empty_like(s) for s in copy_src]
                 candidates = [
@@ -65,6 +87,10 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                               [lambda s=s: qkvfuse.add_rmsnorm_(s["x"], s["residual"], weight, 1e-6) for s in funcs]),
                     Candidate("qkvfuse bare op", "in place",
                               [lambda s=s: bare(s["x"], s["residual"], weight, None, 1e-6) for s in bares]),
+                    Candidate("vLLM RMSNorm layer", "as vLLM runs it",
+                              [lambda s=s: vllm_layer(s["x"], s["residual"]) for s in lv]),
+                    Candidate("vLLM RMSNorm layer + qkvfuse", "in place",
+                              [lambda s=s: fused_layer(s["x"], s["residual"]) for s in lf]),
                     Candidate("vLLM _C.fused_add_rms_norm", "in place",
                               [lambda s=s: vllm_op(s["x"], s["residual"], weight, 1e-6) for s in theirs]),
                 ]
@@ -78,7 +104,7 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                            "copy_us": m.copy_us, "roofline": m.roofline,
                            "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds}
                     rows.append(row)
-                    log(f"norm H={H} T={T:5d} {layout:8s} {c.impl:28s} {m.us:10.2f} us  "
+                    log(f"norm H={H} T={T:5d} {layout:8s} {c.impl:30s} {m.us:10.2f} us  "
                         f"{100 * m.roofline:5.1f}% of copy  x{row['vs_vllm']:.2f} vs vLLM")
     return rows
 
