@@ -180,3 +180,18 @@ def test_tensor_parallel_2_matches_tp_1(tiny_dir, name):
         assert any(f"Worker_TP{rank}" in line and f"qkvfuse: fused 2/2 {MODELS[name]}" in line
                    for line in log.splitlines()), log[-3000:]
     assert_same_greedy(tokens, generate(model_dir, "float32", {"attention": False}), LOGPROB_ATOL["float32"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7"])
+def test_compiled_engine_traces_the_fused_forward_without_graph_breaks(tiny_dir, calls, name):
+    """``enforce_eager=False``: vLLM's torch.compile (its own backend, inductor on CPU) traces the patched
+    forwards -- the functional op, no host syncs -- with no graph break; tokens equal the eager unfused engine."""
+    from torch._dynamo.utils import counters
+
+    model_dir = tiny_dir(name)
+    counters.clear()
+    on = generate(model_dir, "float32", ON, enforce_eager=False)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert on.fused == {MODELS[name]: 2, "RMSNorm": 4} and calls["attention"] > 0
+    assert_same_greedy(on.tokens, generate(model_dir, "float32", {"attention": False}), LOGPROB_ATOL["float32"])
