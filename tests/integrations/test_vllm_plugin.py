@@ -1,0 +1,36 @@
+"""The vLLM plugin's vLLM-free parts, in the default suite: the entry point without vLLM, and the options."""
+
+import sys
+
+import pytest
+
+from qkvfuse.integrations import vllm as plugin
+
+
+def test_register_is_cheap_idempotent_and_imports_nothing_of_vllm(monkeypatch):
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    before = set(sys.modules)
+    plugin.register()
+    plugin.register()
+    assert sum(isinstance(f, plugin._LoaderHook) for f in sys.meta_path) == 1
+    assert not any(name == "vllm" or name.startswith("vllm.") for name in set(sys.modules) - before)
+
+
+def test_options_default_off_and_parse_the_config(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    assert not plugin.options_from_config({}).enabled
+    assert not plugin.options_from_config(None).enabled
+    assert plugin.options_from_config({"qkvfuse": True}) == plugin.Options(attention=True)
+    opts = plugin.options_from_config({"qkvfuse": {"attention": True, "add_rmsnorm": True, "backend": "cpu"}})
+    assert opts == plugin.Options(attention=True, add_rmsnorm=True, backend="cpu")
+    monkeypatch.setenv(plugin.ENV_VAR, "1")
+    assert plugin.options_from_config({}) == plugin.Options(attention=True)
+    assert not plugin.options_from_config({"qkvfuse": {"attention": False}}).enabled  # the config entry wins
+
+
+@pytest.mark.parametrize("entry, match", [({"atention": True}, "unknown key 'atention'"),
+                                          ({"attention": "yes"}, r"\['attention'\]: expected a bool"),
+                                          ("on", "expected a dict")])
+def test_bad_options_name_the_key(entry, match):
+    with pytest.raises(ValueError, match=match):
+        plugin.options_from_config({"qkvfuse": entry})
