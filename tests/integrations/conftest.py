@@ -6,8 +6,10 @@ import pytest
 
 import qkvfuse
 
-# The vLLM tests need vLLM (make test-vllm runs them in .venv-vllm); the default suite stays vLLM-free.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+# The vLLM tests need vLLM (make test-vllm runs them in .venv-vllm); the default suite stays vLLM-free. A spec
+# without an origin is a namespace package (a folder named vllm on sys.path), not vLLM.
+_VLLM = importlib.util.find_spec("vllm")
+collect_ignore = [] if _VLLM is not None and _VLLM.origin is not None else ["in_vllm"]
 
 
 @pytest.fixture
