@@ -706,11 +706,18 @@ def _row_span(t, shape) -> Tuple[int, int]:
     return start, start + ((shape[0] - 1) * t.stride(0) + shape[1]) * t.element_size()
 
 
+def _check_x_on(c: _NormConfig, x) -> None:
+    """:func:`_check_x` and ``x`` on the configuration's device."""
+    _check_x(x)
+    if x.device != c.device:
+        _fail("x", f"a tensor on {x.device}", f"a tensor on {c.device} (the device of {c.anchor})")
+
+
 def _run_norm_(c: _NormConfig, x, residual):
     # The in-place call engines make once per decoder norm: a valid call is accepted by one read of each
     # attribute (_plain_rows) and disjoint byte ranges; anything else (a wrong argument, a subclass, ranges
     # that meet) takes the full checks, which raise with their messages -- the same rules, decided once.
-    shape, dtype = x.shape, x.dtype
+    shape, dtype = (x.shape, x.dtype) if type(x) is torch.Tensor else ((), None)
     if (len(shape) == 2 and shape[1] == c.hidden and dtype in c.io_dtypes and _plain_rows(x, c, shape, dtype)
             and (residual is None or _plain_rows(residual, c, shape, dtype))):
         if torch.is_grad_enabled():
@@ -724,6 +731,7 @@ def _run_norm_(c: _NormConfig, x, residual):
         if fast or shape[0] == 0 or not _real_memory(x, residual):
             c.ops.norm_inplace(x, residual, c.weight, c.bias, c.eps)
             return x, (residual if residual is not None else x)
+    _check_x_on(c, x)
     _check_norm_call(c, x, residual)
     if _real_memory(x, residual):
         targets = _spans((("x", x), ("residual", residual)))
@@ -766,20 +774,13 @@ class AddRMSNorm:
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
                  out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
         c = self.config
-        _check_x(x)
-        if x.device != c.device:
-            _fail("x", f"a tensor on {x.device}", f"a tensor on {c.device} (the device of {c.anchor})")
+        _check_x_on(c, x)
         return _run_norm(c, x, residual, out)
 
     def inplace(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """``y`` over ``x`` and the rounded sum over ``residual``; returns ``(x, residual)``. See
         :func:`add_rmsnorm_`."""
-        c = self.config
-        if type(x) is not torch.Tensor or x.device != c.device:  # the fast path reads the rest
-            _check_x(x)
-            if x.device != c.device:
-                _fail("x", f"a tensor on {x.device}", f"a tensor on {c.device} (the device of {c.anchor})")
-        return _run_norm_(c, x, residual)
+        return _run_norm_(self.config, x, residual)
 
     def __repr__(self) -> str:
         return f"AddRMSNorm(hidden={self.config.hidden}, eps={self.config.eps}, bias={self.config.bias is not None})"
