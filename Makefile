@@ -13,7 +13,7 @@ VENV_VLLM := .venv-vllm
 PY_VLLM := $(VENV_VLLM)/bin/python
 STAMP_VLLM := $(VENV_VLLM)/.installed
 
-.PHONY: run test test-slow test-vllm test-vllm-slow bench bench-vllm verify clean
+.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow bench bench-vllm verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,22 @@ verify: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m qkvfuse bench
 
+# The native kernels' shared suite and CPU tests once more for every narrower build this CPU runs (a Zen 5:
+# DEFAULT, AVX2, AVX512 besides its AVX512_BF16 default), each in its own process and build.
+CPU_TESTS := tests/test_ops.py tests/test_failure_modes.py tests/backends/test_cpu.py tests/backends/test_cpu_specialised.py
+OTHER_CAPS = $(shell $(PY) -c "from qkvfuse.backends.cpu import supported_capabilities as s, detected_capability as d; print(' '.join(c for c in s() if c != d()))")
+
 test: $(STAMP)
 	$(PY) -m qkvfuse build
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-capabilities
+
+test-capabilities: $(STAMP)
+	@set -e; for cap in $(OTHER_CAPS); do \
+	  echo "== QKVFUSE_CPU_CAPABILITY=$$cap"; \
+	  QKVFUSE_CPU_CAPABILITY=$$cap $(PY) -m qkvfuse build; \
+	  QKVFUSE_CPU_CAPABILITY=$$cap QKVFUSE_REQUIRE_BACKENDS=cpu $(PY) -m pytest -q $(CPU_TESTS) -k "not triton and not reference"; \
+	done
 
 $(STAMP_VLLM): requirements-vllm.txt pyproject.toml
 	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)

@@ -8,7 +8,9 @@ exported or compiled -- reaches the native kernel through the dispatcher without
 ``python -m qkvfuse build`` (:func:`prebuild`) builds ahead of time.
 
 Vector width follows ``torch.backends.cpu.get_cpu_capability()`` (AVX-512, AVX2 or ATen's portable
-``DEFAULT`` vectors); ``QKVFUSE_CPU_CAPABILITY`` overrides it. A machine that cannot build the library (no
+``DEFAULT`` vectors), and an AVX-512 CPU with AVX512-BF16 gets the ``AVX512_BF16`` build (its bf16 rounding is one
+instruction); ``QKVFUSE_CPU_CAPABILITY`` forces a narrower one (``DEFAULT``, ``AVX2``, ``AVX512``, ``AVX512_BF16``).
+The bf16/fp16 kernels are specialised for AVX2 and for AVX-512; the AVX-512 ones give the generic kernel's bits. A machine that cannot build the library (no
 C++ compiler) gets ``available() == (False, reason)``; the lazy kernel then falls back to the reference backend
 with one warning (an explicit ``backend="cpu"`` raises instead).
 """
@@ -33,8 +35,10 @@ _SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "inplace_versions.c
 # own build uses for the same capability. -ffp-contract=off keeps the scalar tails free of compiler-chosen
 # FMAs (the kernels place theirs explicitly). OpenMP pragmas inside at::parallel_for need -fopenmp at
 # compile time; the OpenMP runtime is torch's own, resolved through libtorch at load time.
+_AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 _CAPABILITY_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+    "AVX512_BF16": _AVX512_FLAGS + ["-mavx512bf16", "-DQKVFUSE_AVX512_BF16"],
+    "AVX512": _AVX512_FLAGS,
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "DEFAULT": [],
 }
@@ -44,19 +48,39 @@ _state: Optional[Tuple[bool, str]] = None
 _lock = threading.RLock()
 
 
-_WIDTHS = ("DEFAULT", "AVX2", "AVX512")  # narrowest first
+_WIDTHS = ("DEFAULT", "AVX2", "AVX512", "AVX512_BF16")  # narrowest first
 
 
 def _width(name: str) -> str:
     name = name.upper()
-    return "AVX512" if name.startswith("AVX512") else (name if name in _CAPABILITY_FLAGS else "DEFAULT")
+    if name in _CAPABILITY_FLAGS:
+        return name
+    return "AVX512" if name.startswith("AVX512") else "DEFAULT"
+
+
+def _aten_capability(cap: str) -> str:
+    """ATen's CPU_CAPABILITY for a build (its vector headers know DEFAULT, AVX2 and AVX512)."""
+    return "AVX512" if cap.startswith("AVX512") else cap
+
+
+def detected_capability() -> str:
+    """This CPU's widest build: torch's detection, plus ``AVX512_BF16`` where AVX-512 comes with AVX512-BF16."""
+    detected = _width(torch.backends.cpu.get_cpu_capability())
+    if detected == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        return "AVX512_BF16"
+    return detected
+
+
+def supported_capabilities() -> Tuple[str, ...]:
+    """Every build this CPU runs, narrowest first (the test suite runs each)."""
+    return _WIDTHS[: _WIDTHS.index(detected_capability()) + 1]
 
 
 def capability() -> str:
-    """The ATen vector capability the library is built for (a key of the flag table): this CPU's, as torch
-    detects it, or ``$QKVFUSE_CPU_CAPABILITY``. Asking for more than the CPU has raises ``RuntimeError`` (the
-    library would die with SIGILL): the backend is then unavailable, with that reason."""
-    detected = _width(torch.backends.cpu.get_cpu_capability())
+    """The build the library is made for (a key of the flag table): this CPU's widest
+    (:func:`detected_capability`), or ``$QKVFUSE_CPU_CAPABILITY``. Asking for more than the CPU has raises
+    ``RuntimeError`` (the library would die with SIGILL): the backend is then unavailable, with that reason."""
+    detected = detected_capability()
     requested = os.environ.get("QKVFUSE_CPU_CAPABILITY")
     if not requested:
         return detected
@@ -76,7 +100,8 @@ def _build_inputs(cap: str) -> Tuple[str, List[Path], List[str]]:
     """Name, sources and compiler flags of the library for capability ``cap``."""
     flags: List[str] = _COMMON_FLAGS + _CAPABILITY_FLAGS[cap]
     if cap != "DEFAULT":
-        flags += [f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
+        aten = _aten_capability(cap)
+        flags += [f"-DCPU_CAPABILITY={aten}", f"-DCPU_CAPABILITY_{aten}"]
     return f"qkvfuse_cpu_{cap.lower()}", [_HERE / s for s in _SOURCES], flags
 
 

@@ -2,6 +2,7 @@
 // the first forms s = x + residual rounded to the I/O dtype (stored as residual_out) and sums its squares, the
 // second normalises s -- re-read from residual_out, still in L1/L2 -- into y. Each row's bits depend only on
 // that row, never on the thread split or on T.
+#include "avx512.h"
 #include "optional_ref.h"
 #include "vec_io.h"
 
@@ -215,6 +216,46 @@ bool is_bf16_vector(const Tensor& t, int64_t n) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+template <typename T, typename W>
+void run_norm_avx512_rows(const NormPlan& p, const W* w, const W* b) {
+  for_rows(p, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* x = static_cast<const T*>(p.x) + t * p.x_rs;
+      const T* r = p.r != nullptr ? static_cast<const T*>(p.r) + t * p.r_rs : nullptr;
+      T* r_out = p.r_out != nullptr ? static_cast<T*>(p.r_out) + t * p.r_out_rs : nullptr;
+      avx512::norm_row<T, W>(x, r, r_out, static_cast<T*>(p.y) + t * p.y_rs, w, b, p.H, p.eps);
+    }
+  });
+}
+
+bool is_vector_of(const Tensor& t, at::ScalarType dtype, int64_t n) {
+  return t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
+}
+
+// Returns whether it ran: weights (and bias) both contiguous fp32 or both contiguous in x's dtype.
+template <typename T>
+bool run_norm_avx512_typed(const NormPlan& p, const Tensor& weight, const OptRef& bias, at::ScalarType dtype) {
+  for (const at::ScalarType wt : {at::kFloat, dtype}) {
+    if (!is_vector_of(weight, wt, p.H) || (bias.has_value() && !is_vector_of(*bias, wt, p.H))) continue;
+    if (wt == at::kFloat) {
+      run_norm_avx512_rows<T, float>(p, weight.const_data_ptr<float>(),
+                                     bias.has_value() ? bias->const_data_ptr<float>() : nullptr);
+    } else {
+      run_norm_avx512_rows<T, T>(p, static_cast<const T*>(weight.const_data_ptr()),
+                                 bias.has_value() ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
+    }
+    return true;
+  }
+  return false;
+}
+
+bool run_norm_avx512(const NormPlan& p, at::ScalarType dtype, const Tensor& weight, const OptRef& bias) {
+  return dtype == at::kBFloat16 ? run_norm_avx512_typed<c10::BFloat16>(p, weight, bias, dtype)
+                                : run_norm_avx512_typed<c10::Half>(p, weight, bias, dtype);
+}
+#endif
+
 void check_rows(const Tensor& t, const Tensor& x, const char* what) {
   TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device().is_cpu() &&
                   (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1))),
@@ -229,8 +270,9 @@ const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
   return buf.data();
 }
 
+// generic_only: the specialised rows off (qkvfuse_cpu::add_rmsnorm_generic_out, for tests).
 void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
-                          double eps, const Tensor& y_out, const OptRef& residual_out) {
+                          double eps, const Tensor& y_out, const OptRef& residual_out, bool generic_only = false) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kHalf),
               "qkvfuse cpu kernel: bad x ", x.sizes());
@@ -256,9 +298,17 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
     p.r_out_rs = residual_out->stride(0);
   }
   p.eps = static_cast<float>(eps);
+#if defined(CPU_CAPABILITY_AVX512)
+  // bf16 / fp16 rows of whole 32-value blocks (avx512.h: the generic row's bits); a weight (and bias) in the
+  // activations' dtype, contiguous, is widened as it is read -- no conversion pass per call.
+  if (!generic_only && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && H % 32 == 0 &&
+      run_norm_avx512(p, x.scalar_type(), weight, bias)) {
+    return;
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX2)
   // A bf16 model's weights: read as stored, no conversion (the common case of an engine's decoder norms).
-  if (x.scalar_type() == at::kBFloat16 && H % 16 == 0 && is_bf16_vector(weight, H) &&
+  if (!generic_only && x.scalar_type() == at::kBFloat16 && H % 16 == 0 && is_bf16_vector(weight, H) &&
       (!bias.has_value() || is_bf16_vector(*bias, H))) {
     p.w16 = weight.const_data_ptr<c10::BFloat16>();
     p.b16 = bias.has_value() ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
@@ -275,7 +325,7 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
   p.w = w;
   p.b = b;
 #if defined(CPU_CAPABILITY_AVX2)
-  if (x.scalar_type() == at::kBFloat16 && run_norm_bf16(p)) return;
+  if (!generic_only && x.scalar_type() == at::kBFloat16 && run_norm_bf16(p)) return;
 #endif
   p.weights_finite = all_finite(w, H) && (b == nullptr || all_finite(b, H));
   switch (x.scalar_type()) {
@@ -311,6 +361,11 @@ void add_rmsnorm_inplace(const Tensor& x, const OptTensor& residual, const Tenso
   add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, x, borrow(residual));
 }
 
+void add_rmsnorm_generic_out(const Tensor& x, const OptTensor& residual, const Tensor& weight,
+                             const OptTensor& bias, double eps, const Tensor& y_out, const OptTensor& residual_out) {
+  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out), true);
+}
+
 std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                        const OptTensor& bias, double eps) {
   return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps);
@@ -323,4 +378,11 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("add_rmsnorm", &qkvfuse_cpu::add_rmsnorm);
   m.impl("add_rmsnorm_out", &qkvfuse_cpu::add_rmsnorm_out);
   m.impl("add_rmsnorm_inplace", &qkvfuse_cpu::add_rmsnorm_inplace);
+}
+
+// For tests: the out= kernel with the specialised rows off (compared bit for bit with the default).
+TORCH_LIBRARY_FRAGMENT(qkvfuse_cpu, m) {
+  m.def("add_rmsnorm_generic_out(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, "
+        "Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()",
+        &qkvfuse_cpu::add_rmsnorm_generic_out);
 }

@@ -7,6 +7,7 @@
 // threads or on the other tokens in the batch.
 // bf16 heads of the published shapes (128 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
 // specialised path (fast_heads).
+#include "avx512.h"
 #include "optional_ref.h"
 #include "vec_io.h"
 
@@ -68,6 +69,7 @@ struct SplitPlan {
   bool weights_finite;
   float eps;
   bool neox;
+  bool generic_only;  // the specialised heads off (qkvfuse_cpu::split_generic_out, for tests)
 };
 
 int64_t read_pos(const SplitPlan& p, int64_t axis, int64_t t) {
@@ -449,6 +451,9 @@ FastFn pick_fast(const SplitPlan& p, int norm_mode, bool stream) {
   }
 }
 
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 // Outputs far larger than the caches (a prefill batch) are written with non-temporal stores, as a large
 // memcpy is: no read-for-ownership of lines that are only overwritten. Needs 32-byte aligned rows, and not
 // the in-place form (its lines are already cached by the read).
@@ -486,9 +491,16 @@ void run_split(const SplitPlan& p) {
   const int64_t qk_heads = p.hq + p.hkv;
   const int64_t per_token = qk_heads + (v != nullptr ? 1 : 0);
   const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   const bool stream = stream_outputs<T>(p);
-  const FastFn fast = pick_fast<T>(p, norm_mode, stream);
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+  // The specialised heads (avx512.h): the generic head's bits, a batch of heads at a time.
+  const avx512::HeadsFn<T> fast = p.generic_only ? nullptr : avx512::pick_heads<T>(p.D, p.half, norm_mode, p.neox);
+  const int64_t batch = avx512::batch_heads(p.D);
+#endif
+#if defined(CPU_CAPABILITY_AVX2)
+  const FastFn fast = p.generic_only ? nullptr : pick_fast<T>(p, norm_mode, stream);
   FastWeights fast_w[2];
   if (fast != nullptr && norm_mode == 1) {
     fast_weights(p.wq, p.half, p.neox, fast_w[0]);
@@ -504,6 +516,10 @@ void run_split(const SplitPlan& p) {
     tables[0].pass = fast_w[0].pass;
     tables[1].pass = fast_w[1].pass;
 #endif
+#if defined(CPU_CAPABILITY_AVX512)
+    alignas(64) float cos2[kMaxHeadDim], sin2[kMaxHeadDim];
+    const avx512::HeadTables tables[2] = {{p.wq, p.bq, cos, sin, cos2, sin2}, {p.wk, p.bk, cos, sin, cos2, sin2}};
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
       if (h < qk_heads) {
@@ -515,6 +531,9 @@ void run_split(const SplitPlan& p) {
           if (fast != nullptr && finite) {
             fast_token(cos, sin, p.half, p.neox, norm_mode == 1 ? fast_w : nullptr, tables);
           }
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+          if (fast != nullptr && !p.neox) avx512::gptj_tables(cos, sin, p.half, cos2, sin2);
 #endif
         }
         auto dst_of = [&](int64_t hh) {
@@ -537,9 +556,18 @@ void run_split(const SplitPlan& p) {
           h += n - 1;
         } else
 #endif
+#if defined(CPU_CAPABILITY_AVX512)
+        if (fast != nullptr) {
+          // This token's next Q heads, or next K heads, within the range: one batch of consecutive heads.
+          const int64_t n = std::min<int64_t>({batch, (h < p.hq ? p.hq : qk_heads) - h, end - i});
+          fast(row + h * p.D, dst_of(h), n, p.D, p.half, p.eps, tables[h < p.hq ? 0 : 1], stream);
+          i += n - 1;
+          h += n - 1;
+        } else
+#endif
         generic(h);
       } else {
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
         if (stream && fast != nullptr) {
           stream_copy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
         } else
@@ -551,7 +579,7 @@ void run_split(const SplitPlan& p) {
         ++t;
       }
     }
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     if (stream) _mm_sfence();  // the streamed stores are visible before the join
 #endif
   });
@@ -767,6 +795,21 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
                                       r.interleaved);
 }
 
+// The out= kernel with the specialised heads off: tests compare the two paths bit for bit.
+void split_generic_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                       const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
+                       int64_t hkv, double eps, int64_t rope, const Tensor& q_out, const Tensor& k_out,
+                       const Tensor& v_out) {
+  const Rope r = decode_rope(rope);
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+                          borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
+                          r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(), r.interleaved, weights);
+  set_outputs(p, qkv, q_out, k_out, v_out);
+  p.generic_only = true;
+  run(p, qkv.scalar_type());
+}
+
 std::vector<int64_t> decoded_rope(int64_t code) {
   const Rope r = decode_rope(code);
   return {r.neox, r.mrope, r.interleaved, r.sections[0], r.sections[1], r.sections[2]};
@@ -814,6 +857,10 @@ TORCH_LIBRARY(qkvfuse_cpu, m) {
   m.def("mrope_axis_map(int half, int[] mrope_section, bool interleaved) -> int[]", &qkvfuse_cpu::mrope_axis_map);
   m.def("decode_rope(int rope) -> int[]", &qkvfuse_cpu::decoded_rope);
   m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
+  m.def("split_generic_out(Tensor qkv, Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor? k_weight, "
+        "Tensor? q_bias, Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope, Tensor(a!) q_out, "
+        "Tensor(b!) k_out, Tensor(c!) v_out) -> ()",
+        &qkvfuse_cpu::split_generic_out);
 #if defined(CPU_CAPABILITY_AVX2)
   m.def("pack_rne_blocks(Tensor x) -> Tensor", &qkvfuse_cpu::pack_rne_blocks);
 #endif

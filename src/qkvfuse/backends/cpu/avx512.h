@@ -1,0 +1,227 @@
+// Specialised bf16 / fp16 code for AVX-512 builds (CPU_CAPABILITY_AVX512), shared by the split and add_rmsnorm
+// kernels.
+//
+// Values are kept in natural order, 16 per __m512: a 16-bit block widens exactly with one instruction pair
+// and rounds back with one conversion. Every function here computes the generic kernel's arithmetic sequence
+// (same operations, same order, same reduction tree as at::vec::vec_reduce_all), so its bits are the generic
+// path's bits for every input whose outputs are not NaN (a NaN stays a NaN; its payload may differ). What it
+// saves is the generic path's per-head overheads: one head's reduction, square root and division at a time,
+// staging through ATen's converters, a call per head.
+//
+// bf16 rounding is to nearest even with denormals kept (torch's `.to(torch.bfloat16)`). With AVX512-BF16
+// (QKVFUSE_AVX512_BF16: the AVX512_BF16 capability) it is one VCVTNEPS2BF16, which flushes denormal inputs to
+// zero: a block holding a denormal (one VFPCLASSPS test) takes ATen's integer rounding instead.
+#pragma once
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+#include "vec_io.h"
+
+#include <immintrin.h>
+
+namespace qkvfuse_cpu {
+namespace avx512 {
+
+template <typename T>
+struct Block;
+
+template <>
+struct Block<c10::BFloat16> {
+  static __m512 widen(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+  static __m512 load(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m256i round(__m512 v) {
+#if defined(QKVFUSE_AVX512_BF16)
+    if (_mm512_fpclass_ps_mask(v, 0x20) == 0) return reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+#endif
+    return at::vec::cvtfp32_bf16(v);
+  }
+};
+
+template <>
+struct Block<c10::Half> {
+  static __m512 widen(__m256i bits) { return _mm512_cvtph_ps(bits); }
+  static __m512 load(const c10::Half* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static __m256i round(__m512 v) { return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+
+template <typename T, bool kStream = false>
+inline void store(T* p, __m512 v) {
+  const __m256i bits = Block<T>::round(v);
+  if constexpr (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), bits);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bits);
+  }
+}
+
+template <typename T>
+inline void store(T* p, __m512 v, bool stream) {
+  stream ? store<T, true>(p, v) : store<T, false>(p, v);
+}
+
+// Every lane: the sum of v's lanes in at::vec::vec_reduce_all's tree (an XOR butterfly, so all lanes agree).
+inline __m512 sum_all_lanes(__m512 v) {
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0x4E));
+  return _mm512_add_ps(v, _mm512_shuffle_ps(v, v, 0xB1));
+}
+
+// 1 / sqrt(ss / n + eps) per lane: the generic bf16/fp16 inv_rms, with the same correctly rounded operations.
+inline __m512 inv_rms(__m512 ss, int64_t n, float eps) {
+  const __m512 mean = _mm512_div_ps(ss, _mm512_set1_ps(static_cast<float>(n)));
+  return _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_sqrt_ps(_mm512_add_ps(mean, _mm512_set1_ps(eps))));
+}
+
+// ------------------------------------------------------------------------------------------------------
+// split: up to kMaxBatch consecutive Q (or K) heads of one token.
+// ------------------------------------------------------------------------------------------------------
+struct HeadTables {  // one token's, for one weight set
+  const float* w;     // norm weight (fp32, D values) or nullptr
+  const float* b;     // post-norm bias or nullptr
+  const float* cos;   // half values (NeoX)
+  const float* sin;
+  const float* cos2;  // GPT-J: 2 * half values, [c0, c0, c1, c1, ...] and [-s0, s0, -s1, s1, ...]
+  const float* sin2;
+};
+
+constexpr int64_t kMaxBatch = 16;
+
+// Heads per batch for head_dim D: the staging buffer stays at 8 KB (16 heads of 128 dims).
+inline int64_t batch_heads(int64_t D) { return std::max<int64_t>(1, std::min(kMaxBatch, 2048 / D)); }
+
+// Whether the specialised heads take this geometry: whole 32-value blocks per head (the generic loops then
+// have no scalar tail) and whole 16-value blocks of rotary pairs.
+inline bool takes_heads(int64_t D, int64_t half) { return D % 32 == 0 && half % 16 == 0 && D <= kMaxHeadDim; }
+
+// kNorm: 0 no QK-norm, 1 weight, 2 weight and bias (the generic qk_head's template argument).
+template <typename T, int kNorm, bool kNeox>
+QKVFUSE_FLATTEN void heads(const T* src, T* dst, int64_t n, int64_t D, int64_t half, float eps,
+                           const HeadTables& t, bool stream) {
+  alignas(64) float staged[2048];
+  __m512 inv = _mm512_set1_ps(1.f);
+  if constexpr (kNorm > 0) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      const T* x = src + k * D;
+      float* s = staged + k * D;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512 a = Block<T>::load(x + d), c = Block<T>::load(x + d + 16);
+        _mm512_store_ps(s + d, a);
+        _mm512_store_ps(s + d + 16, c);
+        acc0 = _mm512_fmadd_ps(a, a, acc0);
+        acc1 = _mm512_fmadd_ps(c, c, acc1);
+      }
+      ss = _mm512_mask_mov_ps(ss, static_cast<__mmask16>(1u << k), sum_all_lanes(_mm512_add_ps(acc0, acc1)));
+    }
+    inv = inv_rms(ss, D, eps);
+  }
+  alignas(64) float inv_k[kMaxBatch];
+  _mm512_store_ps(inv_k, inv);
+  for (int64_t k = 0; k < n; ++k) {
+    const float* s = staged + k * D;
+    const T* x = src + k * D;
+    T* y = dst + k * D;
+    const __m512 vinv = _mm512_set1_ps(inv_k[k]);
+    auto norm = [&](int64_t i) {
+      if constexpr (kNorm == 0) {
+        return Block<T>::load(x + i);
+      } else {
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(s + i), vinv), _mm512_loadu_ps(t.w + i));
+        if constexpr (kNorm > 1) v = _mm512_add_ps(v, _mm512_loadu_ps(t.b + i));
+        return v;
+      }
+    };
+    if constexpr (kNeox) {
+      for (int64_t j = 0; j < half; j += 16) {
+        const __m512 a = norm(j), b = norm(half + j);
+        const __m512 c = _mm512_loadu_ps(t.cos + j), sn = _mm512_loadu_ps(t.sin + j);
+        store<T>(y + j, _mm512_fmsub_ps(a, c, _mm512_mul_ps(b, sn)), stream);
+        store<T>(y + half + j, _mm512_fmadd_ps(b, c, _mm512_mul_ps(a, sn)), stream);
+      }
+    } else {
+      // GPT-J pairs (2j, 2j + 1) share a block: out = v * cos2 + swap(v) * sin2, lane for lane the generic
+      // fmsub(a, c, b * s) / fmadd(b, c, a * s) (negating a product is exact).
+      for (int64_t i = 0; i < 2 * half; i += 16) {
+        const __m512 v = norm(i);
+        const __m512 swapped = _mm512_permute_ps(v, 0xB1);
+        store<T>(y + i, _mm512_fmadd_ps(v, _mm512_loadu_ps(t.cos2 + i),
+                                        _mm512_mul_ps(swapped, _mm512_loadu_ps(t.sin2 + i))), stream);
+      }
+    }
+    for (int64_t i = 2 * half; i < D; i += 16) store<T>(y + i, norm(i), stream);
+  }
+}
+
+template <typename T>
+using HeadsFn = void (*)(const T*, T*, int64_t, int64_t, int64_t, float, const HeadTables&, bool);
+
+template <typename T, int kNorm>
+HeadsFn<T> pick_style(bool neox) {
+  return neox ? &heads<T, kNorm, true> : &heads<T, kNorm, false>;
+}
+
+template <typename T>
+HeadsFn<T> pick_heads(int64_t D, int64_t half, int norm_mode, bool neox) {
+  if constexpr (std::is_same_v<T, float>) {
+    return nullptr;
+  } else {
+    if (!takes_heads(D, half)) return nullptr;
+    return norm_mode == 0 ? pick_style<T, 0>(neox) : norm_mode == 1 ? pick_style<T, 1>(neox) : pick_style<T, 2>(neox);
+  }
+}
+
+// GPT-J tables of one token: cos/sin of each pair repeated over its two lanes, the sine negated on the first.
+inline void gptj_tables(const float* cos, const float* sin, int64_t half, float* cos2, float* sin2) {
+  for (int64_t j = 0; j < half; ++j) {
+    cos2[2 * j] = cos2[2 * j + 1] = cos[j];
+    sin2[2 * j] = -sin[j];
+    sin2[2 * j + 1] = sin[j];
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
+// add_rmsnorm: one row of H values (H % 32 == 0), the generic norm_row's sequence. The weight and bias are
+// fp32 or T (widened on the fly: exactly the values a conversion pass would give).
+// ------------------------------------------------------------------------------------------------------
+template <typename T, typename W>
+inline __m512 load_weight(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    return Block<T>::load(p);
+  }
+}
+
+template <typename T, typename W>
+QKVFUSE_FLATTEN void norm_row(const T* x, const T* r, T* r_out, T* y, const W* w, const W* b, int64_t H,
+                              float eps) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t d = 0; d < H; d += 32) {
+    __m512 a = Block<T>::load(x + d), c = Block<T>::load(x + d + 16);
+    if (r != nullptr) {
+      // s = x + residual rounded to T (the unfused add), then used as rounded.
+      const __m256i sa = Block<T>::round(_mm512_add_ps(a, Block<T>::load(r + d)));
+      const __m256i sc = Block<T>::round(_mm512_add_ps(c, Block<T>::load(r + d + 16)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d), sa);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d + 16), sc);
+      a = Block<T>::widen(sa);
+      c = Block<T>::widen(sc);
+    }
+    acc0 = _mm512_fmadd_ps(a, a, acc0);
+    acc1 = _mm512_fmadd_ps(c, c, acc1);
+  }
+  const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
+  const T* s = r != nullptr ? r_out : x;  // re-read after its own block is written: exact aliasing is safe
+  for (int64_t i = 0; i < H; i += 16) {
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(Block<T>::load(s + i), inv), load_weight<T>(w + i));
+    if (b != nullptr) v = _mm512_add_ps(v, load_weight<T>(b + i));
+    store<T>(y + i, v);
+  }
+}
+
+}  // namespace avx512
+}  // namespace qkvfuse_cpu
+
+#endif  // CPU_CAPABILITY_AVX512

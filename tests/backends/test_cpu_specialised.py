@@ -1,0 +1,136 @@
+"""The specialised bf16/fp16 kernels of the native CPU backend against its generic kernels, bit for bit.
+
+The AVX-512 specialisations (``backends/cpu/avx512.h``) claim the generic kernel's arithmetic sequence, so on an
+AVX-512 build (``AVX512`` or ``AVX512_BF16``) every output bit equals the generic path's
+(``torch.ops.qkvfuse_cpu.split_generic_out`` / ``add_rmsnorm_generic_out``: the same kernels with the
+specialised paths off), NaN positions included (a NaN's payload may differ). Inputs include denormals (which the
+AVX512-BF16 conversion would flush), infinities, NaNs and values that round to infinity. Other builds (AVX2's
+specialised heads use another, equally accurate, formula) are covered by the shared suite against the oracle.
+The suite as a whole runs once per capability this CPU supports (``make test``).
+"""
+
+import os
+
+import pytest
+import torch
+
+import qkvfuse
+from qkvfuse._library import encode_rope
+from qkvfuse.backends import available_backends
+
+REASON = available_backends()["cpu"]
+if REASON and "cpu" in os.environ.get("QKVFUSE_REQUIRE_BACKENDS", "").split(","):
+    pytest.fail(f"backend 'cpu' is required but unavailable: {REASON}", pytrace=False)
+pytestmark = pytest.mark.skipif(bool(REASON), reason=f"cpu backend unavailable: {REASON}")
+
+_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _avx512_build():
+    from qkvfuse.backends import cpu
+
+    if not cpu.capability().startswith("AVX512"):
+        pytest.skip(f"build {cpu.capability()}: the bit-for-bit claim is the AVX-512 kernels'")
+
+
+def _assert_same(got, want):
+    for a, b in zip(got, want):
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b))
+        assert torch.equal(a.view(_INT[a.dtype])[~nan], b.view(_INT[b.dtype])[~nan])
+
+
+def _specials(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Plant denormals, +-inf, NaN and huge values at random places of ``t`` (in place)."""
+    flat = t.view(-1)
+    n = 3
+    idx = torch.randint(0, flat.numel(), (4, n), generator=gen)
+    flat[idx[0]] = 3e-39  # a denormal in bf16 (and 0 in fp16)
+    flat[idx[1]] = float("inf")
+    flat[idx[2]] = float("nan")
+    flat[idx[3]] = -3.0e38 if t.dtype == torch.bfloat16 else -6.0e4
+    return t
+
+
+GEOMETRIES = [  # (num_q_heads, num_kv_heads, head_dim, rotary_dim)
+    (32, 8, 128, 128), (4, 1, 256, 64), (3, 1, 64, 32), (2, 2, 512, 512), (17, 1, 128, 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+@pytest.mark.parametrize("norm", ["none", "weight", "weight+bias", "bf16-weight"])
+@pytest.mark.parametrize("rope", ["neox", "gptj", "mrope-interleaved", "mrope-sections"])
+def test_split_specialised_heads_give_the_generic_bits(dtype, geometry, norm, rope):
+    hq, hkv, D, R = geometry
+    if norm == "bf16-weight" and dtype != torch.bfloat16:
+        pytest.skip("a 16-bit weight serves its own dtype only")
+    gen = torch.Generator().manual_seed(D * 1000 + R + hq)
+    T = 19
+    finite = (torch.randn(T, (hq + 2 * hkv) * D, generator=gen) * 3).to(dtype)
+    special = _specials(finite.clone(), gen)
+    cache = qkvfuse.build_cos_sin_cache(R, 4096, 1e6)
+    sections = ()
+    if rope.startswith("mrope"):
+        third = R // 2 // 3
+        sections = (R // 2 - 2 * third, third, third)
+        positions = torch.randint(0, 4096, (3, T), generator=gen)
+    else:
+        positions = torch.randint(0, 4096, (T,), generator=gen)
+    w = b = None
+    if norm != "none":
+        w = [torch.randn(D, generator=gen) * 0.2 + 1 for _ in range(2)]
+        if norm == "bf16-weight":
+            w = [t.to(torch.bfloat16) for t in w]
+    if norm == "weight+bias":
+        b = [torch.randn(D, generator=gen) * 0.1 for _ in range(2)]
+    args = (positions, cache, *(w or (None, None)), *(b or (None, None)), hq, hkv, 1e-6,
+            encode_rope(rope != "gptj", sections, rope == "mrope-interleaved"))
+
+    def outputs():
+        return [torch.full((T, n * D), float("nan"), dtype=dtype) for n in (hq, hkv, hkv)]
+
+    for qkv in (finite, special):
+        fast, generic = outputs(), outputs()
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(qkv, *args, *fast)
+        torch.ops.qkvfuse_cpu.split_generic_out.default(qkv, *args, *generic)
+        _assert_same(fast, generic)
+        inplace = qkv.clone()
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default(inplace, *args)
+        _assert_same(inplace.split([hq * D, hkv * D, hkv * D], 1), generic)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("hidden", [32, 96, 4096, 4112])
+@pytest.mark.parametrize("weights", ["fp32", "own-dtype", "fp32+bias", "own-dtype+bias", "strided"])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
+@pytest.mark.parametrize("specials", [False, True], ids=["finite", "specials"])
+def test_add_rmsnorm_specialised_rows_give_the_generic_bits(dtype, hidden, weights, residual, specials):
+    gen = torch.Generator().manual_seed(hidden)
+    T = 7
+    x = (torch.randn(T, hidden, generator=gen) * 2).to(dtype)
+    r = (torch.randn(T, hidden, generator=gen) * 2).to(dtype) if residual else None
+    if specials:
+        _specials(x, gen)
+        if r is not None:
+            r[0, :8] = 3e-39  # denormal sums: the residual is the rounded sum, denormals kept
+            x[0, :8] = 0
+    w = torch.randn(hidden * (2 if weights == "strided" else 1), generator=gen) * 0.2 + 1
+    w = w[::2] if weights == "strided" else w
+    b = torch.randn(hidden, generator=gen) * 0.1 if "bias" in weights else None
+    if weights.startswith("own-dtype"):
+        w, b = w.to(dtype), (b.to(dtype) if b is not None else None)
+
+    def outputs():
+        return torch.full_like(x, float("nan")), (torch.full_like(x, float("nan")) if residual else None)
+
+    (y, ro), (gy, gro) = outputs(), outputs()
+    torch.ops.qkvfuse.add_rmsnorm_out.default(x, r, w, b, 1e-6, y, ro)
+    torch.ops.qkvfuse_cpu.add_rmsnorm_generic_out.default(x, r, w, b, 1e-6, gy, gro)
+    _assert_same([y] + ([ro] if residual else []), [gy] + ([gro] if residual else []))
+    if residual:
+        assert torch.equal(ro.view(torch.int16), (x + r).view(torch.int16)) or torch.isnan(x + r).any()
+    xi, ri = x.clone(), (r.clone() if residual else None)
+    torch.ops.qkvfuse.add_rmsnorm_inplace.default(xi, ri, w, b, 1e-6)
+    _assert_same([xi] + ([ri] if residual else []), [gy] + ([gro] if residual else []))
