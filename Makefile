@@ -53,6 +53,7 @@ $(STAMP_VLLM): requirements-vllm.txt pyproject.toml
 	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
 	$(PY_VLLM) -m pip install -q --disable-pip-version-check -r requirements-vllm.txt
 	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -m pip install -q --disable-pip-version-check --no-deps zentorch==2.13.0.1
 	$(PY_VLLM) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP_VLLM)
 

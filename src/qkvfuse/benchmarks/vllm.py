@@ -1,11 +1,19 @@
-"""Benchmarks against vLLM, run in the vLLM venv (``make bench-vllm``; ``python -m qkvfuse.benchmarks.vllm``).
+"""Benchmarks against vLLM (and zentorch), run in the vLLM venv (``make bench-vllm``; ``python -m qkvfuse.benchmarks.vllm``).
+
+``--part split``: qkvfuse's in-place attention-prepare (:meth:`qkvfuse.QKNormRope.inplace`,
+:func:`qkvfuse.split_qkv_rmsnorm_rope_`, the bare op) against the fastest composition of vLLM-CPU's C ops -- QK-norm
+by ``torch.ops._C.rms_norm`` on ``[T*H, D]`` (vLLM's CPU kernel ignores strides: the Q/K column slices are made
+contiguous, a copy only for T > 1) into preallocated buffers, then ``torch.ops._C.rotary_embedding`` in place with a
+bf16 table (vLLM casts its table to the model dtype), V left as a view -- for the Qwen3-8B and GLM-4.5 geometry,
+bf16, T in {1, 16, 256, 4096}, side by side in interleaved rounds; the roofline is a copy of the qkv bytes.
 
 ``--part norm``: qkvfuse's in-place add+RMSNorm (:meth:`qkvfuse.AddRMSNorm.inplace`, :func:`qkvfuse.add_rmsnorm_`,
 the bare op) against vLLM-CPU's in-place ``torch.ops._C.fused_add_rms_norm``, side by side in interleaved rounds
 (:func:`qkvfuse.benchmarks.timing.measure`), bf16, hidden 4096 and 5120, T in {1, 16, 256, 4096}, hot buffers and
 (T <= 16) buffers rotated past L2; weights in the activations' dtype, as in a bf16 model. The roofline is a copy
 of the same bytes (both read x and residual and write them back). Also vLLM's ``RMSNorm(x, residual)`` layer as
-vLLM-CPU runs it (its "native" IR implementation) and the same layer with the plugin's forward.
+vLLM-CPU runs it (its "native" IR implementation) and the same layer with the plugin's forward, and zentorch's
+in-place ``torch.ops.zentorch.zentorch_add_rms_norm_`` (AMD's ZenDNN plugin for PyTorch) when it is installed.
 
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
@@ -30,6 +38,7 @@ import torch
 
 import qkvfuse
 
+from .._library import encode_rope
 from .timing import Budget, Candidate, machine_info, measure
 
 HIDDEN = (4096, 5120)
@@ -63,9 +72,19 @@ def _vllm_layers(weight: torch.Tensor):
     return layers
 
 
+def _zentorch_add_rms_norm():
+    """zentorch's in-place add+RMSNorm op (y over x, the sum over residual), or None when zentorch is absent."""
+    try:
+        import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+    except Exception:  # not installed, or built for another torch: the row is left out
+        return None
+    return torch.ops.zentorch.zentorch_add_rms_norm_.default
+
+
 def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
+    zentorch_op = _zentorch_add_rms_norm()
     vllm_op = torch.ops._C.fused_add_rms_norm.default
     bare = torch.ops.qkvfuse.add_rmsnorm_inplace.default
     rows = []
@@ -77,7 +96,7 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
         for T in TOKENS:
             layouts = [("hot", 1)] + ([("rotated", max(2, (4 * l2) // (4 * T * H * 2) + 1))] if T <= 16 else [])
             for layout, n in layouts:
-                ours, theirs, funcs, bares, lv, lf = (_norm_sets(T, H, n) for _ in range(6))
+                ours, theirs, funcs, bares, lv, lf, zen = (_norm_sets(T, H, n) for _ in range(7))
                 copy_src = [torch.randn(2, T, H).to(torch.bfloat16) for _ in range(n)]
                 copy_dst = [torch.empty_like(s) for s in copy_src]
                 candidates = [
@@ -91,9 +110,14 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                               [lambda s=s: vllm_layer(s["x"], s["residual"]) for s in lv]),
                     Candidate("vLLM RMSNorm layer + qkvfuse", "in place",
                               [lambda s=s: fused_layer(s["x"], s["residual"]) for s in lf]),
-                    Candidate("vLLM _C.fused_add_rms_norm", "in place",
-                              [lambda s=s: vllm_op(s["x"], s["residual"], weight, 1e-6) for s in theirs]),
                 ]
+                if zentorch_op is not None:
+                    candidates.append(Candidate("zentorch_add_rms_norm_", "in place",
+                                                [lambda s=s: zentorch_op(s["x"], weight, s["residual"], 1e-6)
+                                                 for s in zen]))
+                candidates.append(Candidate("vLLM _C.fused_add_rms_norm", "in place",
+                                            [lambda s=s: vllm_op(s["x"], s["residual"], weight, 1e-6)
+                                             for s in theirs]))
                 copies = [lambda d=d, s=s: d.copy_(s) for d, s in zip(copy_dst, copy_src)]
                 with torch.inference_mode():
                     measured = measure(candidates, copies, budget)
@@ -105,6 +129,75 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                            "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds}
                     rows.append(row)
                     log(f"norm H={H} T={T:5d} {layout:8s} {c.impl:30s} {m.us:10.2f} us  "
+                        f"{100 * m.roofline:5.1f}% of copy  x{row['vs_vllm']:.2f} vs vLLM")
+    return rows
+
+
+SPLIT_PRESETS = ("Qwen3-8B", "GLM-4.5")
+
+
+def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+
+    rms_norm, rotary = torch.ops._C.rms_norm.default, torch.ops._C.rotary_embedding.default
+    bare = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default
+    rows = []
+    l2 = 512 << 10
+    for name in SPLIT_PRESETS:
+        p = qkvfuse.get_preset(name)
+        hq, hkv, D = p.num_q_heads, p.num_kv_heads, p.head_dim
+        qw, kw = hq * D, hkv * D
+        cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
+        cache16 = cache.to(torch.bfloat16)  # vLLM's RotaryEmbedding casts its table to the model dtype
+        wq, wk = ((1 + 0.1 * torch.randn(D)).to(torch.bfloat16) for _ in range(2))
+        prep = qkvfuse.QKNormRope(hq, hkv, D, cache, q_weight=wq, k_weight=wk, eps=p.rms_norm_eps)
+        static = (cache, wq, wk, None, None, hq, hkv, p.rms_norm_eps, encode_rope(True))
+        for T in TOKENS:
+            nbytes = T * p.qkv_width * 2
+            layouts = [("hot", 1)] + ([("rotated", max(2, (4 * l2) // nbytes + 1))] if T <= 16 else [])
+            for layout, n in layouts:
+                g = torch.Generator().manual_seed(T)
+
+                def sets():
+                    return [{"qkv": torch.randn(T, p.qkv_width, generator=g).to(torch.bfloat16),
+                             "positions": torch.randint(0, 8192, (T,), generator=g),
+                             "qn": torch.empty(T * hq, D, dtype=torch.bfloat16),
+                             "kn": torch.empty(T * hkv, D, dtype=torch.bfloat16)} for _ in range(n)]
+
+                ours, funcs, bares, theirs = sets(), sets(), sets(), sets()
+
+                def vllm_call(s):
+                    qkv = s["qkv"]
+                    rms_norm(s["qn"], qkv[:, :qw].reshape(T * hq, D), wq, p.rms_norm_eps)
+                    rms_norm(s["kn"], qkv[:, qw:qw + kw].reshape(T * hkv, D), wk, p.rms_norm_eps)
+                    rotary(s["positions"], s["qn"].view(T, qw), s["kn"].view(T, kw), D, cache16, True)
+                    return s["qn"], s["kn"], qkv[:, qw + kw:]
+
+                candidates = [
+                    Candidate("qkvfuse QKNormRope.inplace", "in place",
+                              [lambda s=s: prep.inplace(s["qkv"], s["positions"]) for s in ours]),
+                    Candidate("qkvfuse split_qkv_rmsnorm_rope_", "in place",
+                              [lambda s=s: qkvfuse.split_qkv_rmsnorm_rope_(
+                                  s["qkv"], s["positions"], cache, hq, hkv, D, q_weight=wq, k_weight=wk,
+                                  eps=p.rms_norm_eps) for s in funcs]),
+                    Candidate("qkvfuse bare op", "in place",
+                              [lambda s=s: bare(s["qkv"], s["positions"], *static) for s in bares]),
+                    Candidate("vLLM _C.rms_norm + _C.rotary_embedding", "q/k out, v view",
+                              [lambda s=s: vllm_call(s) for s in theirs]),
+                ]
+                copy_src = [torch.randn(T, p.qkv_width).to(torch.bfloat16) for _ in range(n)]
+                copy_dst = [torch.empty_like(c) for c in copy_src]
+                copies = [lambda d=d, c=c: d.copy_(c) for d, c in zip(copy_dst, copy_src)]
+                with torch.inference_mode():
+                    measured = measure(candidates, copies, budget)
+                vllm_key = candidates[-1].key
+                for c in candidates:
+                    m = measured[c.key]
+                    row = {"part": "split", "preset": name, "T": T, "buffers": layout, "impl": c.impl, "us": m.us,
+                           "copy_us": m.copy_us, "roofline": m.roofline, "vs_vllm": m.vs.get(vllm_key, 1.0),
+                           "rounds": m.rounds}
+                    rows.append(row)
+                    log(f"split {name:8s} T={T:5d} {layout:8s} {c.impl:40s} {m.us:10.2f} us  "
                         f"{100 * m.roofline:5.1f}% of copy  x{row['vs_vllm']:.2f} vs vLLM")
     return rows
 
@@ -147,29 +240,51 @@ def _time_generate(llm, prompt: List[int], new_tokens: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def latency_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str, object]]:
+def _time_round(llm, g) -> Dict[str, float]:
+    long = torch.randint(3, VOCAB, (512,), generator=g).tolist()
+    short = torch.randint(3, VOCAB, (16,), generator=g).tolist()
+    prefill = _time_generate(llm, long, 1)
+    first = _time_generate(llm, short, 1)
+    return {"prefill": prefill, "decode": (_time_generate(llm, short, 17) - first) / 16}
+
+
+def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, log=print) -> List[Dict[str, object]]:
+    """Engine latency, plugin on vs off. Two engines side by side, rounds interleaved; with ``one_engine`` (for
+    models whose two compiled engines do not fit in memory together) a fresh engine per round and setting, the
+    settings alternating (vLLM's compile cache makes a re-created compiled engine load its graphs), each engine
+    warmed up by one untimed round first."""
     rows = []
     g = torch.Generator().manual_seed(0)
     for name in names:
         with tempfile.TemporaryDirectory() as model_dir:
             with open(os.path.join(model_dir, "config.json"), "w") as f:
                 json.dump(_configs()[name], f)
-            t0 = time.perf_counter()
-            engines = {"on": _engine(model_dir, True, compiled), "off": _engine(model_dir, False, compiled)}
-            log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({'compiled' if compiled else 'eager'})")
-            samples = {(k, p): [] for k in engines for p in ("prefill", "decode")}
-            for r in range(rounds + 1):  # round 0 warms up
-                order = list(engines) if r % 2 else list(reversed(list(engines)))
-                for key in order:
-                    llm = engines[key]
-                    long = torch.randint(3, VOCAB, (512,), generator=g).tolist()
-                    short = torch.randint(3, VOCAB, (16,), generator=g).tolist()
-                    prefill = _time_generate(llm, long, 1)
-                    first = _time_generate(llm, short, 1)
-                    decode = (_time_generate(llm, short, 17) - first) / 16
-                    if r:
-                        samples[(key, "prefill")].append(prefill)
-                        samples[(key, "decode")].append(decode)
+            samples = {(k, p): [] for k in ("on", "off") for p in ("prefill", "decode")}
+            mode = "compiled" if compiled else "eager"
+            if one_engine:
+                for r in range(rounds):
+                    for key in (("on", "off") if r % 2 else ("off", "on")):
+                        t0 = time.perf_counter()
+                        llm = _engine(model_dir, key == "on", compiled)
+                        log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
+                            f"({mode})")
+                        _time_round(llm, g)  # warm-up
+                        for phase, ms in _time_round(llm, g).items():
+                            samples[(key, phase)].append(ms)
+                        del llm
+                        gc.collect()
+            else:
+                t0 = time.perf_counter()
+                engines = {"on": _engine(model_dir, True, compiled), "off": _engine(model_dir, False, compiled)}
+                log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({mode})")
+                for r in range(rounds + 1):  # round 0 warms up
+                    for key in (list(engines) if r % 2 else list(reversed(list(engines)))):
+                        measured = _time_round(engines[key], g)
+                        if r:
+                            for phase, ms in measured.items():
+                                samples[(key, phase)].append(ms)
+                del engines
+                gc.collect()
             for phase in ("prefill", "decode"):
                 on, off = samples[("on", phase)], samples[("off", phase)]
                 ratio = statistics.median(b / a for a, b in zip(on, off))
@@ -179,32 +294,38 @@ def latency_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
                 rows.append(row)
                 log(f"{name} {row['mode']} {phase:8s} off {row['off_ms']:9.2f} ms  on {row['on_ms']:9.2f} ms  "
                     f"off/on x{ratio:.3f}")
-            del engines
-            gc.collect()
     return rows
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.vllm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["norm", "latency", "all"], default="all")
+    parser.add_argument("--part", choices=["split", "norm", "latency", "all"], default="all")
     parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds (after one warm-up round)")
     parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
                         help="latency engines: eager (enforce_eager), vLLM's torch.compile, or both")
     parser.add_argument("--model", action="append", choices=list(_configs()), help="latency models (default both)")
+    parser.add_argument("--one-engine", action="store_true",
+                        help="latency: one engine alive at a time, re-created per round (compiled GLM-4.7 needs it in "
+                             "24 GiB)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # an engine-core process per engine: two side by side
     print(json.dumps(machine_info()))
+    from ..backends import cpu
+
+    print(f"qkvfuse native CPU build: {cpu.capability()} (QKVFUSE_CPU_CAPABILITY forces another)")
     rows = []
+    if args.part in ("split", "all"):
+        rows += split_rows(Budget(cell_s=args.seconds))
     if args.part in ("norm", "all"):
         rows += norm_rows(Budget(cell_s=args.seconds))
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
         for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:
-            rows += latency_rows(names, compiled, args.rounds)
+            rows += latency_rows(names, compiled, args.rounds, args.one_engine)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -217,6 +217,13 @@ bool is_bf16_vector(const Tensor& t, int64_t n) {
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
+// The specialised rows (avx512.h) for 16-bit activations and H % 32 == 0: bf16 in lane order, fp16 with the
+// generic bits. Weights (and bias) in the activations' dtype are read as stored; fp32 ones are read in place
+// (fp16) or from a lane-order copy made once per call (bf16), in a per-thread buffer that only grows.
+bool is_vector_of(const Tensor& t, at::ScalarType dtype, int64_t n) {
+  return t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
+}
+
 template <typename T, typename W>
 void run_norm_avx512_rows(const NormPlan& p, const W* w, const W* b) {
   for_rows(p, [&](int64_t begin, int64_t end) {
@@ -224,30 +231,40 @@ void run_norm_avx512_rows(const NormPlan& p, const W* w, const W* b) {
       const T* x = static_cast<const T*>(p.x) + t * p.x_rs;
       const T* r = p.r != nullptr ? static_cast<const T*>(p.r) + t * p.r_rs : nullptr;
       T* r_out = p.r_out != nullptr ? static_cast<T*>(p.r_out) + t * p.r_out_rs : nullptr;
-      avx512::norm_row<T, W>(x, r, r_out, static_cast<T*>(p.y) + t * p.y_rs, w, b, p.H, p.eps);
+      T* y = static_cast<T*>(p.y) + t * p.y_rs;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        avx512::norm_row_bf16<W>(x, r, r_out, y, w, b, p.H, p.eps);
+      } else {
+        avx512::norm_row_fp16<W>(x, r, r_out, y, w, b, p.H, p.eps);
+      }
     }
   });
 }
 
-bool is_vector_of(const Tensor& t, at::ScalarType dtype, int64_t n) {
-  return t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
-}
-
-// Returns whether it ran: weights (and bias) both contiguous fp32 or both contiguous in x's dtype.
 template <typename T>
 bool run_norm_avx512_typed(const NormPlan& p, const Tensor& weight, const OptRef& bias, at::ScalarType dtype) {
-  for (const at::ScalarType wt : {at::kFloat, dtype}) {
-    if (!is_vector_of(weight, wt, p.H) || (bias.has_value() && !is_vector_of(*bias, wt, p.H))) continue;
-    if (wt == at::kFloat) {
-      run_norm_avx512_rows<T, float>(p, weight.const_data_ptr<float>(),
-                                     bias.has_value() ? bias->const_data_ptr<float>() : nullptr);
-    } else {
-      run_norm_avx512_rows<T, T>(p, static_cast<const T*>(weight.const_data_ptr()),
-                                 bias.has_value() ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
-    }
+  if (is_vector_of(weight, dtype, p.H) && (!bias.has_value() || is_vector_of(*bias, dtype, p.H))) {
+    run_norm_avx512_rows<T, T>(p, static_cast<const T*>(weight.const_data_ptr()),
+                               bias.has_value() ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
     return true;
   }
-  return false;
+  if (!is_vector_of(weight, at::kFloat, p.H) || (bias.has_value() && !is_vector_of(*bias, at::kFloat, p.H))) {
+    return false;
+  }
+  const float* w = weight.const_data_ptr<float>();
+  const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // The calling thread owns the buffer until the parallel loop has joined.
+    thread_local std::vector<float> lanes;
+    const size_t need = static_cast<size_t>(p.H) * (b != nullptr ? 2 : 1);
+    if (lanes.size() < need) lanes.resize(need);
+    avx512::to_lanes(w, lanes.data(), p.H);
+    if (b != nullptr) avx512::to_lanes(b, lanes.data() + p.H, p.H);
+    w = lanes.data();
+    b = b != nullptr ? lanes.data() + p.H : nullptr;
+  }
+  run_norm_avx512_rows<T, float>(p, w, b);
+  return true;
 }
 
 bool run_norm_avx512(const NormPlan& p, at::ScalarType dtype, const Tensor& weight, const OptRef& bias) {

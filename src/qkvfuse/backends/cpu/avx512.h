@@ -182,26 +182,102 @@ inline void gptj_tables(const float* cos, const float* sin, int64_t half, float*
 }
 
 // ------------------------------------------------------------------------------------------------------
-// add_rmsnorm: one row of H values (H % 32 == 0), the generic norm_row's sequence. The weight and bias are
-// fp32 or T (widened on the fly: exactly the values a conversion pass would give).
+// add_rmsnorm, bf16: rows of whole 32-value blocks in "lane order" (the AVX2 kernels' idea at 512 bits). A block
+// of 32 bf16 is one load; its even elements widen as bits << 16 and its odd ones as bits & 0xffff0000 (no
+// shuffle), and pack_rne writes both back in memory order. The weights are read the same way (bf16) or from a
+// lane-order fp32 copy, so every element meets its own weight. s = x + residual is rounded once (the unfused
+// add's bits), y = (s * inv) * w (+ b) rounded once -- the generic row's operations; only the sum of squares
+// runs over even/odd lanes instead of 16-value halves (another fp32 summation order).
 // ------------------------------------------------------------------------------------------------------
-template <typename T, typename W>
-inline __m512 load_weight(const W* p) {
-  if constexpr (std::is_same_v<W, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return Block<T>::load(p);
+struct Lanes {
+  __m512 even, odd;
+  static Lanes load(const c10::BFloat16* p) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+};
+
+// 32 values rounded to nearest even, in memory order (even's words low, odd's high), with integer operations
+// only: per 16-bit word, the truncated value hi rounds up iff avg_epu16(lo, 0x7ffe | lsb(hi)) has its top bit
+// set (Bf16Block::pack_rne's argument). Exact for denormals, infinities and every NaN a kernel computes (their
+// quiet bit keeps them NaN); only a signalling NaN with a low payload could round into an infinity, and none
+// reaches a store without passing through an arithmetic operation, which quiets it.
+inline __m512i pack_rne(__m512 even, __m512 odd) {
+  const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
+  const __m512i hi = _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(e, 16), o);
+  const __m512i lo = _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
+  const __m512i k = _mm512_ternarylogic_epi32(hi, _mm512_set1_epi16(1), _mm512_set1_epi16(0x7ffe), 0xEA);  // (hi & 1) | 0x7ffe
+  return _mm512_add_epi16(hi, _mm512_srli_epi16(_mm512_avg_epu16(lo, k), 15));
+}
+
+// fp32 weights in lane order (n a multiple of 32).
+inline void to_lanes(const float* src, float* dst, int64_t n) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(src + i), b = _mm512_loadu_ps(src + i + 16);
+    _mm512_storeu_ps(dst + i, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(dst + i + 16, _mm512_permutex2var_ps(a, odd, b));
   }
 }
 
-template <typename T, typename W>
-QKVFUSE_FLATTEN void norm_row(const T* x, const T* r, T* r_out, T* y, const W* w, const W* b, int64_t H,
-                              float eps) {
+// W: c10::BFloat16 (read as stored) or float (a lane-order copy: to_lanes).
+template <typename W>
+inline Lanes weight_lanes(const W* p) {
+  if constexpr (std::is_same_v<W, float>) {
+    return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)};
+  } else {
+    return Lanes::load(p);
+  }
+}
+
+template <typename W>
+QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* r, c10::BFloat16* r_out,
+                                   c10::BFloat16* y, const W* w, const W* b, int64_t H, float eps) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  for (int64_t d = 0; d < H; d += 32) {
+    Lanes s = Lanes::load(x + d);
+    if (r != nullptr) {
+      const Lanes a = Lanes::load(r + d);
+      const __m512i packed = pack_rne(_mm512_add_ps(s.even, a.even), _mm512_add_ps(s.odd, a.odd));
+      _mm512_storeu_si512(r_out + d, packed);
+      s = Lanes::load(r_out + d);  // the rounded sum, as stored (store-to-load forwarded)
+    }
+    acc0 = _mm512_fmadd_ps(s.even, s.even, acc0);
+    acc1 = _mm512_fmadd_ps(s.odd, s.odd, acc1);
+  }
+  const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
+  const c10::BFloat16* src = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
+  for (int64_t i = 0; i < H; i += 32) {
+    const Lanes v = Lanes::load(src + i), wv = weight_lanes(w + i);
+    __m512 even = _mm512_mul_ps(_mm512_mul_ps(v.even, inv), wv.even);
+    __m512 odd = _mm512_mul_ps(_mm512_mul_ps(v.odd, inv), wv.odd);
+    if (b != nullptr) {
+      const Lanes bv = weight_lanes(b + i);
+      even = _mm512_add_ps(even, bv.even);
+      odd = _mm512_add_ps(odd, bv.odd);
+    }
+    _mm512_storeu_si512(y + i, pack_rne(even, odd));
+  }
+}
+
+// fp16 rows (natural order; the widening is one conversion either way): the generic row's sequence and bits.
+template <typename W>
+QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::Half* r_out, c10::Half* y,
+                                   const W* w, const W* b, int64_t H, float eps) {
+  using T = c10::Half;
+  auto weight = [](const W* p) {
+    if constexpr (std::is_same_v<W, float>) {
+      return _mm512_loadu_ps(p);
+    } else {
+      return Block<T>::load(p);
+    }
+  };
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   for (int64_t d = 0; d < H; d += 32) {
     __m512 a = Block<T>::load(x + d), c = Block<T>::load(x + d + 16);
     if (r != nullptr) {
-      // s = x + residual rounded to T (the unfused add), then used as rounded.
       const __m256i sa = Block<T>::round(_mm512_add_ps(a, Block<T>::load(r + d)));
       const __m256i sc = Block<T>::round(_mm512_add_ps(c, Block<T>::load(r + d + 16)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d), sa);
@@ -213,10 +289,10 @@ QKVFUSE_FLATTEN void norm_row(const T* x, const T* r, T* r_out, T* y, const W* w
     acc1 = _mm512_fmadd_ps(c, c, acc1);
   }
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
-  const T* s = r != nullptr ? r_out : x;  // re-read after its own block is written: exact aliasing is safe
+  const T* s = r != nullptr ? r_out : x;
   for (int64_t i = 0; i < H; i += 16) {
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(Block<T>::load(s + i), inv), load_weight<T>(w + i));
-    if (b != nullptr) v = _mm512_add_ps(v, load_weight<T>(b + i));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(Block<T>::load(s + i), inv), weight(w + i));
+    if (b != nullptr) v = _mm512_add_ps(v, weight(b + i));
     store<T>(y + i, v);
   }
 }
