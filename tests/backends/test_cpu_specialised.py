@@ -1,11 +1,11 @@
 """The specialised bf16/fp16 kernels of the native CPU backend against its generic kernels, bit for bit.
 
-The AVX-512 split heads and fp16 norm rows (``backends/cpu/avx512.h``) claim the generic kernel's arithmetic
-sequence, so on an AVX-512 build (``AVX512`` or ``AVX512_BF16``) every output bit equals the generic path's
+The AVX-512 specialisations (``backends/cpu/avx512.h``) run the generic kernel's operations per element, so on
+an AVX-512 build (``AVX512`` or ``AVX512_BF16``) their outputs are compared with the generic path's
 (``torch.ops.qkvfuse_cpu.split_generic_out`` / ``add_rmsnorm_generic_out``: the same kernels with the
-specialised paths off), NaN positions included (a NaN's payload may differ). The bf16 norm rows sum squares in
-another order (lane order): their rounded sum is still bit-exact with torch's add, and ``y`` is within one bf16
-ulp of the generic row's. Inputs include denormals (which the
+specialised paths off), NaN positions included (a NaN's payload may differ): bit for bit for fp16 and wherever
+no norm is taken; the bf16 heads and rows in lane order sum their squares in another fp32 order, so a normed
+bf16 output is within one ulp of the generic one (and the rounded residual sum stays bit-exact with torch's add). Inputs include denormals (which the
 AVX512-BF16 conversion would flush), infinities, NaNs and values that round to infinity. Other builds (AVX2's
 specialised heads use another, equally accurate, formula) are covered by the shared suite against the oracle.
 The suite as a whole runs once per capability this CPU supports (``make test``).
@@ -70,7 +70,7 @@ GEOMETRIES = [  # (num_q_heads, num_kv_heads, head_dim, rotary_dim)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
 @pytest.mark.parametrize("norm", ["none", "weight", "weight+bias", "bf16-weight"])
 @pytest.mark.parametrize("rope", ["neox", "gptj", "mrope-interleaved", "mrope-sections"])
-def test_split_specialised_heads_give_the_generic_bits(dtype, geometry, norm, rope):
+def test_split_specialised_heads_against_the_generic_heads(dtype, geometry, norm, rope):
     hq, hkv, D, R = geometry
     if norm == "bf16-weight" and dtype != torch.bfloat16:
         pytest.skip("a 16-bit weight serves its own dtype only")
@@ -103,10 +103,11 @@ def test_split_specialised_heads_give_the_generic_bits(dtype, geometry, norm, ro
         fast, generic = outputs(), outputs()
         torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(qkv, *args, *fast)
         torch.ops.qkvfuse_cpu.split_generic_out.default(qkv, *args, *generic)
-        _assert_same(fast, generic)
+        ulps = 1 if dtype == torch.bfloat16 and norm != "none" else 0  # lane order: another sum of squares
+        _assert_same(fast, generic, ulps)
         inplace = qkv.clone()
         torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default(inplace, *args)
-        _assert_same(inplace.split([hq * D, hkv * D, hkv * D], 1), generic)
+        _assert_same(inplace.split([hq * D, hkv * D, hkv * D], 1), fast)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -114,7 +115,7 @@ def test_split_specialised_heads_give_the_generic_bits(dtype, geometry, norm, ro
 @pytest.mark.parametrize("weights", ["fp32", "own-dtype", "fp32+bias", "own-dtype+bias", "strided"])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
 @pytest.mark.parametrize("specials", [False, True], ids=["finite", "specials"])
-def test_add_rmsnorm_specialised_rows_give_the_generic_bits(dtype, hidden, weights, residual, specials):
+def test_add_rmsnorm_specialised_rows_against_the_generic_rows(dtype, hidden, weights, residual, specials):
     gen = torch.Generator().manual_seed(hidden)
     T = 7
     x = (torch.randn(T, hidden, generator=gen) * 2).to(dtype)

@@ -74,6 +74,44 @@ inline __m512 inv_rms(__m512 ss, int64_t n, float eps) {
 }
 
 // ------------------------------------------------------------------------------------------------------
+// bf16 in "lane order" (the AVX2 kernels' idea at 512 bits): a block of 32 bf16 is one load; its even elements
+// widen as bits << 16 and its odd ones as bits & 0xffff0000 (no shuffle), and pack_rne writes both back in
+// memory order. Tables used with such blocks (weights, cos/sin) are kept in the same order (to_lanes).
+// ------------------------------------------------------------------------------------------------------
+struct Lanes {
+  __m512 even, odd;
+  static Lanes load(const c10::BFloat16* p) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
+            _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
+  }
+};
+
+// 32 values rounded to nearest even, in memory order (even's words low, odd's high), with integer operations
+// only: per 16-bit word, the truncated value hi rounds up iff avg_epu16(lo, 0x7ffe | lsb(hi)) has its top bit
+// set (Bf16Block::pack_rne's argument). Exact for denormals, infinities and every NaN a kernel computes (their
+// quiet bit keeps them NaN); only a signalling NaN with a low payload could round into an infinity, and none
+// reaches a store without passing through an arithmetic operation, which quiets it.
+inline __m512i pack_rne(__m512 even, __m512 odd) {
+  const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
+  const __m512i hi = _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(e, 16), o);
+  const __m512i lo = _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
+  const __m512i k = _mm512_ternarylogic_epi32(hi, _mm512_set1_epi16(1), _mm512_set1_epi16(0x7ffe), 0xEA);  // (hi & 1) | 0x7ffe
+  return _mm512_add_epi16(hi, _mm512_srli_epi16(_mm512_avg_epu16(lo, k), 15));
+}
+
+// fp32 weights in lane order (n a multiple of 32).
+inline void to_lanes(const float* src, float* dst, int64_t n) {
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(src + i), b = _mm512_loadu_ps(src + i + 16);
+    _mm512_storeu_ps(dst + i, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(dst + i + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------
 // split: up to kMaxBatch consecutive Q (or K) heads of one token.
 // ------------------------------------------------------------------------------------------------------
 struct HeadTables {  // one token's, for one weight set
@@ -181,47 +219,111 @@ inline void gptj_tables(const float* cos, const float* sin, int64_t half, float*
   }
 }
 
+// bf16 heads in lane order (takes_lane_heads): the same operations per element as heads(), from lane-order
+// tables (HeadTables' w and b, and for NeoX cos and sin, through to_lanes; GPT-J pairs sit in one block's
+// even/odd lanes and read cos/sin as they are). No staging: a head is re-read (from L1) after the batch's sums,
+// each block before its own outputs are written, so the in-place form is safe. The sums of squares run over
+// even/odd lanes (another fp32 summation order than the generic head's); without QK-norm every bit is the
+// generic head's.
+inline bool takes_lane_heads(int64_t D, int64_t half, bool neox) {
+  return D % 32 == 0 && D <= kMaxHeadDim && half % (neox ? 32 : 16) == 0;
+}
+
+inline void store_lanes(c10::BFloat16* p, __m512 even, __m512 odd, bool stream) {
+  const __m512i bits = pack_rne(even, odd);
+  if (stream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(bits));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + 16), _mm512_extracti64x4_epi64(bits, 1));
+  } else {
+    _mm512_storeu_si512(p, bits);
+  }
+}
+
+template <int kNorm, bool kNeox>
+QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, c10::BFloat16* dst, int64_t n, int64_t D, int64_t half,
+                                float eps, const HeadTables& t, bool stream) {
+  using bf16 = c10::BFloat16;
+  __m512 inv = _mm512_set1_ps(1.f);
+  if constexpr (kNorm > 0) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t k = 0; k < n; ++k) {
+      __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const Lanes x = Lanes::load(src + k * D + d);
+        acc0 = _mm512_fmadd_ps(x.even, x.even, acc0);
+        acc1 = _mm512_fmadd_ps(x.odd, x.odd, acc1);
+      }
+      ss = _mm512_mask_mov_ps(ss, static_cast<__mmask16>(1u << k), sum_all_lanes(_mm512_add_ps(acc0, acc1)));
+    }
+    inv = inv_rms(ss, D, eps);
+  }
+  alignas(64) float inv_k[kMaxBatch];
+  _mm512_store_ps(inv_k, inv);
+  for (int64_t k = 0; k < n; ++k) {
+    const bf16* x = src + k * D;
+    bf16* y = dst + k * D;
+    const __m512 vinv = _mm512_set1_ps(inv_k[k]);
+    auto norm = [&](int64_t i) {
+      Lanes v = Lanes::load(x + i);
+      if constexpr (kNorm > 0) {
+        v.even = _mm512_mul_ps(_mm512_mul_ps(v.even, vinv), _mm512_loadu_ps(t.w + i));
+        v.odd = _mm512_mul_ps(_mm512_mul_ps(v.odd, vinv), _mm512_loadu_ps(t.w + i + 16));
+      }
+      if constexpr (kNorm > 1) {
+        v.even = _mm512_add_ps(v.even, _mm512_loadu_ps(t.b + i));
+        v.odd = _mm512_add_ps(v.odd, _mm512_loadu_ps(t.b + i + 16));
+      }
+      return v;
+    };
+    if constexpr (kNeox) {
+      for (int64_t j = 0; j < half; j += 32) {
+        const Lanes a = norm(j), b = norm(half + j);
+        const __m512 c0 = _mm512_loadu_ps(t.cos + j), c1 = _mm512_loadu_ps(t.cos + j + 16);
+        const __m512 s0 = _mm512_loadu_ps(t.sin + j), s1 = _mm512_loadu_ps(t.sin + j + 16);
+        store_lanes(y + j, _mm512_fmsub_ps(a.even, c0, _mm512_mul_ps(b.even, s0)),
+                    _mm512_fmsub_ps(a.odd, c1, _mm512_mul_ps(b.odd, s1)), stream);
+        store_lanes(y + half + j, _mm512_fmadd_ps(b.even, c0, _mm512_mul_ps(a.even, s0)),
+                    _mm512_fmadd_ps(b.odd, c1, _mm512_mul_ps(a.odd, s1)), stream);
+      }
+    } else {
+      for (int64_t i = 0; i < 2 * half; i += 32) {
+        const Lanes v = norm(i);  // pair i / 2 + l: even lane l and odd lane l
+        const __m512 c = _mm512_loadu_ps(t.cos + i / 2), sn = _mm512_loadu_ps(t.sin + i / 2);
+        store_lanes(y + i, _mm512_fmsub_ps(v.even, c, _mm512_mul_ps(v.odd, sn)),
+                    _mm512_fmadd_ps(v.odd, c, _mm512_mul_ps(v.even, sn)), stream);
+      }
+    }
+    for (int64_t i = 2 * half; i < D; i += 32) {
+      if constexpr (kNorm == 0) {  // widening and rounding back is the identity on bf16 values: copy the bits
+        const __m512i raw = _mm512_loadu_si512(x + i);
+        if (stream) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(y + i), _mm512_castsi512_si256(raw));
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(y + i + 16), _mm512_extracti64x4_epi64(raw, 1));
+        } else {
+          _mm512_storeu_si512(y + i, raw);
+        }
+      } else {
+        const Lanes v = norm(i);
+        store_lanes(y + i, v.even, v.odd, stream);
+      }
+    }
+  }
+}
+
+inline HeadsFn<c10::BFloat16> pick_lane_heads(int64_t D, int64_t half, int norm_mode, bool neox) {
+  if (!takes_lane_heads(D, half, neox)) return nullptr;
+  if (neox) {
+    return norm_mode == 0 ? &lane_heads<0, true> : norm_mode == 1 ? &lane_heads<1, true> : &lane_heads<2, true>;
+  }
+  return norm_mode == 0 ? &lane_heads<0, false> : norm_mode == 1 ? &lane_heads<1, false> : &lane_heads<2, false>;
+}
+
 // ------------------------------------------------------------------------------------------------------
-// add_rmsnorm, bf16: rows of whole 32-value blocks in "lane order" (the AVX2 kernels' idea at 512 bits). A block
-// of 32 bf16 is one load; its even elements widen as bits << 16 and its odd ones as bits & 0xffff0000 (no
-// shuffle), and pack_rne writes both back in memory order. The weights are read the same way (bf16) or from a
-// lane-order fp32 copy, so every element meets its own weight. s = x + residual is rounded once (the unfused
+// add_rmsnorm, bf16: rows of whole 32-value blocks in lane order. The weights are read the same way (bf16) or
+// from a lane-order fp32 copy, so every element meets its own weight. s = x + residual is rounded once (the unfused
 // add's bits), y = (s * inv) * w (+ b) rounded once -- the generic row's operations; only the sum of squares
 // runs over even/odd lanes instead of 16-value halves (another fp32 summation order).
 // ------------------------------------------------------------------------------------------------------
-struct Lanes {
-  __m512 even, odd;
-  static Lanes load(const c10::BFloat16* p) {
-    const __m512i raw = _mm512_loadu_si512(p);
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
-            _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
-  }
-};
-
-// 32 values rounded to nearest even, in memory order (even's words low, odd's high), with integer operations
-// only: per 16-bit word, the truncated value hi rounds up iff avg_epu16(lo, 0x7ffe | lsb(hi)) has its top bit
-// set (Bf16Block::pack_rne's argument). Exact for denormals, infinities and every NaN a kernel computes (their
-// quiet bit keeps them NaN); only a signalling NaN with a low payload could round into an infinity, and none
-// reaches a store without passing through an arithmetic operation, which quiets it.
-inline __m512i pack_rne(__m512 even, __m512 odd) {
-  const __m512i e = _mm512_castps_si512(even), o = _mm512_castps_si512(odd);
-  const __m512i hi = _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(e, 16), o);
-  const __m512i lo = _mm512_mask_blend_epi16(0xAAAAAAAAu, e, _mm512_slli_epi32(o, 16));
-  const __m512i k = _mm512_ternarylogic_epi32(hi, _mm512_set1_epi16(1), _mm512_set1_epi16(0x7ffe), 0xEA);  // (hi & 1) | 0x7ffe
-  return _mm512_add_epi16(hi, _mm512_srli_epi16(_mm512_avg_epu16(lo, k), 15));
-}
-
-// fp32 weights in lane order (n a multiple of 32).
-inline void to_lanes(const float* src, float* dst, int64_t n) {
-  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512 a = _mm512_loadu_ps(src + i), b = _mm512_loadu_ps(src + i + 16);
-    _mm512_storeu_ps(dst + i, _mm512_permutex2var_ps(a, even, b));
-    _mm512_storeu_ps(dst + i + 16, _mm512_permutex2var_ps(a, odd, b));
-  }
-}
-
 // W: c10::BFloat16 (read as stored) or float (a lane-order copy: to_lanes).
 template <typename W>
 inline Lanes weight_lanes(const W* p) {

@@ -495,8 +495,26 @@ void run_split(const SplitPlan& p) {
   const bool stream = stream_outputs<T>(p);
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
-  // The specialised heads (avx512.h): the generic head's bits, a batch of heads at a time.
-  const avx512::HeadsFn<T> fast = p.generic_only ? nullptr : avx512::pick_heads<T>(p.D, p.half, norm_mode, p.neox);
+  // The specialised heads (avx512.h), a batch of heads at a time: bf16 in lane order where the rotary pairs
+  // allow it (its weights in lane order, once per call), else in natural order with the generic head's bits.
+  avx512::HeadsFn<T> fast = nullptr;
+  bool lanes = false;
+  alignas(64) float lane_w[4][kMaxHeadDim];  // q weight, k weight, q bias, k bias
+  if (!p.generic_only) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      fast = avx512::pick_lane_heads(p.D, p.half, norm_mode, p.neox);
+      lanes = fast != nullptr;
+    }
+    if (fast == nullptr) fast = avx512::pick_heads<T>(p.D, p.half, norm_mode, p.neox);
+  }
+  const float* head_w[4] = {p.wq, p.wk, p.bq, p.bk};
+  if (lanes) {
+    for (int i = 0; i < 4; ++i) {
+      if (head_w[i] == nullptr) continue;
+      avx512::to_lanes(head_w[i], lane_w[i], p.D);
+      head_w[i] = lane_w[i];
+    }
+  }
   const int64_t batch = avx512::batch_heads(p.D);
 #endif
 #if defined(CPU_CAPABILITY_AVX2)
@@ -517,8 +535,12 @@ void run_split(const SplitPlan& p) {
     tables[1].pass = fast_w[1].pass;
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
-    alignas(64) float cos2[kMaxHeadDim], sin2[kMaxHeadDim];
-    const avx512::HeadTables tables[2] = {{p.wq, p.bq, cos, sin, cos2, sin2}, {p.wk, p.bk, cos, sin, cos2, sin2}};
+    alignas(64) float cos2[kMaxHeadDim], sin2[kMaxHeadDim];  // GPT-J tables, or NeoX cos/sin in lane order
+    const bool lane_neox = lanes && p.neox;
+    const float* head_cos = lane_neox ? cos2 : cos;
+    const float* head_sin = lane_neox ? sin2 : sin;
+    const avx512::HeadTables tables[2] = {{head_w[0], head_w[2], head_cos, head_sin, cos2, sin2},
+                                          {head_w[1], head_w[3], head_cos, head_sin, cos2, sin2}};
 #endif
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
@@ -533,7 +555,12 @@ void run_split(const SplitPlan& p) {
           }
 #endif
 #if defined(CPU_CAPABILITY_AVX512)
-          if (fast != nullptr && !p.neox) avx512::gptj_tables(cos, sin, p.half, cos2, sin2);
+          if (lane_neox) {
+            avx512::to_lanes(cos, cos2, p.half);
+            avx512::to_lanes(sin, sin2, p.half);
+          } else if (fast != nullptr && !lanes && !p.neox) {
+            avx512::gptj_tables(cos, sin, p.half, cos2, sin2);
+          }
 #endif
         }
         auto dst_of = [&](int64_t hh) {
