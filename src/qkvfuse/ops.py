@@ -226,21 +226,37 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
                         (*tensors, num_q_heads, num_kv_heads, eps, rope))
 
 
+def _is_tensor_or_none(t) -> bool:
+    return t is None or isinstance(t, _Tensor)
+
+
 def _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
                 k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend):
-    """The functional ops' checks: ``(ops, static_args, widths)``."""
-    _check_tensor("qkv", qkv)
-    width = _check_geometry(num_q_heads, num_kv_heads, head_dim)
-    _check_tensor("positions", positions)
-    _check_tensor("cos_sin_cache", cos_sin_cache)
-    _check_optional((("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)))
-    rope, _ = _rope_code(is_neox, mrope_section, mrope_interleaved)
-    eps = _check_eps(eps)
+    """The functional ops' checks: ``(ops, static_args, widths)``. Each group is accepted by one expression in the
+    common case (plain ints, a float eps, plain RoPE); otherwise its checks run, and raise with their messages."""
+    if not (isinstance(qkv, _Tensor) and isinstance(positions, _Tensor) and isinstance(cos_sin_cache, _Tensor)
+            and _is_tensor_or_none(q_weight) and _is_tensor_or_none(k_weight) and _is_tensor_or_none(q_bias)
+            and _is_tensor_or_none(k_bias)):
+        _check_tensor("qkv", qkv)
+        _check_tensor("positions", positions)
+        _check_tensor("cos_sin_cache", cos_sin_cache)
+        _check_optional((("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)))
+    if (type(num_q_heads) is int and type(num_kv_heads) is int and type(head_dim) is int and num_q_heads >= 1
+            and num_kv_heads >= 1 and 2 <= head_dim <= MAX_HEAD_DIM and not head_dim % 2):
+        width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    else:
+        width = _check_geometry(num_q_heads, num_kv_heads, head_dim)
+    if mrope_section is None and is_neox is True and mrope_interleaved is False:
+        rope = 1  # encode_rope(True): NeoX pairs, plain RoPE
+    else:
+        rope, _ = _rope_code(is_neox, mrope_section, mrope_interleaved)
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
+        eps = _check_eps(eps)
     shape = qkv.shape
     if len(shape) != 2 or shape[1] != width:
         _qkv_width_error(qkv, width, num_q_heads, num_kv_heads, head_dim)
     kv_width = num_kv_heads * head_dim
-    return (_ops_for(backend, qkv.device),
+    return (_OPS[select_ops(backend, qkv.device.type)],
             (cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope),
             (num_q_heads * head_dim, kv_width, kv_width))
 
@@ -458,11 +474,17 @@ def _norm_config(weight, eps, bias, backend) -> _NormConfig:
     return _NormConfig(weight, bias, _check_eps(eps), hidden, device, _ops_for(backend, device))
 
 
-def _check_norm_tensors(x, residual, weight, bias) -> None:
-    _check_tensor("x", x)
-    _check_optional((("residual", residual),))
-    _check_tensor("weight", weight)
-    _check_optional((("bias", bias),))
+def _norm_call(x, residual, weight, bias, eps, backend) -> _Ops:
+    """The functional ops' checks (the tensors' Python types, eps, the backend): their ops."""
+    if not (isinstance(x, _Tensor) and isinstance(weight, _Tensor) and _is_tensor_or_none(residual)
+            and _is_tensor_or_none(bias)):
+        _check_tensor("x", x)
+        _check_optional((("residual", residual),))
+        _check_tensor("weight", weight)
+        _check_optional((("bias", bias),))
+    if type(eps) is not float or not 0.0 <= eps < math.inf:
+        _check_eps(eps)
+    return _OPS[select_ops(backend, x.device.type)]
 
 
 def _norm_outs(out, residual) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -570,9 +592,8 @@ def add_rmsnorm(
         when ``residual`` is None) and ``y = residual_out * rsqrt(mean(residual_out^2) + eps) * weight (+ bias)``
         computed in fp32 and rounded once.
     """
-    _check_norm_tensors(x, residual, weight, bias)
-    eps = _check_eps(eps)
-    ops = _ops_for(backend, x.device)
+    ops = _norm_call(x, residual, weight, bias, eps, backend)
+    eps = float(eps)
     if out is None:
         y, residual_out = ops.norm(x, residual, weight, bias, eps)
         return y, (residual_out if residual is not None else x)
@@ -598,7 +619,5 @@ def add_rmsnorm_(
     residual: a plain in-place RMSNorm); both version counters are bumped, as by any in-place torch op. Every
     row is read before it is written, so no extra buffer is used.
     """
-    _check_norm_tensors(x, residual, weight, bias)
-    eps = _check_eps(eps)
-    _ops_for(backend, x.device).norm_inplace(x, residual, weight, bias, eps)
+    _norm_call(x, residual, weight, bias, eps, backend).norm_inplace(x, residual, weight, bias, float(eps))
     return x, (residual if residual is not None else x)
