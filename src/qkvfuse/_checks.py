@@ -203,10 +203,6 @@ def _check_targets(targets, inputs) -> None:
 # --------------------------------------------------------------------------------------------------------
 # The ops' rules.
 # --------------------------------------------------------------------------------------------------------
-def _sections(rope: int) -> Tuple[int, int, int]:
-    return tuple((rope >> shift) & 1023 for shift in (8, 18, 28))
-
-
 def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads: int,
                 num_kv_heads: int, rope: int, outs: Optional[Sequence[torch.Tensor]] = None, inplace: bool = False,
                 real: bool = True) -> int:
@@ -244,11 +240,14 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
         fail("cos_sin_cache", f"shape {tuple(cache.shape)}", "shape (max_position >= 1, rotary_dim)")
     rotary_dim = cache.shape[1]
     if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
-        fail("cos_sin_cache", f"rotary_dim (shape[1]) = {rotary_dim}", f"an even rotary_dim in [2, head_dim={head_dim}]")
+        fail("cos_sin_cache", f"rotary_dim (shape[1]) = {rotary_dim}",
+             f"an even rotary_dim in [2, head_dim={head_dim}]")
     if cache.stride(1) != 1 or cache.stride(0) < rotary_dim:
         fail("cos_sin_cache", f"strides {cache.stride()}", "a contiguous last dim and row stride >= rotary_dim")
     if mrope:
-        sections = _sections(rope)
+        from ._library import decode_rope  # the rope code's one definition (qkvfuse._library imports this module)
+
+        sections = decode_rope(rope)[1]
         if sum(sections) != rotary_dim // 2:
             fail("mrope_section", f"{sections} (sum {sum(sections)})",
                  f"sections summing to rotary_dim // 2 = {rotary_dim // 2}")

@@ -291,9 +291,9 @@ class QKNormRope:
         here for the cache's device.
 
     The tensors are held by reference and checked by the kernel on every call: in-place updates of the weights, and
-    ``.data =`` swaps, are seen (and checked) at the next call. Calls: ``q, k, v = prep(qkv, positions)`` (fresh outputs), ``prep(qkv, positions, out=(q, k, v))``
-    and ``prep.inplace(qkv, positions)``, with the semantics of :func:`split_qkv_rmsnorm_rope` and
-    :func:`split_qkv_rmsnorm_rope_`.
+    ``.data =`` swaps, are seen (and checked) at the next call. Calls: ``q, k, v = prep(qkv, positions)`` (fresh
+    outputs), ``prep(qkv, positions, out=(q, k, v))`` and ``prep.inplace(qkv, positions)``, with the semantics of
+    :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_`.
     """
 
     __slots__ = ("config", "_width", "_widths", "_out", "_inplace", "_args")

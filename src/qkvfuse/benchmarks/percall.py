@@ -323,5 +323,6 @@ def print_percall_summary(summary: Sequence[Dict[str, object]]) -> None:
     from .._verify.sections import Section, print_section
 
     if summary:
-        print_section(Section("summary against issue 12's per-call target and issue 20's (bound and functional vs bare torch.ops, T=1)",
-                              ("target", "shape", "data", "measured", "verdict"), [dict(s) for s in summary]))
+        print_section(Section("summary against issue 12's per-call target and issue 20's (bound and functional vs bare "
+                              "torch.ops, T=1)", ("target", "shape", "data", "measured", "verdict"),
+                              [dict(s) for s in summary]))

@@ -323,7 +323,8 @@ void check_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight
                "dtype " + ck::py_dtype(x.scalar_type()) + " (x's)");
     }
     if (r.sizes() != x.sizes()) {
-      ck::fail(Kind::Value, "residual", "shape " + ck::py_tuple(r.sizes()), "shape " + ck::py_tuple(x.sizes()) + " (x's)");
+      ck::fail(Kind::Value, "residual", "shape " + ck::py_tuple(r.sizes()),
+               "shape " + ck::py_tuple(x.sizes()) + " (x's)");
     }
     ck::rows("residual", r, H);
   }
