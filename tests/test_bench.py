@@ -200,8 +200,10 @@ def test_percall_section_alone(tmp_path, capsys):
             assert r["minus_bare_us"] == 0.0 and r["vs_bare"] == 1.0
     summary = payload["percall"]["summary"]
     assert {(s["target"].split()[0], s["target"].split()[1]) for s in summary} == {
-        ("QKNormRope", "out="), ("QKNormRope", "in-place"), ("AddRMSNorm", "out=")}
-    assert len(summary) == 3 * 2 and all(s["verdict"].split()[0] in ("MET", "MISSED") for s in summary)
+        ("QKNormRope", "out="), ("QKNormRope", "in-place"), ("AddRMSNorm", "out="), ("AddRMSNorm", "in-place"),
+        ("split_qkv_rmsnorm_rope", "out="), ("split_qkv_rmsnorm_rope", "in-place"), ("add_rmsnorm", "out="),
+        ("add_rmsnorm", "in-place")}
+    assert len(summary) == 8 * 2 and all(s["verdict"].split()[0] in ("MET", "MISSED") for s in summary)
 
 
 def _tiny_cfg():

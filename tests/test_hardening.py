@@ -332,3 +332,85 @@ def test_no_residual_ignores_a_none_residual_out(backend):
         want = qkvfuse.add_rmsnorm(x, None, nw, 1e-6, backend=backend)
     assert got[0] is y and got[1] is x
     assert_bitwise(got[:1], want[:1])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Bound objects cache nothing that can go stale: every tensor rule runs in the kernel on every call.
+# --------------------------------------------------------------------------------------------------------
+def test_bound_objects_follow_weights_updated_in_place_or_swapped_with_data(backend):
+    """Engines sync weights into a running model (``copy_``, ``.data =``): the next call reads and checks the
+    tensors as they are then -- new values are used, a swapped-in tensor of the wrong shape or dtype raises, and a
+    swapped-in storage that overlaps the in-place target raises."""
+    qkv, positions = split_inputs()
+    q_w, k_w = torch.nn.Parameter(torch.randn(D), requires_grad=False), torch.nn.Parameter(torch.randn(D),
+                                                                                          requires_grad=False)
+    prep = qkvfuse.QKNormRope(HQ, HKV, D, cache(), q_weight=q_w, k_weight=k_w, backend=backend)
+    norm_w = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+    norm = qkvfuse.AddRMSNorm(norm_w, backend=backend)
+    x, r = torch.randn(T, 64, dtype=ACT), torch.randn(T, 64, dtype=ACT)
+    with torch.no_grad():
+        new_q, new_n = torch.randn(D), torch.randn(64)
+        q_w.copy_(new_q)
+        norm_w.data = new_n.clone()
+        want = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cache(), HQ, HKV, D, q_weight=new_q, k_weight=k_w,
+                                              backend=backend)
+        assert_bitwise(prep(qkv, positions), want)
+        assert_bitwise(norm(x, r), qkvfuse.add_rmsnorm(x, r, new_n, backend=backend))
+        q_w.data = torch.randn(D // 2)
+        with pytest.raises(ValueError, match=rf"^q_weight: expected shape \({D},\), got shape \({D // 2},\)"):
+            prep(qkv, positions)
+        q_w.data = torch.randn(D, dtype=torch.float16)
+        with pytest.raises(TypeError, match=r"^q_weight: expected torch.float32 or qkv's dtype"):
+            prep(qkv, positions)
+        work = qkv.clone()
+        q_w.data = work.view(-1)[:D]  # the weight now lives inside the in-place target
+        with pytest.raises(ValueError, match=r"^qkv: .*shared with q_weight"):
+            prep.inplace(work, positions)
+        norm_w.data = x.view(-1)[:64].float()  # a copy: no overlap, values used as they are
+        assert_bitwise(norm.inplace(x.clone(), r.clone()), qkvfuse.add_rmsnorm(x, r, norm_w.data, backend=backend))
+        norm_w.data = torch.randn(32)
+        with pytest.raises(ValueError, match=r"^weight: expected shape \(64,\), got shape \(32,\)"):
+            norm.inplace(x, r)
+
+
+@pytest.mark.parametrize("form", ["functional", "out", "inplace"])
+def test_raw_torch_ops_calls_are_checked_like_public_ones(backend, form):
+    """A loaded torch.export program calls the ops directly: the kernel of every backend (the native one, the
+    Triton launcher, the reference) checks its arguments with the public messages."""
+    from qkvfuse import _library
+    from qkvfuse.backends import select_ops
+
+    ns = getattr(torch.ops, _library.NAMESPACES[select_ops(backend, "cpu")])
+    qkv, positions = split_inputs()
+    c, w = cache(), torch.randn(D)
+    args = (c, w, w, None, None, HQ, HKV, 1e-6, 1)
+    outs = tuple(torch.empty(T, n, dtype=ACT) for n in SIZES)
+    call = {"functional": lambda q, p, *a: ns.split_qkv_rmsnorm_rope(q, p, *a),
+            "out": lambda q, p, *a: ns.split_qkv_rmsnorm_rope_out(q, p, *a, *outs),
+            "inplace": lambda q, p, *a: ns.split_qkv_rmsnorm_rope_inplace(q.clone(), p, *a)}[form]
+    bad = [
+        ("qkv", lambda: call(qkv[:, :-2], positions, *args)),  # not (Hq + 2 Hkv) * an even head_dim
+        ("num_q_heads", lambda: call(qkv, positions, c, w, w, None, None, 0, HKV, 1e-6, 1)),
+        ("positions", lambda: call(qkv, positions[:-1], *args)),
+        ("cos_sin_cache", lambda: call(qkv, positions, torch.randn(32, 2 * D), *args[1:])),
+        ("q_weight", lambda: call(qkv, positions, c, w[:-2], *args[2:])),
+        ("mrope_section", lambda: call(qkv, torch.zeros(3, T, dtype=torch.int64), *args[:-1],
+                                       _library.encode_rope(True, (8, 8, 8), True))),
+    ]
+    with torch.no_grad():
+        for arg, make in bad:
+            with pytest.raises((ValueError, TypeError), match=rf"^{arg}: expected"):
+                make()
+        if form == "out":
+            short = (outs[0][:, :-2], outs[1], outs[2])
+            with pytest.raises(ValueError, match=r"^q_out: expected shape"):
+                ns.split_qkv_rmsnorm_rope_out(qkv, positions, *args, *short)
+        x, r, nw = torch.randn(T, 64, dtype=ACT), torch.randn(T, 64, dtype=ACT), torch.randn(64)
+        with pytest.raises(ValueError, match=r"^weight: expected shape \(64,\), got shape \(32,\)"):
+            ns.add_rmsnorm(x, r, nw[:32], None, 1e-6)
+        with pytest.raises(ValueError, match=r"^residual: expected shape"):
+            ns.add_rmsnorm_inplace(x, r[:2], nw, None, 1e-6)
+        with pytest.raises(ValueError, match=r"^y_out: expected shape"):
+            ns.add_rmsnorm_out(x, r, nw, None, 1e-6, torch.empty(T, 32, dtype=ACT), torch.empty_like(r))
+        with pytest.raises(ValueError, match=r"^residual: .*shared with x"):
+            ns.add_rmsnorm_inplace(x, x, nw, None, 1e-6)

@@ -360,6 +360,45 @@ def test_compile_dynamic_default_recompiles_only_for_one_token(backend):
     assert counts == [1, 1, 1, 2, 2, 2]
 
 
+_FIRST_CALL_COMPILED = textwrap.dedent("""
+    import sys, torch, qkvfuse
+    backend = None if sys.argv[1] == "auto" else sys.argv[1]
+    hq, hkv, D = 4, 2, 64
+    cache = qkvfuse.build_cos_sin_cache(64, 32, 1e4)
+
+    def f(qkv, pos, w, x, r):
+        q, k, v = qkvfuse.split_qkv_rmsnorm_rope(qkv, pos, cache, hq, hkv, D, q_weight=w, k_weight=w,
+                                                 backend=backend)
+        y, s = qkvfuse.add_rmsnorm(x, r, w, 1e-6, backend=backend)
+        return q, k, v, y, s
+
+    args = (torch.randn(3, (hq + 2 * hkv) * D), torch.arange(3), torch.ones(D), torch.randn(3, D), torch.randn(3, D))
+    with torch.no_grad():
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+        want = f(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    print("ok")
+""")
+
+
+def _first_call_compiled(which: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", _FIRST_CALL_COMPILED, which], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
+def test_first_call_of_a_process_inside_compile_fullgraph(backend):
+    """A fresh process whose first qkvfuse call is traced by ``torch.compile(fullgraph=True)``: resolving the
+    backend (an import, a build, a lock) happens outside the traced code."""
+    _first_call_compiled(backend)
+
+
+def test_first_call_of_a_process_inside_compile_fullgraph_auto():
+    _first_call_compiled("auto")
+
+
 def test_compile_with_an_unbacked_token_dim():
     """An unbacked token dim (torch._dynamo.mark_unbacked, separately on qkv and positions): the validators never
     guard on it (token counts are asserted equal at run time)."""

@@ -167,7 +167,7 @@ def test_add_rmsnorm_in_place_refuses_shared_targets(backend, target):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The exact output-overlap rule (qkvfuse.ops._share_elements), against brute force on element addresses.
+# The exact output-overlap rule (qkvfuse._checks.share_elements), against brute force on element addresses.
 # ------------------------------------------------------------------------------------------------------------
 def _addresses(t):
     base, size = t.data_ptr(), t.element_size()
@@ -179,7 +179,7 @@ def _addresses(t):
 
 @pytest.mark.parametrize("seed", range(300))
 def test_share_elements_is_exact_for_row_views(seed):
-    from qkvfuse import ops
+    from qkvfuse import _checks
 
     g = torch.Generator().manual_seed(seed)
     buf = torch.zeros(64 * 40, dtype=torch.bfloat16)
@@ -193,8 +193,8 @@ def test_share_elements_is_exact_for_row_views(seed):
         return buf.as_strided((rows, width), (row_stride, 1), rand(0, 600))
 
     a, b = view(), view()
-    entries = ops._spans((("a", a), ("b", b)))
-    assert ops._meet(*entries) == bool(_addresses(a) & _addresses(b)) or (
+    entries = _checks._entries((("a", a), ("b", b)))
+    assert _checks._meet(*entries) == bool(_addresses(a) & _addresses(b)) or (
         a.stride(0) != b.stride(0) and a.shape[0] > 1 and b.shape[0] > 1)  # different row strides: conservative
 
 

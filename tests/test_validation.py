@@ -32,6 +32,14 @@ def test_bad_call_raises_naming_the_argument(backend, name):
     assert_child_call_ok(_results(backend), name)
 
 
+def test_bad_call_gives_the_same_type_and_message_on_every_backend(backend):
+    """One rule, however many copies: the native kernels check in C++ what the Python kernels check in
+    qkvfuse._checks; every case must raise the same exception type with the same message as the reference."""
+    want, got = _results("reference")[0], _results(backend)[0]
+    differ = {name: (got[name][1], want[name][1]) for name in want if name in got and got[name][1] != want[name][1]}
+    assert not differ, differ
+
+
 # Inf * 0 inside an Inf head is the expected NaN; the Triton interpreter's numpy warns about it.
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])

@@ -1,8 +1,9 @@
 """The bottom layer: the ``torch.library`` schemas of every qkvfuse op, their fake kernels, and kernel registration.
 
-Nothing else of qkvfuse is imported here; backends register their kernels into these schemas, and the public
-layer (:mod:`qkvfuse.ops`) validates arguments and calls the ops. There is one call path:
-public function (or bound object) -> validation -> ``torch.ops.qkvfuse.*`` -> the kernel the dispatcher picks.
+Nothing else of qkvfuse is imported here but :mod:`qkvfuse._checks` (the ops' per-call rules); backends register
+their kernels into these schemas, and the public layer (:mod:`qkvfuse.ops`) checks what the schemas cannot carry
+and calls the ops. There is one call path: public function (or bound object) -> ``torch.ops.qkvfuse.*`` -> the
+kernel the dispatcher picks, which checks its arguments before it reads or writes anything.
 
 Ops, defined in three namespaces with one schema each:
 
@@ -25,7 +26,9 @@ The mutating forms bump the version counter of every tensor they write (an ``ADI
 
 The split schema is lean (a call parses fewer arguments): ``head_dim`` is ``qkv.shape[1] // (num_q_heads +
 2 * num_kv_heads)``, the rotary dim is ``cos_sin_cache.shape[1]``, and the rotation style and the mRoPE layout
-travel in one int, ``rope`` (:func:`encode_rope`). Raw ``torch.ops`` calls assume validated input.
+travel in one int, ``rope`` (:func:`encode_rope`). Every kernel -- the Python ones registered here, the fake
+kernels and the native CPU kernels -- checks its own arguments (:mod:`qkvfuse._checks`), so a raw ``torch.ops``
+call is as safe as a public one.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
+from . import _checks
+
 __all__ = ["NAMESPACES", "OPS", "encode_rope", "decode_rope", "impl_library", "register_kernels",
            "check_positions", "MAX_HEAD_DIM"]
 
@@ -42,7 +47,7 @@ __all__ = ["NAMESPACES", "OPS", "encode_rope", "decode_rope", "impl_library", "r
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
 OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
        "add_rmsnorm_out", "add_rmsnorm_inplace")
-MAX_HEAD_DIM = 512
+MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
 # --------------------------------------------------------------------------------------------------------
 # The rope code: bit 0 NeoX pairs, bit 1 mRoPE, bit 2 interleaved mRoPE, then the three section sizes in
@@ -142,19 +147,40 @@ def norm_outputs(x: torch.Tensor, residual: Optional[torch.Tensor]):
     return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
 
 
+# The fake kernels check what the real kernels check, except the overlap rule (fake tensors have no memory).
 for _ns, _lib in _libs.items():
 
     @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope", lib=_lib)
     def _split_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads,
                     eps, rope):
+        _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                            num_kv_heads, rope, real=False)
         return split_outputs(qkv, num_q_heads, num_kv_heads)
+
+    @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_out", lib=_lib)
+    def _split_out_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                        num_kv_heads, eps, rope, q_out, k_out, v_out):
+        _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                            num_kv_heads, rope, outs=(q_out, k_out, v_out), real=False)
+
+    @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_inplace", lib=_lib)
+    def _split_inplace_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                            num_kv_heads, eps, rope):
+        _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                            num_kv_heads, rope, inplace=True, real=False)
 
     @torch.library.register_fake(f"{_ns}::add_rmsnorm", lib=_lib)
     def _norm_fake(x, residual, weight, bias, eps):
+        _checks.check_norm(x, residual, weight, bias, real=False)
         return norm_outputs(x, residual)
 
-    for _op in _MUTATED:
-        torch.library.register_fake(f"{_ns}::{_op}", lambda *args: None, lib=_lib)
+    @torch.library.register_fake(f"{_ns}::add_rmsnorm_out", lib=_lib)
+    def _norm_out_fake(x, residual, weight, bias, eps, y_out, residual_out):
+        _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out), real=False)
+
+    @torch.library.register_fake(f"{_ns}::add_rmsnorm_inplace", lib=_lib)
+    def _norm_inplace_fake(x, residual, weight, bias, eps):
+        _checks.check_norm(x, residual, weight, bias, inplace=True, real=False)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -178,33 +204,48 @@ def impl_library(backend: str) -> torch.library.Library:
 def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut) -> None:
     """Register reference-signature kernels for all six ops of ``lib``'s namespace on ``dispatch_key``."""
 
-    def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out):
+    # Each kernel checks its own arguments (qkvfuse._checks), then runs: a raw torch.ops call is as safe as a
+    # public one.
+    def run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, q_out, k_out, v_out):
         check_positions(positions, cache.shape[0])  # before any output is written
         is_neox, sections, interleaved = decode_rope(rope)
-        split_out(qkv, positions, cache, hq, hkv, head_dim_of(qkv, hq, hkv), q_w, k_w, q_b, k_b, eps, is_neox,
-                  sections, interleaved, q_out, k_out, v_out)
+        split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, sections, interleaved,
+                  q_out, k_out, v_out)
+
+    def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out):
+        outs = (q_out, k_out, v_out)
+        head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope, outs=outs)
+        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs)
 
     def functional(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
+        head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope)
         outs = split_outputs(qkv, hq, hkv)
-        out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, *outs)
+        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs)
         return outs
 
     def inplace(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
-        out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, *inplace_views(qkv, hq, hkv))
+        head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope, inplace=True)
+        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *inplace_views(qkv, hq, hkv))
+
+    def norm_checked_out(x, residual, weight, bias, eps, y_out, residual_out):
+        _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out))
+        norm_out(x, residual, weight, bias, eps, y_out, residual_out)
 
     def norm_functional(x, residual, weight, bias, eps):
+        _checks.check_norm(x, residual, weight, bias)
         y, residual_out = norm_outputs(x, residual)
         norm_out(x, residual, weight, bias, eps, y, residual_out if residual is not None else None)
         return y, residual_out
 
     def norm_inplace(x, residual, weight, bias, eps):
+        _checks.check_norm(x, residual, weight, bias, inplace=True)
         norm_out(x, residual, weight, bias, eps, x, residual)
 
     lib.impl("split_qkv_rmsnorm_rope", functional, dispatch_key)
     lib.impl("split_qkv_rmsnorm_rope_out", out, dispatch_key)
     lib.impl("split_qkv_rmsnorm_rope_inplace", inplace, dispatch_key)
     lib.impl("add_rmsnorm", norm_functional, dispatch_key)
-    lib.impl("add_rmsnorm_out", norm_out, dispatch_key)
+    lib.impl("add_rmsnorm_out", norm_checked_out, dispatch_key)
     lib.impl("add_rmsnorm_inplace", norm_inplace, dispatch_key)
 
 

@@ -26,6 +26,8 @@ import threading
 import warnings
 from typing import Dict, Optional, Tuple
 
+import torch
+
 from .. import _library, reference
 
 __all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "get_backend"]
@@ -77,6 +79,15 @@ def get_backend(name: str):
     return module
 
 
+@torch.compiler.assume_constant_result
+def _unavailable_reason(name: str) -> Optional[str]:
+    """``None`` once backend ``name`` is usable, else the reason. Dynamo calls it as it traces and keeps the
+    answer as a constant: a process's first qkvfuse call may be inside ``torch.compile(fullgraph=True)``, and
+    loading a backend (an import, a build, a lock) cannot be traced."""
+    module, reason = _load(name)
+    return None if module is not None else reason
+
+
 _warned: set = set()
 
 
@@ -107,8 +118,8 @@ def _select_uncached(backend: Optional[str], device_type: str, source: str) -> s
     if serves is not None and device_type not in serves:
         raise ValueError(f"{source}: backend {backend!r} does not run {device_type} tensors "
                          f"(it serves {', '.join(serves)})")
-    module, reason = _load(backend)
-    if module is None:
+    reason = _unavailable_reason(backend)
+    if reason is not None:
         raise RuntimeError(f"qkvfuse: backend {backend!r} was requested but is unavailable: {reason}")
     return _OPS[backend]
 

@@ -3,6 +3,7 @@
 // second normalises s -- re-read from residual_out, still in L1/L2 -- into y. Each row's bits depend only on
 // that row, never on the thread split or on T.
 #include "avx512.h"
+#include "checks.h"
 #include "optional_ref.h"
 #include "vec_io.h"
 
@@ -366,25 +367,83 @@ std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const OptRef& resid
   return {y, r_out};
 }
 
+// The per-call rules of qkvfuse/_checks.py check_norm, in its order and with its messages (checks.h). `y_out`:
+// the out= form's outputs (with residual_out); `inplace`: x and residual are the in-place targets.
+void check_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
+                const Tensor* y_out, const OptTensor* residual_out, bool inplace) {
+  namespace ck = checks;
+  using ck::Kind;
+  if (!ck::is_float(x.scalar_type())) {
+    ck::fail(Kind::Type, "x", "dtype " + ck::py_dtype(x.scalar_type()), ck::kFloatNames);
+  }
+  if (x.dim() != 2 || x.size(1) < 1) {
+    ck::fail(Kind::Value, "x", "shape " + ck::py_tuple(x.sizes()), "shape (T, H) with H >= 1");
+  }
+  const int64_t T = x.size(0), H = x.size(1);
+  ck::rows("x", x, H);
+  const c10::Device dev = x.device();
+  if (residual.has_value()) {
+    const Tensor& r = *residual;
+    ck::device("residual", r, dev, "x");
+    if (r.scalar_type() != x.scalar_type()) {
+      ck::fail(Kind::Type, "residual", "dtype " + ck::py_dtype(r.scalar_type()),
+               "dtype " + ck::py_dtype(x.scalar_type()) + " (x's)");
+    }
+    if (r.sizes() != x.sizes()) {
+      ck::fail(Kind::Value, "residual", "shape " + ck::py_tuple(r.sizes()),
+               "shape " + ck::py_tuple(x.sizes()) + " (x's)");
+    }
+    ck::rows("residual", r, H);
+  }
+  ck::vector("weight", weight, H, dev, "x");
+  if (bias.has_value()) ck::vector("bias", *bias, H, dev, "x");
+  const ck::Named w{"weight", &weight}, b{"bias", bias.has_value() ? &*bias : nullptr},
+      xr{"x", &x}, rr{"residual", residual.has_value() ? &*residual : nullptr};
+  ck::io_dtype("x", x.scalar_type(), {w, b});
+  ck::no_grad({xr, rr, w, b});
+  if (y_out != nullptr) {
+    const bool has_r_out = residual_out->has_value();
+    if (residual.has_value() != has_r_out) {
+      ck::fail(Kind::Value, "residual_out", has_r_out ? "a tensor" : "None", "a tensor exactly when residual is given");
+    }
+    ck::out_tensor("y_out", *y_out, T, H, x, "x");
+    if (has_r_out) ck::out_tensor("residual_out", **residual_out, T, H, x, "x");
+    ck::outputs(ck::entries({{"y_out", y_out}, {"residual_out", has_r_out ? &**residual_out : nullptr}}),
+                ck::entries({xr, rr, w, b}), [&](const char* name) {
+                  const bool y = name[0] == 'y';
+                  const Tensor* own = y ? &x : rr.t;
+                  return own == nullptr ? ck::Own{"residual", 0, 0, 0, false}
+                                        : ck::Own{y ? "x" : "residual", ck::address(*own), own->stride(0),
+                                                  own->stride(1), true};
+                });
+  } else if (inplace) {
+    ck::targets(ck::entries({xr, rr}), ck::entries({w, b}));
+  }
+}
+
 // The dispatcher's kernels (TORCH_LIBRARY_IMPL below): the schema's optional tensors, borrowed.
 void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                      double eps, const Tensor& y_out, const OptTensor& residual_out) {
+  check_norm(x, residual, weight, bias, &y_out, &residual_out, false);
   add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out));
 }
 
 // In place (the engines' form): y over x, the rounded sum over residual. Exact aliasing is safe (norm_row).
 void add_rmsnorm_inplace(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                          double eps) {
+  check_norm(x, residual, weight, bias, nullptr, nullptr, true);
   add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, x, borrow(residual));
 }
 
 void add_rmsnorm_generic_out(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                              const OptTensor& bias, double eps, const Tensor& y_out, const OptTensor& residual_out) {
+  check_norm(x, residual, weight, bias, &y_out, &residual_out, false);
   add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out), true);
 }
 
 std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
                                        const OptTensor& bias, double eps) {
+  check_norm(x, residual, weight, bias, nullptr, nullptr, false);
   return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps);
 }
 

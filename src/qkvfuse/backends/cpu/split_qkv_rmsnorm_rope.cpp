@@ -8,6 +8,7 @@
 // bf16 heads of the published shapes (128 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
 // specialised path (fast_heads).
 #include "avx512.h"
+#include "checks.h"
 #include "optional_ref.h"
 #include "vec_io.h"
 
@@ -781,11 +782,116 @@ Rope decode_rope(int64_t code) {
   return r;
 }
 
-// head_dim is qkv's width over the head count (the schema does not repeat it).
-int64_t head_dim(const Tensor& qkv, int64_t hq, int64_t hkv) {
-  TORCH_CHECK(qkv.dim() == 2 && hq >= 1 && hkv >= 1 && qkv.size(1) % (hq + 2 * hkv) == 0,
-              "qkvfuse cpu kernel: qkv ", qkv.sizes(), " is not (T, (num_q_heads + 2 * num_kv_heads) * head_dim)");
-  return qkv.size(1) / (hq + 2 * hkv);
+// The per-call rules of qkvfuse/_checks.py check_split, in its order and with its messages (checks.h); returns
+// head_dim, qkv's width over the head count (the schema does not repeat it). `outs`: the out= form's three
+// outputs; `inplace`: qkv is the in-place target.
+int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                 const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
+                 int64_t hkv, int64_t rope, const Tensor* const* outs, bool inplace) {
+  namespace ck = checks;
+  using ck::Kind;
+  if (!ck::is_float(qkv.scalar_type())) {
+    ck::fail(Kind::Type, "qkv", "dtype " + ck::py_dtype(qkv.scalar_type()), ck::kFloatNames);
+  }
+  if (hq < 1) ck::fail(Kind::Value, "num_q_heads", std::to_string(hq), "an int >= 1");
+  if (hkv < 1) ck::fail(Kind::Value, "num_kv_heads", std::to_string(hkv), "an int >= 1");
+  const int64_t heads = hq + 2 * hkv;
+  if (qkv.dim() != 2 || qkv.size(1) % heads != 0 || (qkv.size(1) / heads) % 2 != 0 || qkv.size(1) / heads <= 0 ||
+      qkv.size(1) / heads > kMaxHeadDim) {
+    ck::fail(Kind::Value, "qkv", "shape " + ck::py_tuple(qkv.sizes()),
+             "shape (T, (num_q_heads + 2*num_kv_heads) * head_dim) with an even head_dim <= " +
+                 std::to_string(kMaxHeadDim) + " for num_q_heads=" + std::to_string(hq) +
+                 ", num_kv_heads=" + std::to_string(hkv));
+  }
+  const int64_t T = qkv.size(0), width = qkv.size(1), D = width / heads;
+  ck::rows("qkv", qkv, width);
+  const c10::Device dev = qkv.device();
+  ck::device("positions", positions, dev, "qkv");
+  if (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong) {
+    ck::fail(Kind::Type, "positions", "dtype " + ck::py_dtype(positions.scalar_type()), "torch.int32 or torch.int64");
+  }
+  const Rope r = decode_rope(rope);
+  if (r.mrope) {
+    if (positions.dim() != 2 || positions.size(0) != 3 || positions.size(1) != T) {
+      ck::fail(Kind::Value, "positions", "shape " + ck::py_tuple(positions.sizes()),
+               "shape (3, " + std::to_string(T) + ") (temporal, height, width) with mrope_section");
+    }
+  } else if (positions.dim() != 1 || positions.size(0) != T) {
+    const std::string hint = positions.dim() == 2 ? " (3-D positions need mrope_section)" : "";
+    ck::fail(Kind::Value, "positions", "shape " + ck::py_tuple(positions.sizes()),
+             "shape (" + std::to_string(T) + ",) for RoPE" + hint);
+  }
+  ck::device("cos_sin_cache", cache, dev, "qkv");
+  if (!ck::is_float(cache.scalar_type())) {
+    ck::fail(Kind::Type, "cos_sin_cache", "dtype " + ck::py_dtype(cache.scalar_type()), ck::kFloatNames);
+  }
+  if (cache.dim() != 2 || cache.size(0) < 1) {
+    ck::fail(Kind::Value, "cos_sin_cache", "shape " + ck::py_tuple(cache.sizes()),
+             "shape (max_position >= 1, rotary_dim)");
+  }
+  const int64_t R = cache.size(1);
+  if (R < 2 || R % 2 != 0 || R > D) {
+    ck::fail(Kind::Value, "cos_sin_cache", "rotary_dim (shape[1]) = " + std::to_string(R),
+             "an even rotary_dim in [2, head_dim=" + std::to_string(D) + "]");
+  }
+  if (cache.stride(1) != 1 || cache.stride(0) < R) {
+    ck::fail(Kind::Value, "cos_sin_cache", "strides " + ck::py_tuple(cache.strides()),
+             "a contiguous last dim and row stride >= rotary_dim");
+  }
+  if (r.mrope) {
+    const int64_t sum = r.sections[0] + r.sections[1] + r.sections[2];
+    if (sum != R / 2) {
+      ck::fail(Kind::Value, "mrope_section",
+               ck::py_tuple(c10::IntArrayRef(r.sections, 3)) + " (sum " + std::to_string(sum) + ")",
+               "sections summing to rotary_dim // 2 = " + std::to_string(R / 2));
+    }
+  }
+  if (q_weight.has_value() != k_weight.has_value()) {
+    const bool q_given = q_weight.has_value();
+    ck::fail(Kind::Value, q_given ? "k_weight" : "q_weight", "None",
+             std::string("a tensor since ") + (q_given ? "q_weight" : "k_weight") +
+                 " is given (QK-norm takes both q_weight and k_weight, or neither)");
+  }
+  if (q_weight.has_value()) {
+    ck::vector("q_weight", *q_weight, D, dev, "qkv");
+    ck::vector("k_weight", *k_weight, D, dev, "qkv");
+  }
+  const std::pair<const char*, const OptTensor*> biases[2] = {{"q_bias", &q_bias}, {"k_bias", &k_bias}};
+  for (const auto& [name, bias] : biases) {
+    if (bias->has_value()) {
+      if (!q_weight.has_value()) {
+        ck::fail(Kind::Value, name, "a bias without norm weights", "q_weight and k_weight when a norm bias is given");
+      }
+      ck::vector(name, **bias, D, dev, "qkv");
+    }
+  }
+  if (q_bias.has_value() != k_bias.has_value()) {
+    const bool q_given = q_bias.has_value();
+    ck::fail(Kind::Value, q_given ? "k_bias" : "q_bias", "None",
+             std::string("a tensor since ") + (q_given ? "q_bias" : "k_bias") +
+                 " is given (a post-norm bias for Q and K: both or neither)");
+  }
+  auto opt = [](const OptTensor& t) { return t.has_value() ? &*t : nullptr; };
+  const ck::Named qw{"q_weight", opt(q_weight)}, kw{"k_weight", opt(k_weight)}, qb{"q_bias", opt(q_bias)},
+      kb{"k_bias", opt(k_bias)};
+  ck::io_dtype("qkv", qkv.scalar_type(), {qw, kw, qb, kb});
+  ck::no_grad({{"qkv", &qkv}, qw, kw, qb, kb, {"cos_sin_cache", &cache}});
+  const int64_t widths[3] = {hq * D, hkv * D, hkv * D};
+  if (outs != nullptr) {
+    static constexpr const char* kNames[3] = {"q_out", "k_out", "v_out"};
+    for (int i = 0; i < 3; ++i) ck::out_tensor(kNames[i], *outs[i], T, widths[i], qkv, "qkv");
+    const int64_t size_of = static_cast<int64_t>(qkv.element_size());
+    ck::outputs(ck::entries({{kNames[0], outs[0]}, {kNames[1], outs[1]}, {kNames[2], outs[2]}}),
+                ck::entries({{"qkv", &qkv}, {"positions", &positions}, {"cos_sin_cache", &cache}, qw, kw, qb, kb}),
+                [&](const char* name) {
+                  const int64_t col = name[0] == 'q' ? 0 : (name[0] == 'k' ? widths[0] : widths[0] + widths[1]);
+                  return ck::Own{"qkv", ck::address(qkv) + col * size_of, qkv.stride(0), qkv.stride(1), true};
+                });
+  } else if (inplace) {
+    ck::targets(ck::entries({{"qkv", &qkv}}),
+                ck::entries({{"positions", &positions}, {"cos_sin_cache", &cache}, qw, kw, qb, kb}));
+  }
+  return D;
 }
 
 // The dispatcher's kernels (TORCH_LIBRARY_IMPL below): the schema's optional tensors, borrowed.
@@ -793,8 +899,10 @@ void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, cons
                                 const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
                                 const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
                                 const Tensor& q_out, const Tensor& k_out, const Tensor& v_out) {
+  const Tensor* const outs[3] = {&q_out, &k_out, &v_out};
+  const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, false);
   const Rope r = decode_rope(rope);
-  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
                                   borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
                                   r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
                                   r.interleaved, q_out, k_out, v_out);
@@ -805,8 +913,9 @@ std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(const Tensor& qkv, con
                                                           const OptTensor& k_weight, const OptTensor& q_bias,
                                                           const OptTensor& k_bias, int64_t hq, int64_t hkv,
                                                           double eps, int64_t rope) {
+  const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, nullptr, false);
   const Rope r = decode_rope(rope);
-  return split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+  return split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
                                      borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
                                      r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
                                      r.interleaved);
@@ -815,8 +924,9 @@ std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(const Tensor& qkv, con
 void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
                                     const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
                                     const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope) {
+  const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, nullptr, true);
   const Rope r = decode_rope(rope);
-  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
                                       borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
                                       r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
                                       r.interleaved);
@@ -827,9 +937,11 @@ void split_generic_out(const Tensor& qkv, const Tensor& positions, const Tensor&
                        const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
                        int64_t hkv, double eps, int64_t rope, const Tensor& q_out, const Tensor& k_out,
                        const Tensor& v_out) {
+  const Tensor* const outs[3] = {&q_out, &k_out, &v_out};
+  const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, false);
   const Rope r = decode_rope(rope);
   alignas(64) float weights[4 * kMaxHeadDim];
-  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, head_dim(qkv, hq, hkv), borrow(q_weight),
+  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
                           borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
                           r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(), r.interleaved, weights);
   set_outputs(p, qkv, q_out, k_out, v_out);

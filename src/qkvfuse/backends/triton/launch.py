@@ -1,8 +1,12 @@
 """Launchers: the reference signatures of :mod:`qkvfuse.reference`, running the kernels of :mod:`.kernels`.
 
-A launcher does host arithmetic on shapes and strides and one kernel launch: no host synchronisation, no
-allocation (except a unit-stride copy of a non-contiguous ``[D]`` norm weight or bias), no loop over heads, so it is safe under CUDA-graph capture and inside ``torch.compile`` (where
-it runs behind the opaque ``torch.ops.qkvfuse`` op).
+The op's kernel (:func:`qkvfuse._library.register_kernels`) checks every argument before it calls a launcher
+(:func:`qkvfuse._checks.check_split` / ``check_norm``: shapes, strides, dtypes, devices, overlaps), so a raw
+``torch.ops.qkvfuse_triton.*`` call -- e.g. from a loaded ``torch.export`` program -- never reaches a launch that
+would read or write out of bounds. A launcher does host arithmetic on shapes and strides and one kernel launch:
+no host synchronisation, no allocation (except a unit-stride copy of a non-contiguous ``[D]`` norm weight or
+bias), no loop over heads, so it is safe under CUDA-graph capture and inside ``torch.compile`` (where it runs
+behind the opaque ``torch.ops.qkvfuse`` op).
 
 Block sizes on a device depend on the head geometry only, never on T: a new batch size reuses the compiled
 kernel (T is also excluded from Triton's integer specialisation). Under the CPU interpreter nothing is
@@ -110,7 +114,7 @@ def split_qkv_rmsnorm_rope_out(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
 ) -> None:
-    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (reference signature, validated input).
+    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (reference signature, checked input).
 
     Positions outside ``[0, cos_sin_cache.shape[0])`` are clamped inside the kernel (the public range check is
     skipped under graph capture and ``torch.compile``). Outputs may exactly alias their own slice of ``qkv``.

@@ -1,0 +1,264 @@
+// The per-call argument rules of the ops, the C++ copy of qkvfuse/_checks.py (the Python copy is the definition;
+// the bad-call catalogue, qkvfuse._verify.failure_modes.BAD_CALLS, runs every case on every backend and requires
+// the same exception type and message). Messages are "<arg>: expected <expectation>, got <value>", formatted as
+// Python formats them (tuples, dtypes, devices); TORCH_CHECK_VALUE / TORCH_CHECK_TYPE / TORCH_CHECK raise
+// ValueError / TypeError / RuntimeError in Python. Every check is a few compares per tensor: nanoseconds, so a
+// raw torch.ops call is as safe as the public one and the public layer stays thin.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace qkvfuse_cpu {
+namespace checks {
+
+using at::Tensor;
+
+enum class Kind { Value, Type, Runtime };
+
+inline void fail(Kind kind, const std::string& arg, const std::string& got, const std::string& expected) {
+  const std::string msg = arg + ": expected " + expected + ", got " + got;
+  if (kind == Kind::Value) TORCH_CHECK_VALUE(false, msg);
+  if (kind == Kind::Type) TORCH_CHECK_TYPE(false, msg);
+  TORCH_CHECK(false, msg);
+}
+
+// Python's tuple(...): "()", "(5,)", "(3, 512)".
+inline std::string py_tuple(c10::IntArrayRef v) {
+  std::string s = "(";
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + (v.size() == 1 ? ",)" : ")");
+}
+
+// Python's str(dtype): "torch.bfloat16".
+inline std::string py_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kHalf: return "torch.float16";
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kComplexHalf: return "torch.complex32";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    case at::kBool: return "torch.bool";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
+    case at::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::ScalarType::UInt16: return "torch.uint16";
+    case at::ScalarType::UInt32: return "torch.uint32";
+    case at::ScalarType::UInt64: return "torch.uint64";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
+
+inline bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+constexpr const char* kFloatNames = "torch.float32, torch.bfloat16 or torch.float16";
+
+inline void device(const char* arg, const Tensor& t, const c10::Device& dev, const char* anchor) {
+  if (t.device() != dev) {
+    fail(Kind::Value, arg, "a tensor on " + t.device().str(),
+         "a tensor on " + dev.str() + " (the device of " + anchor + ")");
+  }
+}
+
+// 2-D rows: a unit last stride and a row stride of at least `width` (empty tensors pass).
+inline void rows(const char* arg, const Tensor& t, int64_t width) {
+  if ((t.stride(1) != 1 || t.stride(0) < width) && t.numel() != 0) {
+    fail(Kind::Value, arg, "strides " + py_tuple(t.strides()),
+         "a contiguous last dim (stride 1) and row stride >= " + std::to_string(width));
+  }
+}
+
+inline void vector(const char* arg, const Tensor& t, int64_t length, const c10::Device& dev, const char* anchor) {
+  device(arg, t, dev, anchor);
+  if (!is_float(t.scalar_type())) {
+    fail(Kind::Type, arg, "dtype " + py_dtype(t.scalar_type()),
+         "torch.float32 or the activations' dtype (one of [torch.float32, torch.bfloat16, torch.float16])");
+  }
+  if (t.dim() != 1 || t.size(0) != length) {
+    fail(Kind::Value, arg, "shape " + py_tuple(t.sizes()), "shape (" + std::to_string(length) + ",)");
+  }
+}
+
+struct Named {
+  const char* name;
+  const Tensor* t;  // nullptr: absent
+};
+
+// Norm weights and biases are fp32 or the activations' dtype.
+inline void io_dtype(const char* arg, at::ScalarType dtype, std::initializer_list<Named> named) {
+  for (const Named& n : named) {
+    if (n.t != nullptr && n.t->scalar_type() != at::kFloat && n.t->scalar_type() != dtype) {
+      fail(Kind::Type, n.name, "dtype " + py_dtype(n.t->scalar_type()),
+           std::string("torch.float32 or ") + arg + "'s dtype " + py_dtype(dtype));
+    }
+  }
+}
+
+// Inference only: with grad mode on no input may require grad (the ops have no autograd formula).
+inline void no_grad(std::initializer_list<Named> named) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const Named& n : named) {
+    if (n.t != nullptr && n.t->requires_grad()) {
+      fail(Kind::Runtime, n.name, "one that requires grad",
+           "a tensor that does not require grad (qkvfuse ops are inference only: call them under torch.no_grad() "
+           "or torch.inference_mode(), or detach)");
+    }
+  }
+}
+
+inline void out_tensor(const char* name, const Tensor& t, int64_t T, int64_t width, const Tensor& like,
+                       const char* like_name) {
+  device(name, t, like.device(), like_name);
+  if (t.scalar_type() != like.scalar_type()) {
+    fail(Kind::Type, name, "dtype " + py_dtype(t.scalar_type()),
+         "dtype " + py_dtype(like.scalar_type()) + " (" + like_name + "'s)");
+  }
+  if (t.dim() != 2 || t.size(0) != T || t.size(1) != width) {
+    fail(Kind::Value, name, "shape " + py_tuple(t.sizes()), "shape " + py_tuple({T, width}));
+  }
+  rows(name, t, width);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The exact overlap rule (_checks.py: _layout, _span, share_elements, _check_outputs, _check_targets).
+// ------------------------------------------------------------------------------------------------------------
+inline int64_t floor_div(int64_t a, int64_t b) {  // Python's a // b
+  int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+
+struct Entry {
+  const char* name;
+  const Tensor* t;
+  bool has_rows;
+  int64_t first, row_stride, count, width;  // the row layout, in bytes
+  int64_t lo, hi;                           // the byte span [lo, hi)
+};
+
+inline int64_t address(const Tensor& t) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data_ptr())); }
+
+inline Entry entry(const char* name, const Tensor& t) {
+  const int64_t size_of = static_cast<int64_t>(t.element_size());
+  const auto shape = t.sizes();
+  const auto stride = t.strides();
+  Entry e{name, &t, false, address(t), 0, 0, 0, 0, 0};
+  if (shape.size() == 2 && (shape[1] <= 1 || stride[1] == 1) && stride[0] >= 0) {
+    e.has_rows = true;
+    e.row_stride = shape[0] > 1 ? stride[0] * size_of : 0;
+    e.count = shape[0];
+    e.width = shape[1] * size_of;
+  } else if (shape.size() == 1 && (shape[0] <= 1 || stride[0] == 1)) {
+    e.has_rows = true;
+    e.count = 1;
+    e.width = shape[0] * size_of;
+  }
+  if (e.has_rows) {
+    e.lo = e.first;
+    e.hi = e.first + (e.count - 1) * e.row_stride + e.width;
+  } else {
+    int64_t start = e.first, end = e.first;
+    for (size_t d = 0; d < shape.size(); ++d) {
+      const int64_t reach = (shape[d] - 1) * stride[d] * size_of;
+      if (reach < 0) {
+        start += reach;
+      } else {
+        end += reach;
+      }
+    }
+    e.lo = start;
+    e.hi = end + size_of;
+  }
+  return e;
+}
+
+inline std::vector<Entry> entries(std::initializer_list<Named> named) {
+  std::vector<Entry> out;
+  out.reserve(named.size());
+  for (const Named& n : named) {
+    if (n.t != nullptr && n.t->numel() != 0) out.push_back(entry(n.name, *n.t));
+  }
+  return out;
+}
+
+inline bool share_elements(const Entry& a, const Entry& b) {
+  if (!a.has_rows || !b.has_rows || (a.count > 1 && b.count > 1 && a.row_stride != b.row_stride)) return true;
+  const int64_t stride = a.count > 1 ? a.row_stride : b.row_stride;
+  const int64_t d = b.first - a.first;
+  if (stride == 0) return -b.width < d && d < a.width;
+  const int64_t k_lo = std::max<int64_t>(1 - a.count, floor_div(-b.width - d, stride) + 1);
+  const int64_t k_hi = std::min<int64_t>(b.count - 1, -floor_div(d - a.width, stride) - 1);
+  return k_lo <= k_hi;
+}
+
+inline bool meet(const Entry& a, const Entry& b) { return a.lo < b.hi && b.lo < a.hi && share_elements(a, b); }
+
+// The view an output may exactly be: its input's name, data pointer and strides (shape: the output's, checked).
+struct Own {
+  const char* name;
+  int64_t ptr;
+  int64_t stride0, stride1;
+  bool present;
+};
+
+inline bool same_view(const Tensor& out, const Own& own) {
+  return own.present && address(out) == own.ptr &&
+         (out.size(0) <= 1 || (out.stride(0) == own.stride0 && out.stride(1) == own.stride1));
+}
+
+// own(i): the view output i may exactly alias.
+template <typename OwnOf>
+void outputs(const std::vector<Entry>& outs, const std::vector<Entry>& inputs, const OwnOf& own_of) {
+  for (const Entry& src : inputs) {
+    for (const Entry& out : outs) {
+      if (!meet(out, src)) continue;
+      const Own own = own_of(out.name);
+      if (std::string(src.name) == own.name && same_view(*out.t, own)) continue;
+      fail(Kind::Value, out.name, std::string("memory shared with ") + src.name,
+           std::string("no element shared with an input other than exactly aliasing its own slice of ") + own.name);
+    }
+  }
+  for (size_t k = 0; k < outs.size(); ++k) {
+    for (size_t j = k + 1; j < outs.size(); ++j) {
+      if (meet(outs[k], outs[j])) {
+        fail(Kind::Value, outs[k].name, std::string("memory shared with ") + outs[j].name,
+             "outputs that share no element with each other");
+      }
+    }
+  }
+}
+
+inline void targets(const std::vector<Entry>& targets, const std::vector<Entry>& inputs) {
+  if (targets.size() == 2 && meet(targets[0], targets[1])) {
+    fail(Kind::Value, targets[1].name, std::string("memory shared with ") + targets[0].name,
+         std::string("an in-place target that shares no element with ") + targets[0].name);
+  }
+  for (const Entry& target : targets) {
+    for (const Entry& src : inputs) {
+      if (meet(target, src)) {
+        fail(Kind::Value, target.name, std::string("memory shared with ") + src.name,
+             "an in-place target that shares no element with another input");
+      }
+    }
+  }
+}
+
+}  // namespace checks
+}  // namespace qkvfuse_cpu
