@@ -111,11 +111,15 @@ def test_split_specialised_heads_against_the_generic_heads(dtype, geometry, norm
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("hidden", [32, 96, 4096, 4112])
+@pytest.mark.parametrize("hidden", [32, 4096, 4112])
 @pytest.mark.parametrize("weights", ["fp32", "own-dtype", "fp32+bias", "own-dtype+bias", "strided"])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
-@pytest.mark.parametrize("specials", [False, True], ids=["finite", "specials"])
-def test_add_rmsnorm_specialised_rows_against_the_generic_rows(dtype, hidden, weights, residual, specials):
+def test_add_rmsnorm_specialised_rows_against_the_generic_rows(dtype, hidden, weights, residual):
+    for specials in (False, True):
+        _check_norm_rows(dtype, hidden, weights, residual, specials)
+
+
+def _check_norm_rows(dtype, hidden, weights, residual, specials):
     gen = torch.Generator().manual_seed(hidden)
     T = 7
     x = (torch.randn(T, hidden, generator=gen) * 2).to(dtype)
