@@ -268,8 +268,8 @@ class _Prepare:
     def _items(self, like: Optional[torch.Tensor]) -> tuple:
         """What vLLM's forward reads at this call (the binding's items)."""
         m = self.module
-        rot = m.rotary_emb
-        table = getattr(rot, "cos_sin_cache", None)
+        rot = _member(m, "_modules", "rotary_emb")
+        table = _member(rot, "_buffers", "cos_sin_cache")
         if (like is not None and isinstance(table, torch.Tensor)
                 and (table.dtype != like.dtype or table.device != like.device)
                 and hasattr(rot, "_match_cos_sin_cache_dtype")):
@@ -277,8 +277,8 @@ class _Prepare:
             table = rot._match_cos_sin_cache_dtype(like)
         if not self.qk_norm:
             return rot, table
-        qn, kn = m.q_norm, m.k_norm
-        return rot, table, qn, getattr(qn, "weight", None), kn, getattr(kn, "weight", None)
+        qn, kn = _member(m, "_modules", "q_norm"), _member(m, "_modules", "k_norm")
+        return rot, table, qn, _member(qn, "_parameters", "weight"), kn, _member(kn, "_parameters", "weight")
 
     def ready(self, hidden_states: Optional[torch.Tensor]) -> bool:
         """Whether this call takes the fused path (re-binding first if anything it reads changed)."""
@@ -325,6 +325,14 @@ class _Prepare:
         if self.verify:
             return _verified(self, prep, qkv, positions)
         return prep.inplace(qkv, positions)
+
+
+def _member(obj, group: str, name: str):
+    """``obj.<name>`` as ``nn.Module`` attribute lookup finds it, read from its ``_modules`` / ``_buffers`` /
+    ``_parameters`` dict first (a dict read instead of ``Module.__getattr__``: this runs per layer per call)."""
+    found = getattr(obj, group, None)
+    found = found.get(name) if found is not None else None
+    return found if found is not None else getattr(obj, name, None)
 
 
 def _fused_attention_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -465,13 +473,13 @@ class _Norm:
 
     @property
     def bound(self) -> ops.AddRMSNorm:
-        return self.binding.get(self.norm.weight)
+        return self.binding.get(_member(self.norm, "_parameters", "weight"))
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if torch.compiler.is_compiling():
             y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, backend=self.backend)
             return y if residual is None else (y, r)
-        bound = self.binding.get(self.norm.weight)
+        bound = self.binding.get(_member(self.norm, "_parameters", "weight"))
         if residual is None:
             return bound(x)[0]
         return bound.inplace(x, residual)
