@@ -417,6 +417,9 @@ class _FusedAttention:
         table = self.rope.table(device)
         q_w = self.norms[0].weight if self.qk_norm else None
         k_w = self.norms[1].weight if self.qk_norm else None
+        if torch.compiler.is_compiling():
+            # Data pointers do not trace: one object per trace, on the tensors dynamo guards on.
+            return self._build_split(table, q_w, k_w)
         if self._bound is None:
             self._bound = Rebinding(self._build_split)
         return self._bound.get(table, q_w, k_w)
@@ -578,6 +581,8 @@ class _FusedLayer:
     def bound(self, norm: nn.Module) -> ops.AddRMSNorm:
         """The layer's :class:`qkvfuse.AddRMSNorm`, rebuilt when the norm module or its weight is replaced, the
         weight changes storage (``weight.data = ...``, ``model.to(...)``) or the eps changes."""
+        if torch.compiler.is_compiling():
+            return self._build_norm(norm, norm.weight)  # one object per trace (data pointers do not trace)
         if self._bound is None:
             self._bound = Rebinding(self._build_norm)
         bound = self._bound.get(norm, norm.weight)
