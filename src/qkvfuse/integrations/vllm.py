@@ -24,8 +24,8 @@ its weights loaded, :func:`fuse_model` reads the options from the engine's confi
 of a supported class (``Qwen3Attention``, ``Qwen3MoeAttention``, ``Glm4MoeAttention``: also the language models
 of Qwen3-VL and GLM-4.5V), replaces that *instance's* ``forward`` with one that calls the fused op -- the class
 and every other layer keep vLLM's code. One bound object per layer; eager calls rewrite Q and K inside the
-packed projection output (no copies); under ``torch.compile`` the functional op on the module's own parameters (a graph with no mutation of
-intermediates, no host syncs, shapes from the trace).
+packed projection output (no copies); under ``torch.compile`` the functional op on the module's own parameters (a
+graph with no mutation of intermediates, no host syncs, shapes from the trace).
 
 The fused forwards follow the running model (weight syncs, sleep/offload, swapped tables and modules): each eager
 call reads what vLLM's own forward would read -- the layer's current ``rotary_emb``, its ``cos_sin_cache`` (cast
@@ -282,12 +282,23 @@ class _Prepare:
 
     def ready(self, hidden_states: Optional[torch.Tensor]) -> bool:
         """Whether this call takes the fused path (re-binding first if anything it reads changed)."""
-        return self.binding.get(*self._items(hidden_states)) is not None
+        if self.binding.get(*self._items(hidden_states)) is None:
+            return False
+        if hidden_states is not None and hidden_states.dtype not in self.io_dtypes:
+            _log_once(f"qkvfuse: {type(self.module).__name__} runs vLLM's code for {hidden_states.dtype} activations "
+                      f"with q/k norm weights of another dtype")
+            return False
+        return True
 
     def _bind(self, rot, table, qn=None, q_weight=None, kn=None, k_weight=None):
         """(Re)build the bound ops from the rotary module, table and norms the layer holds now; None (and the
         reason, logged once) when the layer no longer qualifies."""
         reason = _layer_reason(self.module, self.max_model_len, self.backend)
+        if reason is None:
+            try:
+                prep = self._bound_ops(rot, table, qn, q_weight, k_weight)
+            except (ValueError, TypeError) as exc:  # what qkvfuse's own validation refuses: vLLM's code then
+                reason = f"qkvfuse refuses the layer's tensors: {exc}"
         self.reason = reason
         if reason is not None:
             if self.prep is not None:  # it was fused: say that this layer now runs vLLM's code
@@ -295,18 +306,23 @@ class _Prepare:
                           f"model: {reason}")
             self.prep = self.prep_1d = None
             return None
-        self.sections = tuple(rot.mrope_section) if getattr(rot, "mrope_section", None) else None
-        self.interleaved = bool(getattr(rot, "mrope_interleaved", False))
-        self.eps = qn.variance_epsilon if self.qk_norm else 1e-6
-        self.is_neox = bool(rot.is_neox_style)
-        qw, kw = (None, None) if q_weight is None else (q_weight.detach(), k_weight.detach())
-        common = dict(q_weight=qw, k_weight=kw, eps=self.eps, is_neox=self.is_neox, backend=self.backend)
-        self.prep = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, mrope_section=self.sections,
-                                   mrope_interleaved=self.interleaved, **common)
-        # MRotaryEmbedding also takes 1-D (text-only) positions: equal rows, i.e. plain RoPE on the same table.
-        self.prep_1d = (ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, **common)
-                        if self.sections else self.prep)
+        self.prep, self.prep_1d, self.sections, self.interleaved, self.eps, self.is_neox = prep
+        self.io_dtypes = self.prep.config.io_dtypes
         return self.prep
+
+    def _bound_ops(self, rot, table, qn, q_weight, k_weight) -> tuple:
+        """The bound ops and their static arguments: ``(prep, prep_1d, sections, interleaved, eps, is_neox)``."""
+        sections = tuple(rot.mrope_section) if getattr(rot, "mrope_section", None) else None
+        interleaved = bool(getattr(rot, "mrope_interleaved", False))
+        eps = qn.variance_epsilon if self.qk_norm else 1e-6
+        is_neox = bool(rot.is_neox_style)
+        qw, kw = (None, None) if q_weight is None else (q_weight.detach(), k_weight.detach())
+        common = dict(q_weight=qw, k_weight=kw, eps=eps, is_neox=is_neox, backend=self.backend)
+        prep = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, mrope_section=sections,
+                              mrope_interleaved=interleaved, **common)
+        # MRotaryEmbedding also takes 1-D (text-only) positions: equal rows, i.e. plain RoPE on the same table.
+        prep_1d = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, **common) if sections else prep
+        return prep, prep_1d, sections, interleaved, eps, is_neox
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor):
         """Q and K of ``qkv`` normed and rotated in place; ``(q, k, v)`` views. Eager calls come after
@@ -469,10 +485,18 @@ class _Norm:
         self.eps = norm.variance_epsilon
         # Rebuilt when the weight is replaced or changes storage (`weight.data = ...`, `model._apply`), so the
         # bound op never reads freed memory or compares against stale byte ranges.
-        self.binding = Rebinding(lambda weight: ops.AddRMSNorm(weight.detach(), self.eps, backend=self.backend))
+        self.binding = Rebinding(self._build)
+
+    def _build(self, weight) -> Optional[ops.AddRMSNorm]:
+        try:
+            return ops.AddRMSNorm(weight.detach(), self.eps, backend=self.backend)
+        except (ValueError, TypeError, AttributeError) as exc:  # e.g. a weight swapped for another shape
+            _log_once(f"qkvfuse: an RMSNorm runs vLLM's code after a change to the running model: {exc}")
+            return None
 
     @property
-    def bound(self) -> ops.AddRMSNorm:
+    def bound(self) -> Optional[ops.AddRMSNorm]:
+        """The bound op for the norm's current weight (None: vLLM's code)."""
         return self.binding.get(_member(self.norm, "_parameters", "weight"))
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
@@ -480,6 +504,8 @@ class _Norm:
             y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, backend=self.backend)
             return y if residual is None else (y, r)
         bound = self.binding.get(_member(self.norm, "_parameters", "weight"))
+        if bound is None or x.dtype not in bound.config.io_dtypes:
+            return type(self.norm).forward(self.norm, x, residual)
         if residual is None:
             return bound(x)[0]
         return bound.inplace(x, residual)
