@@ -101,3 +101,39 @@ def hf_generate(model_dir: str, dtype: torch.dtype, prompts: Sequence[Sequence[i
                                  do_sample=False, pad_token_id=0, eos_token_id=None)
             out.append(gen[0, len(p):].tolist())
     return out
+
+
+def generate_with_edits(model_dir: str, dtype: str, qkvfuse: Optional[dict], edits: Sequence,
+                        prompts: Sequence[Sequence[int]] = PROMPTS, new_tokens: int = NEW_TOKENS,
+                        probe=None, **llm_kwargs) -> List[Tuple[Run, object]]:
+    """One engine, greedy generation of ``prompts`` before and after each of ``edits`` (functions of the model,
+    run inside the engine by ``llm.apply_model``, in order): ``[(Run, probe(model) or None)]``, one per
+    generation. Prefix caching is off: a prompt seen before must be recomputed with the edited model."""
+    from vllm import LLM, SamplingParams
+
+    additional = {} if qkvfuse is None else {"qkvfuse": qkvfuse}
+    kwargs = dict(skip_tokenizer_init=True, enforce_eager=True, dtype=dtype, max_model_len=128,
+                  max_num_batched_tokens=STEP_TOKENS, additional_config=additional, seed=0,
+                  enable_prefix_caching=False)
+    kwargs.update(llm_kwargs)
+    llm = LLM(model=model_dir, **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True, logprobs=2)
+    runs = []
+    try:
+        for edit in (None, *edits):
+            if edit is not None:
+                llm.apply_model(edit)
+            outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            logprobs, gaps = [], []
+            for o in outs:
+                steps = list(zip(o.outputs[0].logprobs, o.outputs[0].token_ids))
+                logprobs.append([step[tok].logprob for step, tok in steps])
+                gaps.append([step[tok].logprob - max(v.logprob for t, v in step.items() if t != tok)
+                             for step, tok in steps])
+            fused = llm.apply_model(fused_layers)[0]
+            runs.append((Run(tokens, logprobs, gaps, fused), llm.apply_model(probe)[0] if probe else None))
+    finally:
+        del llm
+        gc.collect()
+    return runs

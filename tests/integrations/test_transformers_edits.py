@@ -522,3 +522,114 @@ def test_peft_lora_added_after_patching(name, backend, op_calls):
     assert hf.is_patched(merged)
     _assert_same(_logits(merged, inputs), _logits(merged_ref, inputs), "merged")
     assert op_calls["split"] == _layers(merged)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A model changed while it serves (issue 21): storage swaps, _apply, a replaced rotary module.
+# ------------------------------------------------------------------------------------------------------------
+def _fresh(t, seed):
+    """New values for a norm weight: around 1, different per seed."""
+    g = torch.Generator().manual_seed(seed)
+    return (1.0 + 0.5 * torch.randn(t.shape, generator=g)).to(t.dtype)
+
+
+def _swap_data(model, which):
+    """``weight.data = new`` (same Parameter, new storage) on every layer's ``which`` norms."""
+    for i, layer in enumerate(_text_model(model).layers):
+        attn = layer.self_attn
+        norms = {"qk_norm": [attn.q_norm, attn.k_norm] if _has_qk_norm(attn) else [],
+                 "post_attention_layernorm": [layer.post_attention_layernorm],
+                 "input_layernorm": [layer.input_layernorm]}[which]
+        for j, norm in enumerate(norms):
+            norm.weight.data = _fresh(norm.weight, 100 * i + j)
+
+
+def _apply_then_update(model, _which=None):
+    """``model._apply(clone)`` (what ``.to()`` / offload-reload do: new storage under every parameter), then
+    in-place updates of the norms the fused paths read."""
+    model._apply(lambda t: t.clone())
+    with torch.no_grad():
+        for i, layer in enumerate(_text_model(model).layers):
+            attn = layer.self_attn
+            norms = [layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if _has_qk_norm(attn) else [])
+            for j, norm in enumerate(norms):
+                norm.weight.mul_(_fresh(norm.weight, 7 + 100 * i + j))
+
+
+def _replace_rotary(model, rope_update):
+    """A new rotary module of the same class whose config's rope_parameters are updated by ``rope_update``."""
+    text = _text_model(model)
+    config = copy.deepcopy(text.rotary_emb.config)
+    config.rope_parameters = {**config.rope_parameters, **rope_update}
+    text.rotary_emb = type(text.rotary_emb)(config=config)
+
+
+def _assert_spans_current(model):
+    """Every bound object's recorded byte spans (the in-place overlap check's) are those of its tensors now: a
+    span recorded before a storage swap would point at freed memory that a later activation may reuse."""
+    from qkvfuse import ops
+
+    bound = [m._qkvfuse._bound.value for m in model.modules()
+             if getattr(m.__dict__.get("_qkvfuse"), "_bound", None) is not None]
+    assert bound
+    for b in bound:
+        spans = b.config.static_spans
+        assert [e[3] for e in spans] == [e[3] for e in ops._spans([(e[0], e[1]) for e in spans])], b
+
+
+_LIVE_EDITS = {
+    "q_norm-k_norm.data": lambda m: _swap_data(m, "qk_norm"),
+    "post_attention_layernorm.data": lambda m: _swap_data(m, "post_attention_layernorm"),
+    "input_layernorm.data": lambda m: _swap_data(m, "input_layernorm"),
+    "_apply-then-in-place": _apply_then_update,
+    "rotary_emb-replaced": lambda m: _replace_rotary(m, {"rope_theta": 777.0}),
+}
+
+
+@pytest.mark.parametrize("edit", list(_LIVE_EDITS))
+@pytest.mark.parametrize("name, backend", [pytest.param(n, b, id=f"{n}-{b}") for n in FAMILIES
+                                           for b in ("reference", "cpu")], indirect=["backend"])
+def test_live_edits_are_followed(name, backend, edit, op_calls):
+    """After a first forward (bound objects built), the same edit on both twins: the patched model gives the
+    unpatched model's new logits on the fused path (no warning); the edit changes them (else this proves
+    nothing). qk_norm edits on models without QK-norm are skipped."""
+    unpatched, patched, inputs = _twins(name, backend)
+    if edit.startswith("q_norm") and not _has_qk_norm(_attn(unpatched)):
+        pytest.skip("no QK-norm in this model")
+    before = _logits(unpatched, inputs)
+    _assert_same(_logits(patched, inputs), before, "before")
+    for model in (unpatched, patched):
+        _LIVE_EDITS[edit](model)
+    want = _logits(unpatched, inputs)
+    assert vm.relative_error(want, before) > 1e-3, "the edit does not change the unpatched logits"
+    op_calls["split"] = 0
+    got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
+    assert caught == []
+    assert op_calls["split"] == _layers(patched)
+    _assert_same(got, want, edit)
+    _assert_spans_current(patched)
+    _assert_same_generation(patched, unpatched, inputs)
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.5V"])
+def test_replaced_rotary_that_cannot_be_reproduced_runs_unfused(name, op_calls):
+    """A rotary module qkvfuse cannot reproduce (dynamic NTK) put in place: transformers' unfused attention with
+    one warning; putting back a reproducible one brings the fused path back."""
+    unpatched, patched, inputs = _twins(name, "cpu")
+    _logits(patched, inputs)
+    original = _text_model(patched).rotary_emb
+    for model in (unpatched, patched):
+        _replace_rotary(model, {"rope_type": "dynamic", "factor": 4.0})
+    op_calls["split"] = 0
+    got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
+    assert any("rotary_emb was replaced by a" in w and "cannot reproduce" in w for w in caught), caught
+    assert op_calls["split"] == 0
+    _assert_same(got, _logits(unpatched, inputs))
+    assert "forward" not in original.__dict__  # the capture left the module it replaced
+    _text_model(patched).rotary_emb = original
+    _text_model(unpatched).rotary_emb = copy.deepcopy(original)
+    got = _logits(patched, inputs)
+    assert op_calls["split"] == _layers(patched)
+    _assert_same(got, _logits(unpatched, inputs))
+    assert _logits(hf.remove_qkvfuse(patched), inputs).shape == got.shape
+    assert not any("forward" in m.__dict__ for m in patched.modules())

@@ -76,6 +76,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .. import ops
 from ..backends import resolve_backend
 from ..rope import build_cos_sin_cache, compute_inv_freq
+from ._rebind import Rebinding
 
 __all__ = ["apply_qkvfuse", "remove_qkvfuse", "SUPPORTED_MODELS", "is_patched"]
 
@@ -123,6 +124,9 @@ class _Rope:
     """Positions captured from the text model's rotary module, and the cos/sin table the fused op reads."""
 
     def __init__(self, rotary: nn.Module, mrope_interleaved: Optional[bool]):
+        self.rotary = rotary  # the module whose forward captures the positions (the text model's rotary_emb)
+        self.family_interleaved = mrope_interleaved
+        self.unfused: Optional[str] = None  # why the attention layers run unfused (a replaced rotary_emb), or None
         config = rotary.config
         params = dict(config.rope_parameters)
         self.theta = float(params["rope_theta"])
@@ -165,6 +169,35 @@ class _Rope:
                 f"cast with .to(dtype) after loading? load with dtype= instead); qkvfuse rotates with the fp32 "
                 f"frequencies, so the patched model differs from the unpatched one at large positions",
                 RuntimeWarning, stacklevel=4)
+
+    def adopt(self, rotary: Optional[nn.Module]) -> None:
+        """Follow a text model whose ``rotary_emb`` was replaced: derive the table from the new module (its config's
+        rope parameters, checked against its frequencies as at patch time) and capture its positions; a module
+        qkvfuse cannot reproduce makes the attention layers run transformers' unfused code (one warning)."""
+        old, state = self.rotary, self.state
+        if old is not None and _own_forward(old):
+            del old.forward
+            del old._qkvfuse_rope
+        if state is not None and old in state.rotaries:
+            state.rotaries.remove(old)
+        self.rotary = rotary
+        try:
+            if rotary is None or "forward" in rotary.__dict__ or not hasattr(rotary, "original_inv_freq"):
+                raise NotImplementedError("it is not a rotary module of the model's family with its own forward")
+            fresh = _Rope(rotary, self.family_interleaved)
+        except NotImplementedError as exc:
+            self.unfused = (f"because the text model's rotary_emb was replaced by a {type(rotary).__name__} that "
+                            f"qkvfuse cannot reproduce ({exc})")
+            return
+        for name in ("theta", "rope_parameters", "max_position", "rotary_dim", "mrope_section", "mrope_interleaved",
+                     "rows"):
+            setattr(self, name, getattr(fresh, name))
+        self._tables = {}
+        self.unfused = None
+        rotary._qkvfuse_rope = self
+        rotary.forward = functools.partial(_capturing_rotary_forward, rotary)
+        if state is not None:
+            state.rotaries.append(rotary)
 
     def table(self, device: torch.device) -> torch.Tensor:
         """``[rows, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use)."""
@@ -232,6 +265,20 @@ def _capturing_rotary_forward(self, x, position_ids, *args, **kwargs):
 def _clear_positions(module, args, output) -> None:
     """Forward hook of the text model (always called): the capture lives for one forward only."""
     module._qkvfuse_rope.captured = None
+
+
+@torch.compiler.disable
+def _adopt_rotary(rope: _Rope, rotary) -> None:
+    rope.adopt(rotary)  # builds and checks a table on the host: never traced
+
+
+def _follow_rotary(module, args) -> None:
+    """Forward pre-hook of the text model: a ``rotary_emb`` replaced since the last forward is adopted before it
+    runs (one identity check per forward)."""
+    rope = module._qkvfuse_rope
+    rotary = module._modules.get("rotary_emb")
+    if rotary is not rope.rotary:
+        _adopt_rotary(rope, rotary)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -302,7 +349,7 @@ class _FusedAttention:
         self.weight: Optional[torch.Tensor] = None
         self.bias: Optional[torch.Tensor] = None
         self.params: Tuple = ()  # the parameter objects the fused weight was derived from
-        self._bound: Optional[ops.QKNormRope] = None
+        self._bound: Optional[Rebinding] = None  # the layer's QKNormRope, rebuilt when its tensors change
         self.fuse()
 
     def __getstate__(self):
@@ -331,6 +378,8 @@ class _FusedAttention:
         adopted here (default: outside torch.compile, where it re-derives the weight; under compile only the
         trace-time sync adopts, and a call that still sees a replaced module runs unfused).
         """
+        if self.rope.unfused is not None:
+            return self.rope.unfused
         m = attn._modules
         q, k, v = self.projections
         if m.get("q_proj") is not q or m.get("k_proj") is not k or m.get("v_proj") is not v:
@@ -361,19 +410,24 @@ class _FusedAttention:
                 or _global_hook_edit())
 
     def bound(self, attn: nn.Module, device: torch.device) -> ops.QKNormRope:
-        """The layer's :class:`qkvfuse.QKNormRope`, built once per table and norm weights (rebuilt when the
-        model moves to another device, the table grows or a norm weight is replaced)."""
+        """The layer's :class:`qkvfuse.QKNormRope`, built once per table and norm weights: rebuilt when the model
+        moves to another device, the table grows or is replaced (a new rotary module), or a norm weight is
+        replaced or changes storage (``weight.data = ...``, ``model.to(...)``): identity and data-pointer checks
+        (:class:`qkvfuse.integrations._rebind.Rebinding`), so no stale table, weight or recorded memory range."""
         table = self.rope.table(device)
         q_w = self.norms[0].weight if self.qk_norm else None
         k_w = self.norms[1].weight if self.qk_norm else None
-        bound = self._bound
-        if (bound is None or bound.config.cos_sin_cache is not table or bound.config.q_weight is not q_w
-                or bound.config.k_weight is not k_w):
-            bound = self._bound = ops.QKNormRope(
-                self.num_q_heads, self.num_kv_heads, self.head_dim, table, q_weight=q_w, k_weight=k_w, eps=self.eps,
-                is_neox=True, mrope_section=self.rope.mrope_section, mrope_interleaved=self.rope.mrope_interleaved,
-                backend=self.backend)
-        return bound
+        if torch.compiler.is_compiling():
+            # Data pointers do not trace: one object per trace, on the tensors dynamo guards on.
+            return self._build_split(table, q_w, k_w)
+        if self._bound is None:
+            self._bound = Rebinding(self._build_split)
+        return self._bound.get(table, q_w, k_w)
+
+    def _build_split(self, table, q_w, k_w) -> ops.QKNormRope:
+        return ops.QKNormRope(self.num_q_heads, self.num_kv_heads, self.head_dim, table, q_weight=q_w, k_weight=k_w,
+                              eps=self.eps, is_neox=True, mrope_section=self.rope.mrope_section,
+                              mrope_interleaved=self.rope.mrope_interleaved, backend=self.backend)
 
     def needs_autograd(self, attn: nn.Module, hidden_states: torch.Tensor) -> bool:
         """Whether this call must build an autograd graph (the fused ops are inference only)."""
@@ -506,7 +560,7 @@ class _FusedLayer:
         self.arg_names: Tuple[str, ...] = tuple(n for n in names if n not in ("args", "kwargs"))
         self.backend = backend
         self.norm: nn.Module = layer.post_attention_layernorm
-        self._bound: Optional[ops.AddRMSNorm] = None
+        self._bound: Optional[Rebinding] = None  # the norm's AddRMSNorm, rebuilt when its weight changes
 
     def __getstate__(self):
         return {**self.__dict__, "_bound": None}
@@ -525,11 +579,20 @@ class _FusedLayer:
         return _module_edit("post_attention_layernorm", norm) or _global_hook_edit()
 
     def bound(self, norm: nn.Module) -> ops.AddRMSNorm:
-        """The layer's :class:`qkvfuse.AddRMSNorm` (rebuilt when the norm weight is replaced or moved)."""
-        bound = self._bound
-        if bound is None or bound.config.weight is not norm.weight or bound.config.eps != norm.variance_epsilon:
-            bound = self._bound = ops.AddRMSNorm(norm.weight, norm.variance_epsilon, backend=self.backend)
+        """The layer's :class:`qkvfuse.AddRMSNorm`, rebuilt when the norm module or its weight is replaced, the
+        weight changes storage (``weight.data = ...``, ``model.to(...)``) or the eps changes."""
+        if torch.compiler.is_compiling():
+            return self._build_norm(norm, norm.weight)  # one object per trace (data pointers do not trace)
+        if self._bound is None:
+            self._bound = Rebinding(self._build_norm)
+        bound = self._bound.get(norm, norm.weight)
+        if bound.config.eps != norm.variance_epsilon:
+            self._bound.clear()
+            bound = self._bound.get(norm, norm.weight)
         return bound
+
+    def _build_norm(self, norm, weight) -> ops.AddRMSNorm:
+        return ops.AddRMSNorm(weight, norm.variance_epsilon, backend=self.backend)
 
 
 _warned_unfused: set = set()
@@ -815,6 +878,7 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         state.text_models.append(text_model)
         state.rotaries.append(rotary)
         state.hooks.append(text_model.register_forward_hook(_clear_positions, always_call=True))
+        state.hooks.append(text_model.register_forward_pre_hook(_follow_rotary))
         for layer in text_model.layers:
             attn = layer.self_attn
             attn._qkvfuse = _FusedAttention(attn, rope, backend, eager)

@@ -23,15 +23,23 @@ changed otherwise, and without vLLM it does nothing). After a model is built and
 its weights loaded, :func:`fuse_model` reads the options from the engine's config and, for each attention layer
 of a supported class (``Qwen3Attention``, ``Qwen3MoeAttention``, ``Glm4MoeAttention``: also the language models
 of Qwen3-VL and GLM-4.5V), replaces that *instance's* ``forward`` with one that calls the fused op -- the class
-and every other layer keep vLLM's code. One bound object per layer (built once; rebuilt if vLLM replaces the
-rotary table or a norm weight); eager calls rewrite Q and K inside the packed projection output (no copies);
-under ``torch.compile`` the functional op on the module's own parameters (a graph with no mutation of
-intermediates, no host syncs, shapes from the trace).
+and every other layer keep vLLM's code. One bound object per layer; eager calls rewrite Q and K inside the
+packed projection output (no copies); under ``torch.compile`` the functional op on the module's own parameters (a
+graph with no mutation of intermediates, no host syncs, shapes from the trace).
+
+The fused forwards follow the running model (weight syncs, sleep/offload, swapped tables and modules): each eager
+call reads what vLLM's own forward would read -- the layer's current ``rotary_emb``, its ``cos_sin_cache`` (cast
+as vLLM casts it), the current q/k norms and decoder norms and their weights -- and re-binds its qkvfuse objects
+when any of them is another object or its storage changed (``param.data = new``, ``model._apply``; identity and
+data-pointer/shape/dtype checks only, :mod:`qkvfuse.integrations._rebind`). A layer that stops qualifying after
+such a change (say, a table now shorter than ``max_model_len``) runs vLLM's code from then on, with a log line.
 
 A layer is fused only when it qualifies, else it keeps vLLM's code and the log says why: the methods qkvfuse
 replaces and the vLLM code whose semantics it reproduces hash to a version it was tested with
 (:data:`TESTED_SOURCES`, vLLM 0.32.0); the rotary module is ``RotaryEmbedding`` (or a subclass that changes only
-its table: YaRN, linear, NTK, Llama-3 scaling) or ``MRotaryEmbedding``; the norms are plain ``RMSNorm`` with one
+its table: YaRN, linear, NTK, Llama-3 scaling) or ``MRotaryEmbedding``, with a table of at least ``max_model_len``
+rows (positions vLLM accepts must never be refused inside an engine: a context extended past
+``max_position_embeddings``, or a dynamic-NTK table, keeps vLLM's code); the norms are plain ``RMSNorm`` with one
 eps; head_dim even and <= 512, rotary_dim even and <= head_dim; a fast qkvfuse backend runs on the device; none
 of vLLM's own QK-norm+RoPE fusion passes is on. It logs once per process what it fused, e.g.
 ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary 128, neox)``.
@@ -59,6 +67,7 @@ import torch
 
 from .. import ops
 from ..backends import resolve_backend
+from ._rebind import Rebinding
 
 __all__ = ["register", "fuse_model", "Options", "options_from_config", "TESTED_SOURCES", "CONFIG_KEY", "ENV_VAR"]
 
@@ -235,57 +244,121 @@ def _untested(names: List[str], module_name: str) -> Optional[str]:
 # Attention layers.
 # --------------------------------------------------------------------------------------------------------
 class _Prepare:
-    """One attention layer's fused prepare: the bound op (eager) and the static arguments (compiled)."""
+    """One attention layer's fused prepare: the bound ops (eager) and the static arguments (compiled).
 
-    def __init__(self, module, backend: Optional[str], verify: bool):
+    Eager calls follow the running model. Before each call :meth:`ready` reads what vLLM's forward would read --
+    the layer's current ``rotary_emb``, its ``cos_sin_cache`` (cast as vLLM's rotation casts it), the current
+    ``q_norm`` / ``k_norm`` and their weights -- and compares them with what the bound ops were built from
+    (identity, and for tensors data pointer, shape, strides, dtype and device: :class:`_rebind.Rebinding`; no
+    tensor op). On a change the layer is checked again and re-bound, so no stale tensor, eps or recorded memory
+    range is used; a layer that no longer qualifies (e.g. a table shorter than ``max_model_len``, a rotary class
+    qkvfuse does not reproduce) runs vLLM's own forward until it qualifies again, with one log line.
+    """
+
+    def __init__(self, module, backend: Optional[str], verify: bool, max_model_len: Optional[int] = None):
         self.module, self.backend, self.verify = module, backend, verify
-        rot = module.rotary_emb
-        self.rotary = rot
+        self.max_model_len = max_model_len
         self.qk_norm = getattr(module, "use_qk_norm", True)
         self.hq, self.hkv, self.head_dim = module.num_heads, module.num_kv_heads, module.head_dim
-        self.sections = tuple(rot.mrope_section) if getattr(rot, "mrope_section", None) else None
-        self.interleaved = bool(getattr(rot, "mrope_interleaved", False))
-        self.eps = module.q_norm.variance_epsilon if self.qk_norm else 1e-6
-        self.is_neox = bool(rot.is_neox_style)
-        self._bind()
+        self.binding = Rebinding(self._bind)
+        self.prep = self.prep_1d = None
+        if not self.ready(None):
+            raise ValueError(f"qkvfuse: {type(module).__name__} does not qualify: {self.reason}")
 
-    def _weights(self):
+    def _items(self, like: Optional[torch.Tensor]) -> tuple:
+        """What vLLM's forward reads at this call (the binding's items)."""
         m = self.module
-        return (m.q_norm.weight, m.k_norm.weight) if self.qk_norm else (None, None)
+        rot = _member(m, "_modules", "rotary_emb")
+        table = _member(rot, "_buffers", "cos_sin_cache")
+        if (like is not None and isinstance(table, torch.Tensor)
+                and (table.dtype != like.dtype or table.device != like.device)
+                and hasattr(rot, "_match_cos_sin_cache_dtype")):
+            # vLLM's rotation casts the table to the activations' dtype and device first (and keeps the cast).
+            table = rot._match_cos_sin_cache_dtype(like)
+        if not self.qk_norm:
+            return rot, table
+        qn, kn = _member(m, "_modules", "q_norm"), _member(m, "_modules", "k_norm")
+        return rot, table, qn, _member(qn, "_parameters", "weight"), kn, _member(kn, "_parameters", "weight")
 
-    def _bind(self) -> None:
-        """(Re)build the bound objects from the rotary table and the norm weights now in the module."""
-        self.cache = self.rotary.cos_sin_cache
-        self.weights = self._weights()
-        qw, kw = (None if w is None else w.detach() for w in self.weights)
-        common = dict(q_weight=qw, k_weight=kw, eps=self.eps, is_neox=self.is_neox, backend=self.backend)
-        self.prep = ops.QKNormRope(self.hq, self.hkv, self.head_dim, self.cache, mrope_section=self.sections,
-                                   mrope_interleaved=self.interleaved, **common)
+    def ready(self, hidden_states: Optional[torch.Tensor]) -> bool:
+        """Whether this call takes the fused path (re-binding first if anything it reads changed)."""
+        if self.binding.get(*self._items(hidden_states)) is None:
+            return False
+        if hidden_states is not None and hidden_states.dtype not in self.io_dtypes:
+            _log_once(f"qkvfuse: {type(self.module).__name__} runs vLLM's code for {hidden_states.dtype} activations "
+                      f"with q/k norm weights of another dtype")
+            return False
+        return True
+
+    def _bind(self, rot, table, qn=None, q_weight=None, kn=None, k_weight=None):
+        """(Re)build the bound ops from the rotary module, table and norms the layer holds now; None (and the
+        reason, logged once) when the layer no longer qualifies."""
+        reason = _layer_reason(self.module, self.max_model_len, self.backend)
+        if reason is None:
+            try:
+                prep = self._bound_ops(rot, table, qn, q_weight, k_weight)
+            except (ValueError, TypeError) as exc:  # what qkvfuse's own validation refuses: vLLM's code then
+                reason = f"qkvfuse refuses the layer's tensors: {exc}"
+        self.reason = reason
+        if reason is not None:
+            if self.prep is not None:  # it was fused: say that this layer now runs vLLM's code
+                _log_once(f"qkvfuse: {type(self.module).__name__} runs vLLM's code after a change to the running "
+                          f"model: {reason}")
+            self.prep = self.prep_1d = None
+            return None
+        self.prep, self.prep_1d, self.sections, self.interleaved, self.eps, self.is_neox = prep
+        self.io_dtypes = self.prep.config.io_dtypes
+        return self.prep
+
+    def _bound_ops(self, rot, table, qn, q_weight, k_weight) -> tuple:
+        """The bound ops and their static arguments: ``(prep, prep_1d, sections, interleaved, eps, is_neox)``."""
+        sections = tuple(rot.mrope_section) if getattr(rot, "mrope_section", None) else None
+        interleaved = bool(getattr(rot, "mrope_interleaved", False))
+        eps = qn.variance_epsilon if self.qk_norm else 1e-6
+        is_neox = bool(rot.is_neox_style)
+        qw, kw = (None, None) if q_weight is None else (q_weight.detach(), k_weight.detach())
+        common = dict(q_weight=qw, k_weight=kw, eps=eps, is_neox=is_neox, backend=self.backend)
+        prep = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, mrope_section=sections,
+                              mrope_interleaved=interleaved, **common)
         # MRotaryEmbedding also takes 1-D (text-only) positions: equal rows, i.e. plain RoPE on the same table.
-        self.prep_1d = (ops.QKNormRope(self.hq, self.hkv, self.head_dim, self.cache, **common)
-                        if self.sections else self.prep)
+        prep_1d = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, **common) if sections else prep
+        return prep, prep_1d, sections, interleaved, eps, is_neox
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """Q and K of ``qkv`` normed and rotated in place; ``(q, k, v)`` views. Eager calls come after
+        :meth:`ready` returned True for this call."""
         if torch.compiler.is_compiling():
-            qw, kw = self._weights()
+            # The module's current parameters and table as graph inputs (dynamo reads them at trace time).
+            m = self.module
+            qw, kw = (m.q_norm.weight, m.k_norm.weight) if self.qk_norm else (None, None)
             mrope = self.sections is not None and positions.dim() == 2
             return ops.split_qkv_rmsnorm_rope(
-                qkv, positions, self.rotary.cos_sin_cache, self.hq, self.hkv, self.head_dim, q_weight=qw,
-                k_weight=kw, eps=self.eps, is_neox=self.is_neox, mrope_section=self.sections if mrope else None,
-                mrope_interleaved=self.interleaved, backend=self.backend)
-        w = self._weights()
-        if self.rotary.cos_sin_cache is not self.cache or w[0] is not self.weights[0] or w[1] is not self.weights[1]:
-            self._bind()  # vLLM replaced the table (e.g. moved it to another dtype) or a norm weight
+                qkv, positions, m.rotary_emb._match_cos_sin_cache_dtype(qkv), self.hq, self.hkv, self.head_dim,
+                q_weight=qw, k_weight=kw, eps=self.eps, is_neox=self.is_neox,
+                mrope_section=self.sections if mrope else None, mrope_interleaved=self.interleaved,
+                backend=self.backend)
         prep = self.prep if positions.dim() == 2 or self.sections is None else self.prep_1d
         if self.verify:
             return _verified(self, prep, qkv, positions)
         return prep.inplace(qkv, positions)
 
 
+def _member(obj, group: str, name: str):
+    """``obj.<name>`` as ``nn.Module`` attribute lookup finds it, read from its ``_modules`` / ``_buffers`` /
+    ``_parameters`` dict first (a dict read instead of ``Module.__getattr__``: this runs per layer per call)."""
+    found = getattr(obj, group, None)
+    found = found.get(name) if found is not None else None
+    return found if found is not None else getattr(obj, name, None)
+
+
 def _fused_attention_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-    """vLLM's attention forward with the split + QK-norm + RoPE in one fused call."""
+    """vLLM's attention forward with the split + QK-norm + RoPE in one fused call (vLLM's own forward for a call
+    the layer no longer qualifies for)."""
+    state = self._qkvfuse
+    if not torch.compiler.is_compiling() and not state.ready(hidden_states):
+        return type(self).forward(self, positions, hidden_states)
     qkv, _ = self.qkv_proj(hidden_states)
-    q, k, v = self._qkvfuse(qkv, positions)
+    q, k, v = state(qkv, positions)
     attn_output = self.attn(q, k, v)
     output, _ = self.o_proj(attn_output)
     return output
@@ -333,46 +406,72 @@ def _competing_pass(vllm_config, flags) -> Optional[str]:
 
 def _attention_reason(module, vllm_config, backend: Optional[str]) -> Tuple[Optional[str], str]:
     """``(None, description)`` when ``module`` qualifies, else ``(reason, "")``."""
+    flag = _competing_pass(vllm_config, ("enable_qk_norm_rope_fusion", "fuse_qk_norm_rope_kvcache"))
+    if flag:
+        return f"vLLM's own QK-norm+RoPE fusion pass is on (pass_config.{flag})", ""
+    reason = _layer_reason(module, _max_model_len(vllm_config), backend)
+    if reason is not None:
+        return reason, ""
+    rot = module.rotary_emb
+    style = "neox" if rot.is_neox_style else "gptj"
+    mrope = ""
+    if getattr(rot, "mrope_section", None):
+        mrope = f", mrope {list(rot.mrope_section)}{' interleaved' if rot.mrope_interleaved else ''}"
+    name = resolve_backend(backend, rot.cos_sin_cache.device.type)
+    return None, f"{name}, rotary {rot.rotary_dim}, {style}{mrope}"
+
+
+def _max_model_len(vllm_config) -> Optional[int]:
+    """The longest sequence the engine accepts (positions below it), or None when the config has no model."""
+    model_config = getattr(vllm_config, "model_config", None)
+    value = getattr(model_config, "max_model_len", None)
+    return value if isinstance(value, int) else None
+
+
+def _layer_reason(module, max_model_len: Optional[int], backend: Optional[str]) -> Optional[str]:
+    """Why the layer's current rotary module, table and norms do not qualify, or None. Checked at load and
+    whenever one of them changed in the running engine."""
     from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
-    flag = _competing_pass(vllm_config, ("enable_qk_norm_rope_fusion", "fuse_qk_norm_rope_kvcache"))
-    if flag:
-        return f"vLLM's own QK-norm+RoPE fusion pass is on (pass_config.{flag})", ""
     rot = getattr(module, "rotary_emb", None)
     kind = type(rot)
     plain_table_change = isinstance(rot, RotaryEmbedding) and all(
         getattr(kind, name) is getattr(RotaryEmbedding, name)
         for name in ("forward", "forward_native", "forward_static", "forward_cpu", "forward_cuda", "forward_hip",
                      "forward_xpu", "_match_cos_sin_cache_dtype"))
-    if not (plain_table_change or kind is MRotaryEmbedding):
-        return f"rotary module {kind.__name__} is not one qkvfuse reproduces", ""
+    if not (plain_table_change or kind is MRotaryEmbedding) or "forward" in rot.__dict__:
+        return f"rotary module {kind.__name__} is not one qkvfuse reproduces"
     cache = getattr(rot, "cos_sin_cache", None)
     head_dim, rotary_dim = module.head_dim, getattr(rot, "rotary_dim", None)
     if not isinstance(cache, torch.Tensor) or cache.dim() != 2 or cache.shape[1] != rotary_dim:
-        return "the rotary module has no (max_position, rotary_dim) cos_sin_cache", ""
+        return "the rotary module has no (max_position, rotary_dim) cos_sin_cache"
+    if max_model_len is not None and cache.shape[0] < max_model_len:
+        # vLLM's own rotation accepts every position below max_model_len (its CPU kernel does not bound-check
+        # them); the fused op refuses positions past the table, which must never happen inside an engine.
+        return (f"its rotary table has {cache.shape[0]} rows, fewer than max_model_len {max_model_len} (positions "
+                f"past the table, e.g. a context extended past max_position_embeddings or a dynamic-NTK config)")
     if rot.head_size != head_dim:
-        return f"rotary head_size {rot.head_size} != head_dim {head_dim}", ""
+        return f"rotary head_size {rot.head_size} != head_dim {head_dim}"
     if head_dim % 2 or head_dim > ops.MAX_HEAD_DIM or rotary_dim % 2 or rotary_dim > head_dim:
-        return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)", ""
+        return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)"
     if getattr(module, "use_qk_norm", True):
-        norms = (module.q_norm, module.k_norm)
+        norms = (getattr(module, "q_norm", None), getattr(module, "k_norm", None))
         if any(type(n) is not RMSNorm or not n.has_weight or n.variance_size_override is not None
+               or "forward" in n.__dict__ or not isinstance(n.weight, torch.Tensor)
                or tuple(n.weight.shape) != (head_dim,) for n in norms):
-            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight", ""
+            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight"
         if norms[0].variance_epsilon != norms[1].variance_epsilon:
-            return "q_norm and k_norm have different eps", ""
+            return "q_norm and k_norm have different eps"
+        if any(n.weight.device != cache.device for n in norms):
+            return "q_norm/k_norm weights and the rotary table are on different devices"
     if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"rotary table dtype {cache.dtype}", ""
+        return f"rotary table dtype {cache.dtype}"
     name = resolve_backend(backend, cache.device.type)
     if name == "reference" and backend != "reference":
-        return f"no fast qkvfuse backend for {cache.device.type} tensors", ""
-    style = "neox" if rot.is_neox_style else "gptj"
-    mrope = ""
-    if kind is MRotaryEmbedding and rot.mrope_section:
-        mrope = f", mrope {list(rot.mrope_section)}{' interleaved' if rot.mrope_interleaved else ''}"
-    return None, f"{name}, rotary {rotary_dim}, {style}{mrope}"
+        return f"no fast qkvfuse backend for {cache.device.type} tensors"
+    return None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -384,21 +483,32 @@ class _Norm:
     def __init__(self, norm, backend: Optional[str]):
         self.norm, self.backend = norm, backend
         self.eps = norm.variance_epsilon
-        self._bind()
+        # Rebuilt when the weight is replaced or changes storage (`weight.data = ...`, `model._apply`), so the
+        # bound op never reads freed memory or compares against stale byte ranges.
+        self.binding = Rebinding(self._build)
 
-    def _bind(self) -> None:
-        self.weight = self.norm.weight
-        self.bound = ops.AddRMSNorm(self.weight.detach(), self.eps, backend=self.backend)
+    def _build(self, weight) -> Optional[ops.AddRMSNorm]:
+        try:
+            return ops.AddRMSNorm(weight.detach(), self.eps, backend=self.backend)
+        except (ValueError, TypeError, AttributeError) as exc:  # e.g. a weight swapped for another shape
+            _log_once(f"qkvfuse: an RMSNorm runs vLLM's code after a change to the running model: {exc}")
+            return None
+
+    @property
+    def bound(self) -> Optional[ops.AddRMSNorm]:
+        """The bound op for the norm's current weight (None: vLLM's code)."""
+        return self.binding.get(_member(self.norm, "_parameters", "weight"))
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if torch.compiler.is_compiling():
             y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, backend=self.backend)
             return y if residual is None else (y, r)
-        if self.norm.weight is not self.weight:
-            self._bind()
+        bound = self.binding.get(_member(self.norm, "_parameters", "weight"))
+        if bound is None or x.dtype not in bound.config.io_dtypes:
+            return type(self.norm).forward(self.norm, x, residual)
         if residual is None:
-            return self.bound(x)[0]
-        return self.bound.inplace(x, residual)
+            return bound(x)[0]
+        return bound.inplace(x, residual)
 
 
 def _fused_norm_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
@@ -490,7 +600,7 @@ def _count(report: Report, name: str, reason: Optional[str], detail: str = "") -
 def _fuse_attention(module, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report) -> None:
     reason, detail = (untested, "") if untested else _attention_reason(module, vllm_config, opts.backend)
     if reason is None:
-        module._qkvfuse = _Prepare(module, opts.backend, opts.verify)
+        module._qkvfuse = _Prepare(module, opts.backend, opts.verify, _max_model_len(vllm_config))
         module.forward = types.MethodType(_fused_attention_forward, module)
     _count(report, cls_name, reason, detail)
 

@@ -53,20 +53,20 @@ def calls(monkeypatch):
 
 @pytest.fixture
 def plugin_log(monkeypatch):
-    """The messages the plugin logs (its once-per-process memory cleared first)."""
-    import logging
-
+    """The messages the plugin logs (its once-per-process memory cleared first). The plugin's logger is wrapped
+    rather than given a handler: vLLM's logging set-up, at the first engine of a process, drops the handlers of
+    its loggers' children."""
     messages = []
+    logger = plugin.logger
 
-    class Handler(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
+    class Recorder:
+        def info(self, fmt, *args):
+            messages.append(fmt % args if args else fmt)
+            logger.info(fmt, *args)
 
-    handler = Handler()
     monkeypatch.setattr(plugin, "_logged", set())
-    plugin.logger.addHandler(handler)
-    yield messages
-    plugin.logger.removeHandler(handler)
+    monkeypatch.setattr(plugin, "logger", Recorder())
+    return messages
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -165,3 +165,183 @@ def test_verify_option_passes_and_catches_a_wrong_result(vllm_config, monkeypatc
         monkeypatch.setattr(type(state.prep), "inplace", lambda self, qkv, pos: off_by_a_bit(qkv, pos))
         with pytest.raises(RuntimeError, match="qkvfuse verify: Qwen3Attention"):
             layer(positions, hidden)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A layer changed after fusing (issue 21): the fused forward reads what vLLM's forward reads at that call.
+# ------------------------------------------------------------------------------------------------------------
+def _twin_layers(vllm_config, name="glm-4.7", dtype=torch.float32):
+    """``(reference, fused)``: one vLLM layer and a deep copy of it fused by the plugin (after one call)."""
+    import copy
+
+    kind, rope, qk_norm = LAYERS[name]
+    ref = _layer(kind, rope, qk_norm, dtype)
+    fused = _fused(copy.deepcopy(ref), vllm_config)
+    return ref, fused
+
+
+def _check_same(ref, fused, seed, what, max_position=512):
+    g = torch.Generator().manual_seed(seed)
+    positions, hidden = torch.randint(0, max_position, (T,), generator=g), torch.randn(T, 96, generator=g)
+    with torch.inference_mode():
+        want = type(ref).forward(ref, positions, hidden)
+        got = fused(positions, hidden)
+    torch.testing.assert_close(got, want, rtol=3e-6, atol=3e-6, msg=lambda m: f"{what}: {m}")
+    prep = fused._qkvfuse.prep
+    if prep is not None:  # the recorded byte spans are those of the tensors the layer holds now
+        from qkvfuse import ops
+
+        spans = prep.config.static_spans
+        assert [e[3] for e in spans] == [e[3] for e in ops._spans([(e[0], e[1]) for e in spans])], what
+    return want
+
+
+def _new_table(rot, base, rows=None):
+    old = rot.base
+    rot.base = base
+    table = rot._compute_cos_sin_cache().to(rot.cos_sin_cache.dtype)
+    rot.base = old
+    return table[:rows].clone() if rows else table
+
+
+def _edit_q_norm_data(layer):
+    layer.q_norm.weight.data = layer.q_norm.weight.data * 1.5 + 0.1
+
+
+def _edit_table_data(layer):
+    layer.rotary_emb.cos_sin_cache.data = _new_table(layer.rotary_emb, 5e3)
+
+
+def _edit_replace_rotary(layer):
+    import copy
+
+    rot = copy.deepcopy(layer.rotary_emb)
+    rot.cos_sin_cache = _new_table(rot, 2e4)
+    layer.rotary_emb = rot
+
+
+def _edit_apply_then_update(layer):
+    layer._apply(lambda t: t.clone())
+    with torch.no_grad():
+        layer.k_norm.weight.mul_(0.5)
+        layer.rotary_emb.cos_sin_cache.mul_(0.9)
+
+
+def _edit_replace_q_norm(layer):
+    import copy
+
+    norm = copy.deepcopy(layer.q_norm)
+    with torch.no_grad():
+        norm.weight.add_(0.3)
+    layer.q_norm = norm
+
+
+LAYER_EDITS = {"q_norm.weight.data = new": _edit_q_norm_data, "cos_sin_cache.data = new": _edit_table_data,
+               "rotary_emb replaced": _edit_replace_rotary, "_apply(clone), then in place": _edit_apply_then_update,
+               "q_norm replaced by a new RMSNorm": _edit_replace_q_norm}
+
+
+def test_layer_edits_are_followed(vllm_config):
+    """Each edit on both twins in turn: the fused layer equals vLLM's forward on the edited layer, takes the fused
+    path, and its bound op's recorded memory ranges are the current tensors'."""
+    ref, fused = _twin_layers(vllm_config)
+    before = _check_same(ref, fused, 0, "before")
+    for i, (what, edit) in enumerate(LAYER_EDITS.items()):
+        for layer in (ref, fused):
+            edit(layer)
+        after = _check_same(ref, fused, 0, what)
+        assert not torch.allclose(after, before), f"{what} does not change the output"
+        assert fused._qkvfuse.prep is not None, what
+        before = after
+
+
+def test_a_freed_and_reused_table_address_is_not_an_overlap(vllm_config):
+    """The issue's engine death: ``cos_sin_cache.data = new`` frees the old table, whose memory later holds the
+    projection output. Made deterministic: qkv_proj writes into the old table's memory. Re-bound on the swap, the
+    fused op compares qkv with the table it reads now (no stale byte range), and the result is vLLM's."""
+    ref, fused = _twin_layers(vllm_config)
+    _check_same(ref, fused, 0, "before")
+    for layer in (ref, fused):
+        old = layer.rotary_emb.cos_sin_cache.data
+        layer.rotary_emb.cos_sin_cache.data = _new_table(layer.rotary_emb, 5e3)
+        proj = layer.qkv_proj
+
+        class IntoOldTable(nn.Module):
+            def forward(self, x, proj=proj, old=old):
+                out, bias = proj(x)
+                reused = old.view(-1)[: out.numel()].view_as(out)
+                reused.copy_(out)
+                return reused, bias
+
+        layer.qkv_proj = IntoOldTable()
+    _check_same(ref, fused, 1, "qkv in the freed table's memory")
+
+
+def test_a_layer_that_stops_qualifying_runs_vllms_code(vllm_config, monkeypatch):
+    """A table shorter than max_model_len, or a rotary class qkvfuse does not reproduce, put in place at run time:
+    vLLM's forward for that layer (equal to the reference), one log line; a qualifying table brings the fused
+    path back."""
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    messages = []
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "_log_once", messages.append)
+    ref, fused = _twin_layers(vllm_config)
+    fused._qkvfuse.max_model_len = 512
+    _check_same(ref, fused, 0, "before")
+    for layer in (ref, fused):
+        layer.rotary_emb.cos_sin_cache.data = _new_table(layer.rotary_emb, 5e3, rows=300)
+    _check_same(ref, fused, 2, "a 300-row table", max_position=300)  # where vLLM's own rotation is defined
+    assert fused._qkvfuse.prep is None
+    assert any("its rotary table has 300 rows, fewer than max_model_len 512" in m for m in messages), messages
+    for layer in (ref, fused):
+        layer.rotary_emb.cos_sin_cache.data = _new_table(layer.rotary_emb, 5e3)
+    _check_same(ref, fused, 3, "a full table again")
+    assert fused._qkvfuse.prep is not None
+
+    class OwnRotation(RotaryEmbedding):
+        def forward_native(self, positions, query, key=None):
+            return super().forward_native(positions, query * 2, key)
+
+        forward_cpu = forward_native
+
+    for layer in (ref, fused):
+        rot = layer.rotary_emb
+        layer.rotary_emb = OwnRotation(rot.head_size, rot.rotary_dim, rot.max_position_embeddings, rot.base,
+                                       rot.is_neox_style, rot.cos_sin_cache.dtype)
+    _check_same(ref, fused, 4, "a rotary class that is not reproduced")
+    assert fused._qkvfuse.prep is None
+    assert any("rotary module OwnRotation is not one qkvfuse reproduces" in m for m in messages), messages
+
+
+def test_decoder_norm_follows_data_swaps(vllm_config):
+    """The add_rmsnorm option's RMSNorm: ``weight.data = new`` and ``_apply`` are seen (re-bound)."""
+    import copy
+
+    from vllm.model_executor.layers.layernorm import RMSNorm
+
+    ref = RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.1 * torch.randn(96, generator=torch.Generator().manual_seed(1)))
+    fused = copy.deepcopy(ref)
+    fused._qkvfuse = plugin._Norm(fused, None)
+    fused.forward = types.MethodType(plugin._fused_norm_forward, fused)
+
+    def same(seed):
+        g = torch.Generator().manual_seed(seed)
+        x, r = torch.randn(T, 96, generator=g), torch.randn(T, 96, generator=g)
+        with torch.inference_mode():
+            want = ref(x.clone(), r.clone())
+            got = fused(x.clone(), r.clone())
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return want[0]
+
+    first = same(0)
+    for edit in (lambda n: setattr(n.weight, "data", n.weight.data * 2 - 0.5),
+                 lambda n: (n._apply(lambda t: t.clone()), n.weight.data.mul_(0.25))):
+        for norm in (ref, fused):
+            edit(norm)
+        assert not torch.allclose(same(0), first)
+        bound = fused._qkvfuse.bound
+        assert bound.config.weight.data_ptr() == fused.weight.data_ptr()
