@@ -188,11 +188,8 @@ def _check_same(ref, fused, seed, what, max_position=512):
         got = fused(positions, hidden)
     torch.testing.assert_close(got, want, rtol=3e-6, atol=3e-6, msg=lambda m: f"{what}: {m}")
     prep = fused._qkvfuse.prep
-    if prep is not None:  # the recorded byte spans are those of the tensors the layer holds now
-        from qkvfuse import ops
-
-        spans = prep.config.static_spans
-        assert [e[3] for e in spans] == [e[3] for e in ops._spans([(e[0], e[1]) for e in spans])], what
+    if prep is not None:  # no recorded memory ranges to go stale: the kernels check each call's tensors
+        assert not any("span" in field for field in type(prep.config)._fields), what
     return want
 
 
