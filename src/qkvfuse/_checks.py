@@ -54,6 +54,13 @@ def _vector(arg: str, t: torch.Tensor, length, device: torch.device, anchor: str
         fail(arg, f"shape {tuple(t.shape)}", f"shape ({length},)")
 
 
+def served_dtypes(weights) -> Tuple[torch.dtype, ...]:
+    """Activation dtypes these norm weights/biases (None: absent) serve under :func:`_io_dtype`'s rule: fp32 ones
+    serve every float dtype, others only their own (integrations ask before a call that would raise)."""
+    own = {w.dtype for w in weights if w is not None and w.dtype != torch.float32}
+    return tuple(own) if len(own) == 1 else (FLOATS if not own else ())
+
+
 def _io_dtype(arg: str, dtype: torch.dtype, named) -> None:
     """Norm weights and biases are fp32 or the activations' dtype."""
     for name, w in named:

@@ -66,6 +66,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import ops
+from .._checks import served_dtypes
 from ..backends import resolve_backend
 from ._rebind import Rebinding
 
@@ -307,7 +308,8 @@ class _Prepare:
             self.prep = self.prep_1d = None
             return None
         self.prep, self.prep_1d, self.sections, self.interleaved, self.eps, self.is_neox = prep
-        self.io_dtypes = self.prep.config.io_dtypes
+        c = self.prep.config
+        self.io_dtypes = served_dtypes((c.q_weight, c.k_weight, c.q_bias, c.k_bias))
         return self.prep
 
     def _bound_ops(self, rot, table, qn, q_weight, k_weight) -> tuple:
@@ -504,7 +506,7 @@ class _Norm:
             y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, backend=self.backend)
             return y if residual is None else (y, r)
         bound = self.binding.get(_member(self.norm, "_parameters", "weight"))
-        if bound is None or x.dtype not in bound.config.io_dtypes:
+        if bound is None or x.dtype not in served_dtypes((bound.config.weight, bound.config.bias)):
             return type(self.norm).forward(self.norm, x, residual)
         if residual is None:
             return bound(x)[0]
