@@ -1,0 +1,33 @@
+"""Counts the SGLang plugin's fused calls in every process of a test engine (tests only; see
+tests/_support/sglang_engine.py). Active only where ``$QKVFUSE_TEST_COUNTS`` is set: each process that makes a
+fused call writes its counts to ``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers
+without running exit handlers)."""
+
+import os
+
+if os.environ.get("QKVFUSE_TEST_COUNTS"):
+    from qkvfuse.integrations import vllm as _shared  # the bound prepare / norm classes the SGLang plugin uses
+
+    def _install(path=os.environ["QKVFUSE_TEST_COUNTS"]):
+        import json
+
+        counts = {"attention": 0, "norm": 0}
+        prepare, norm = _shared._Prepare.__call__, _shared._Norm.__call__
+
+        def record(key):
+            counts[key] += 1
+            with open(f"{path}.{os.getpid()}", "w") as f:
+                json.dump(counts, f)
+
+        def counted_prepare(self, *args):
+            record("attention")
+            return prepare(self, *args)
+
+        def counted_norm(self, *args):
+            record("norm")
+            return norm(self, *args)
+
+        _shared._Prepare.__call__ = counted_prepare
+        _shared._Norm.__call__ = counted_norm
+
+    _install()
