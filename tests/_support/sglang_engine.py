@@ -52,7 +52,7 @@ def run_engines(model_dir: str, engines: Sequence[dict], timeout: int = 900) -> 
     **sgl.Engine kwargs}``) in one child process, one after another, each generating :data:`PROMPTS`."""
     with tempfile.TemporaryDirectory() as counts_dir:
         spec = json.dumps({"model_dir": model_dir, "engines": list(engines), "counts_dir": counts_dir})
-        # one pipe for stdout and stderr, the schedulers' included: each engine's log lines stay in order
+            # one pipe for stdout and stderr, the schedulers' included: each engine's log lines stay in order
         proc = subprocess.run([sys.executable, "-m", "_support.sglang_engine", spec], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=child_env(), timeout=timeout, cwd=TESTS_DIR)
     log = proc.stdout
@@ -84,7 +84,7 @@ def _generate(engine_kwargs: dict, model_dir: str, counts_dir: str, index: int) 
     os.environ["QKVFUSE_TEST_COUNTS"] = counts_file
     os.environ.update(extra_env)
     base = dict(model_path=model_dir, skip_tokenizer_init=True, device="cpu", attention_backend="torch_native",
-                tp_size=1, mem_fraction_static=0.05, disable_cuda_graph=True, dtype="float32", random_seed=0,
+                tp_size=1, mem_fraction_static=0.2, max_total_tokens=2048, disable_cuda_graph=True, dtype="float32", random_seed=0,
                 chunked_prefill_size=STEP_TOKENS, enable_mixed_chunk=True, disable_radix_cache=True,
                 log_level="info")
     base.update(kwargs)

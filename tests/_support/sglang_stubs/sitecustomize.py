@@ -1,7 +1,9 @@
-"""Counts the SGLang plugin's fused calls in every process of a test engine (tests only; see
-tests/_support/sglang_engine.py). Active only where ``$QKVFUSE_TEST_COUNTS`` is set: each process that makes a
-fused call writes its counts to ``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers
-without running exit handlers)."""
+"""Test hooks inside every process of a test SGLang engine (tests only; see tests/_support/sglang_engine.py).
+
+``$QKVFUSE_TEST_COUNTS``: count the SGLang plugin's fused calls; each process that makes one writes its counts to
+``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers without running exit handlers).
+``$QKVFUSE_TEST_UNTESTED``: pretend the named SGLang method hashes differently (the refusal tests).
+"""
 
 import os
 
@@ -31,3 +33,8 @@ if os.environ.get("QKVFUSE_TEST_COUNTS"):
         _shared._Norm.__call__ = counted_norm
 
     _install()
+
+if os.environ.get("QKVFUSE_TEST_UNTESTED"):  # an SGLang whose named method hashes differently (refusal tests)
+    from qkvfuse.integrations import sglang as _plugin
+
+    _plugin.TESTED_SOURCES[os.environ["QKVFUSE_TEST_UNTESTED"]] = ("0" * 16,)
