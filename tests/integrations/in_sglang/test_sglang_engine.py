@@ -6,6 +6,11 @@ extend and decode; greedy, 8 new tokens. The plugin is loaded through its entry 
 process and switched by ``$QKVFUSE_SGLANG``; the fused calls are counted inside that process. Tokens with the
 plugin on must equal those with it off and transformers' ``generate()`` (up to the vLLM tests' near-tie rule);
 the chosen tokens' logprobs close. The refusals leave SGLang's tokens and logprobs bit-identical.
+
+Tensor parallelism is not tested here: on SGLang 0.5.23's base platform every TP group of size > 1 builds a
+PyNccl communicator (``parallel_state.init_model_parallel_group``: unless NPU / XPU / mooncake or an out-of-tree
+platform that declares no PyNccl), which needs a CUDA device (``ValueError: Expected a cuda device, but got:
+cpu``); SGLang's gloo CPU engine (``SGLANG_USE_CPU_ENGINE=1``) needs a CPU ``sgl_kernel`` no registry has.
 """
 
 import pytest
@@ -73,14 +78,3 @@ def test_plugin_not_loaded_and_untested_code_are_bit_identical_to_sglang(tiny_di
     assert unloaded.lines == []
     assert any("qkvfuse: left 2/2 Qwen3Attention to SGLang: Qwen3Attention.forward_prepare_native differs from "
                "the SGLang versions" in line for line in untested.lines), untested.lines
-
-
-def test_tensor_parallel_2(tiny_dir):
-    """TP 2 on CPU (gloo): each rank fuses its local heads (half the Q heads, the one KV head replicated); tokens equal
-    TP 1 unfused up to near ties (the all-reduce sums the o_proj / MLP halves in another order)."""
-    off = _off_on(tiny_dir, "Qwen3")[0]
-    (tp2,) = run_engines(tiny_dir("Qwen3"), [{"qkvfuse": ON, "tp_size": 2}])
-    fused = [line for line in tp2.lines if "qkvfuse: fused 2/2 Qwen3Attention" in line]
-    assert len(fused) == 2, tp2.log[-3000:]  # one line per rank's scheduler process
-    assert tp2.counts["attention"] > 0
-    _assert_close_runs(tp2, off)
