@@ -43,7 +43,7 @@ class Run(NamedTuple):
     logprobs: List[List[float]]  # the chosen tokens' logprobs
     gaps: List[List[float]]  # logprob(chosen) - logprob(runner-up) per step: how close greedy was to a tie
     lines: List[str]  # the plugin's "qkvfuse: fused/left ..." log lines (all scheduler processes)
-    counts: Dict[str, int]  # fused calls made inside the scheduler process(es): {"attention": n, "norm": n}
+    counts: Dict[str, int]  # calls inside the scheduler process(es): fused "attention" / "norm", SGLang's "rope"
     log: str
 
 
@@ -105,7 +105,7 @@ def _generate(engine_kwargs: dict, model_dir: str, counts_dir: str, index: int) 
         logprobs.append([c[0] for c in chosen])
         gaps.append([c[0] - max((t[0] for t in top if t[1] != c[1]), default=float("-inf"))
                      for c, top in zip(chosen, tops)])
-    counts = {"attention": 0, "norm": 0}
+    counts = {"attention": 0, "norm": 0, "rope": 0}
     for name in os.listdir(counts_dir):
         if name.startswith(f"engine{index}."):
             with open(os.path.join(counts_dir, name)) as f:

@@ -1,6 +1,6 @@
 """Test hooks inside every process of a test SGLang engine (tests only; see tests/_support/sglang_engine.py).
 
-``$QKVFUSE_TEST_COUNTS``: count the SGLang plugin's fused calls; each process that makes one writes its counts to
+``$QKVFUSE_TEST_COUNTS``: count the SGLang plugin's fused calls and SGLang's own rotary forwards; each process that makes one writes its counts to
 ``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers without running exit handlers).
 ``$QKVFUSE_TEST_UNTESTED``: pretend the named SGLang method hashes differently (the refusal tests).
 """
@@ -13,7 +13,7 @@ if os.environ.get("QKVFUSE_TEST_COUNTS"):
     def _install(path=os.environ["QKVFUSE_TEST_COUNTS"]):
         import json
 
-        counts = {"attention": 0, "norm": 0}
+        counts = {"attention": 0, "norm": 0, "rope": 0}
         prepare, norm = _shared._Prepare.__call__, _shared._Norm.__call__
 
         def record(key):
@@ -31,6 +31,20 @@ if os.environ.get("QKVFUSE_TEST_COUNTS"):
 
         _shared._Prepare.__call__ = counted_prepare
         _shared._Norm.__call__ = counted_norm
+
+        def count_rope(module):  # SGLang's own rotary forwards, patched before any instance dispatches to them
+            from sglang.srt.layers.rotary_embedding import mrope
+
+            for cls in (module.RotaryEmbedding, mrope.MRotaryEmbedding):
+                def counted_rope(self, *args, _original=cls.forward_native, **kwargs):
+                    record("rope")
+                    return _original(self, *args, **kwargs)
+
+                cls.forward_native = counted_rope
+
+        from qkvfuse.integrations._engine_common import when_imported
+
+        when_imported("sglang.srt.layers.rotary_embedding.base", count_rope)
 
     _install()
 

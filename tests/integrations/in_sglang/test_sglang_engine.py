@@ -49,7 +49,7 @@ def _assert_close_runs(on, off):
 def test_tokens_equal_plugin_off_and_transformers(tiny_dir, name):
     attention, rotary, decoder = MODELS[name]
     off, on = _off_on(tiny_dir, name)
-    assert off.lines == [] and off.counts == {"attention": 0, "norm": 0}
+    assert off.lines == [] and off.counts["attention"] == off.counts["norm"] == 0 and off.counts["rope"] > 0
     assert f"qkvfuse: fused 2/2 {attention} (cpu, {rotary})" in "\n".join(on.lines), on.log[-3000:]
     if name == "GLM-4.7":  # QKVFUSE_SGLANG=1: attention only
         assert on.counts["attention"] > 0 and on.counts["norm"] == 0, on.counts
@@ -57,8 +57,9 @@ def test_tokens_equal_plugin_off_and_transformers(tiny_dir, name):
         assert f"qkvfuse: fused 4/4 {decoder} add+RMSNorm (cpu)" in "\n".join(on.lines), on.lines
         assert on.counts["attention"] > 0 and on.counts["norm"] > 0, on.counts
     assert not any("qkvfuse: left" in line for line in on.lines), on.lines
-    # every attention layer's prepare ran fused at every step: 2 layers x forward steps, no SGLang rope from it
-    assert on.counts["attention"] % 2 == 0
+    # every attention layer's prepare ran fused (2 per forward) and SGLang's own RoPE never (the batches SGLang
+    # forms depend on when the requests arrive, so the counts of two engines need not be equal)
+    assert on.counts["attention"] % 2 == 0 and on.counts["rope"] == 0, on.counts
     _assert_close_runs(on, off)
     assert_same_greedy(hf_generate(tiny_dir(name), torch.float32), off, LOGPROB_ATOL)
 
@@ -74,7 +75,7 @@ def test_plugin_not_loaded_and_untested_code_are_bit_identical_to_sglang(tiny_di
     ])
     for run in (unloaded, untested):
         assert (run.tokens, run.logprobs) == (off.tokens, off.logprobs)
-        assert run.counts == {"attention": 0, "norm": 0}
+        assert run.counts["attention"] == run.counts["norm"] == 0 and run.counts["rope"] > 0, run.counts
     assert unloaded.lines == []
     assert any("qkvfuse: left 2/2 Qwen3Attention to SGLang: Qwen3Attention.forward_prepare_native differs from "
                "the SGLang versions" in line for line in untested.lines), untested.lines

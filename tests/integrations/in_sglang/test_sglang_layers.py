@@ -180,6 +180,9 @@ def test_rebinds_when_weights_table_or_rotary_module_change(sglang_dist, no_kv_p
             torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-6)
 
     check()
+    bound = layer._qkvfuse
+    check()
+    assert layer._qkvfuse is bound  # nothing changed: no rebuild
     for target in (layer, reference):
         target.q_norm.weight.data = torch.full((D,), 0.5)  # new storage, same Parameter
     check()
