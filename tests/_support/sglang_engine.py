@@ -83,9 +83,12 @@ def _generate(engine_kwargs: dict, model_dir: str, counts_dir: str, index: int) 
         os.environ["QKVFUSE_SGLANG"] = env_value
     os.environ["QKVFUSE_TEST_COUNTS"] = counts_file
     os.environ.update(extra_env)
+    # mem_fraction_static: the share of free host memory that SGLang's weights + KV may take (others' processes
+    # move "free" between its two readings); max_total_tokens keeps the KV cache small. log_level "info" is
+    # SGLang's default: the plugin's line must show at it.
     base = dict(model_path=model_dir, skip_tokenizer_init=True, device="cpu", attention_backend="torch_native",
-                tp_size=1, mem_fraction_static=0.2, max_total_tokens=2048, disable_cuda_graph=True, dtype="float32", random_seed=0,
-                chunked_prefill_size=STEP_TOKENS, enable_mixed_chunk=True, disable_radix_cache=True,
+                tp_size=1, mem_fraction_static=0.2, max_total_tokens=2048, disable_cuda_graph=True, dtype="float32",
+                random_seed=0, chunked_prefill_size=STEP_TOKENS, enable_mixed_chunk=True, disable_radix_cache=True,
                 log_level="info")
     base.update(kwargs)
     engine = sgl.Engine(**base)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
@@ -76,6 +76,6 @@ def storage_signature(*items) -> tuple:
     return tuple(out)
 
 
-def pending_imports() -> Optional[List[str]]:
+def pending_imports() -> List[str]:
     """The module names :func:`when_imported` still waits for (tests)."""
     return sorted(_callbacks)

@@ -1,7 +1,7 @@
 """Test hooks inside every process of a test SGLang engine (tests only; see tests/_support/sglang_engine.py).
 
-``$QKVFUSE_TEST_COUNTS``: count the SGLang plugin's fused calls and SGLang's own rotary forwards; each process that makes one writes its counts to
-``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers without running exit handlers).
+``$QKVFUSE_TEST_COUNTS``: count the SGLang plugin's fused calls and SGLang's own rotary forwards; each process
+that makes one writes its counts to ``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers without running exit handlers).
 ``$QKVFUSE_TEST_UNTESTED``: pretend the named SGLang method hashes differently (the refusal tests).
 """
 
