@@ -13,7 +13,15 @@ VENV_VLLM := .venv-vllm
 PY_VLLM := $(VENV_VLLM)/bin/python
 STAMP_VLLM := $(VENV_VLLM)/.installed
 
-.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow bench bench-vllm verify clean
+# The SGLang integration tests run in a venv of their own (SGLang's pinned CUDA torch; see requirements-sglang.txt).
+VENV_SGLANG := .venv-sglang
+PY_SGLANG := $(VENV_SGLANG)/bin/python
+STAMP_SGLANG := $(VENV_SGLANG)/.installed
+SGLANG_PIN = $(shell sed -n 's/^# no-deps: //p' requirements-sglang.txt)
+# SGLang's base platform imports vllm._custom_ops.rotary_embedding (never called on CPU): the tests' stand-in.
+SGLANG_TEST_PATH := tests/_support/sglang_stubs
+
+.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-vllm bench-sglang verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +77,22 @@ test-vllm-slow: $(STAMP_VLLM)
 bench-vllm: $(STAMP_VLLM)
 	$(PY_VLLM) -m qkvfuse.benchmarks.vllm
 
+$(STAMP_SGLANG): requirements-sglang.txt pyproject.toml
+	test -x $(PY_SGLANG) || $(PYTHON) -m venv $(VENV_SGLANG)
+	$(PY_SGLANG) -m pip install -q --disable-pip-version-check -r requirements-sglang.txt
+	$(PY_SGLANG) -m pip install -q --disable-pip-version-check --no-deps $(SGLANG_PIN)
+	$(PY_SGLANG) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP_SGLANG)
+
+# qkvfuse inside SGLang on CPU (tests/integrations/in_sglang): layer parity with SGLang's own prepare, engines
+# plugin off / on / transformers, refusals, tensor parallel 2.
+test-sglang: $(STAMP_SGLANG)
+	$(PY_SGLANG) -m qkvfuse build
+	PYTHONPATH=$(SGLANG_TEST_PATH) $(PY_SGLANG) -m pytest -q -p no:logging tests/integrations/in_sglang
+
+bench-sglang: $(STAMP_SGLANG)
+	PYTHONPATH=$(SGLANG_TEST_PATH) $(PY_SGLANG) -m qkvfuse.benchmarks.sglang
+
 test-slow: $(STAMP)
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow
 
@@ -80,4 +104,4 @@ clean:
 	root="$${root:-$${XDG_CACHE_HOME:-$$HOME/.cache}/qkvfuse}"; \
 	echo "rm -rf $$root/qkvfuse_cpu_* $$root/torch*-py*"; \
 	rm -rf "$$root"/qkvfuse_cpu_* "$$root"/torch*-py*; rmdir "$$root" 2>/dev/null || true
-	rm -rf $(VENV) $(VENV_VLLM) build .qkvfuse_build src/*.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_SGLANG) build .qkvfuse_build src/*.egg-info

@@ -10,6 +10,13 @@ import qkvfuse
 # without an origin is a namespace package (a folder named vllm on sys.path), not vLLM.
 _VLLM = importlib.util.find_spec("vllm")
 collect_ignore = [] if _VLLM is not None and _VLLM.origin is not None else ["in_vllm"]
+# The same for the SGLang tests (make test-sglang, in .venv-sglang), and never the vLLM tests where "vllm" is
+# the SGLang tests' stand-in (tests/_support/sglang_stubs).
+_SGLANG = importlib.util.find_spec("sglang")
+if _SGLANG is None or _SGLANG.origin is None:
+    collect_ignore.append("in_sglang")
+elif _VLLM is not None and "sglang_stubs" in (_VLLM.origin or ""):
+    collect_ignore.append("in_vllm")
 
 
 @pytest.fixture

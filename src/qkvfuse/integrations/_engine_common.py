@@ -1,0 +1,81 @@
+"""Engine-neutral pieces shared by the engine plugins (:mod:`.sglang`; :mod:`.vllm` has its own copies today).
+
+:func:`when_imported` runs a callback on a module right after Python executes it (or now, if it already has), so
+an entry point that every engine process loads can patch one engine module without importing it where the
+engine does not -- SGLang's front end and detokenizer never import its model runner.
+
+:func:`storage_signature` is what a bound object relies on besides the identity of its tensors: an engine that
+syncs weights in place (``param.data = new``), moves a table or replaces a rotary module leaves the old identity
+or the old storage behind, and the bound object must then be rebuilt, never reused.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Callable, Dict, List
+
+import torch
+
+__all__ = ["when_imported", "storage_signature"]
+
+_callbacks: Dict[str, List[Callable]] = {}
+
+
+def when_imported(module_name: str, callback: Callable) -> None:
+    """Call ``callback(module)`` once ``module_name`` has been executed: now if it is in ``sys.modules``, else
+    right after its import (one finder in ``sys.meta_path`` for all pending modules; it steps out when none is
+    left). The same callback registered twice for one module runs once."""
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)
+        return
+    pending = _callbacks.setdefault(module_name, [])
+    if callback not in pending:
+        pending.append(callback)
+    if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportHook())
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Wraps the loader of each pending module so that its callbacks run right after it executes."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _callbacks:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                exec_module = spec.loader.exec_module
+                callbacks = _callbacks.pop(fullname)
+
+                def exec_and_call(module, exec_module=exec_module, callbacks=callbacks):
+                    exec_module(module)
+                    for callback in callbacks:
+                        callback(module)
+
+                spec.loader.exec_module = exec_and_call
+                if not _callbacks and self in sys.meta_path:
+                    sys.meta_path.remove(self)
+                return spec
+        return None
+
+
+def storage_signature(*items) -> tuple:
+    """``items`` as they stand: a tensor by ``(id, data_ptr, shape, strides, dtype, device)``, anything else
+    (a module, None) by ``id``. Two equal signatures mean a bound object built from the first still describes
+    the second. A few attribute reads per item: no tensor op, no host sync."""
+    out = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out.append((id(item), item.data_ptr(), item.shape, item.stride(), item.dtype, item.device))
+        else:
+            out.append(id(item))
+    return tuple(out)
+
+
+def pending_imports() -> List[str]:
+    """The module names :func:`when_imported` still waits for (tests)."""
+    return sorted(_callbacks)

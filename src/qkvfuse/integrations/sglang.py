@@ -1,0 +1,463 @@
+"""qkvfuse inside SGLang: fused attention-prepare (and optionally add+RMSNorm) for Qwen3 / Qwen3-MoE / GLM-4.x.
+
+Switched on per process environment, never by installing the package::
+
+    QKVFUSE_SGLANG=1 python -m sglang.launch_server --model-path MODEL ...
+    QKVFUSE_SGLANG='{"attention": true, "add_rmsnorm": true}' python -m sglang.launch_server ...
+
+``1`` means ``{"attention": true}``; a JSON object takes the vLLM plugin's options (:class:`Options`):
+``attention`` (bool) fuses each qualifying attention layer's split + QK-RMSNorm + RoPE/mRoPE into one
+:class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder layer's two norms with
+:class:`qkvfuse.AddRMSNorm` (in place, as SGLang's CUDA kernel writes); ``verify`` (bool, eager only) also runs
+SGLang's own path on every fused call and raises past qkvfuse's accuracy rule; ``backend`` (``"auto"``,
+``"cpu"``, ``"triton"``, ``"reference"``). Unset, empty or ``0``: the plugin changes nothing.
+
+How it hooks in. :func:`register` is the ``sglang.srt.plugins`` entry point, which SGLang calls in every process
+(engine, scheduler, detokenizer; ``SGLANG_PLUGINS`` whitelists by name, ``qkvfuse``). It only arranges for
+``ModelRunner.load_model`` (and ``update_model_fields``, which installs a model reloaded from disk) to be wrapped
+when SGLang imports the model runner -- only the scheduler processes do -- so it imports nothing of SGLang
+itself. SGLang's ``HookRegistry`` would import its targets in every process at plugin-load time, hence the
+import hook; the wrapper is the AROUND hook it would install. After a model is built and its weights loaded,
+:func:`fuse_model` replaces, per qualifying layer *instance*, the one method that does the split + QK-norm +
+RoPE -- ``Qwen3Attention.forward_prepare_native`` (also Qwen3-VL's text model), ``Qwen3MoeAttention.
+apply_qk_norm_rope``, ``Glm4MoeAttention.forward_prepare`` (GLM-4.5/4.6/4.7, Air, GLM-4.5V's text model) -- with
+one that calls the layer's bound :class:`qkvfuse.QKNormRope` on the packed projection output in place (Q and K
+rewritten inside it, V a view: no copies). The classes and every other layer keep SGLang's code.
+
+A layer is fused only when it qualifies, else it keeps SGLang's code and the log says why: the SGLang methods
+replaced and the code whose semantics they reproduce hash to a tested version (:data:`TESTED_SOURCES`, SGLang
+0.5.23); the rotary module is ``RotaryEmbedding`` or a subclass that changes only its table (YaRN, linear, NTK,
+Llama-3 scaling), or ``MRotaryEmbedding`` (sectioned or interleaved; not the GLM-interleaved layout), with a
+table that covers the engine's context length (a shorter one SGLang may grow: left to SGLang); the QK-norms are
+plain ``RMSNorm(head_dim)``; none of SGLang's own fused QK-norm+RoPE kernels is active for the layer (aiter,
+sgl-kernel CPU/XPU/CUDA, NPU); a fast qkvfuse backend runs on the device. One log line per process says what it
+fused or why not, e.g. ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary 128, neox)``.
+
+A bound object follows the layer: it is rebuilt when SGLang replaces the rotary module, the table or a norm
+weight, or gives one new storage (identity and ``data_ptr``; SGLang's weight updates and cache growth do both).
+
+Numerics: the rotary table is SGLang's own (in the dtype SGLang keeps it); qkvfuse computes norm and rotation in
+fp32 and rounds once -- at least as accurate as SGLang's unfused path. Tensor parallelism works as it does for
+SGLang's code: each rank's layer holds its local heads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import types
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import ops
+from ..backends import resolve_backend
+from . import vllm as _vllm
+from ._engine_common import storage_signature, when_imported
+
+Options = _vllm.Options  # the same options as the vLLM plugin
+source_hash = _vllm.source_hash  # the same hash rule
+
+__all__ = ["register", "fuse_model", "Options", "options_from_env", "TESTED_SOURCES", "ENV_VAR", "Report"]
+
+ENV_VAR = "QKVFUSE_SGLANG"
+logger = logging.getLogger("sglang.qkvfuse")  # SGLang's processes log the root logger at its --log-level
+
+# --------------------------------------------------------------------------------------------------------
+# The SGLang code the fused methods replace or reproduce, by a hash of its source (SGLang 0.5.23). A layer whose
+# class's code hashes differently is left to SGLang, with one log line naming the method.
+# --------------------------------------------------------------------------------------------------------
+TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
+    "Qwen3Attention.forward": ("fd628d8233c8a976",),
+    "Qwen3Attention.forward_prepare_native": ("4df2581ff2a1d888",),
+    "Qwen3MoeAttention.forward_prepare_native": ("2454de22c5596807",),
+    "Qwen3MoeAttention.apply_qk_norm_rope": ("3ac39c5e8adba86f",),
+    "Qwen3MoeAttention.forward_core": ("f84f28f92b44941c",),
+    "Glm4MoeAttention.forward_prepare": ("1eabd2f32a866c83",),
+    "Glm4MoeAttention.forward_core": ("f5d4ffe861e237e1",),
+    "apply_qk_norm": ("d896736d964d464b",),
+    "RotaryEmbedding.forward_native": ("509da88fdf26f814",),
+    "MRotaryEmbedding.forward_native": ("80e95956af4d9164",),
+    "apply_interleaved_rope": ("88f2f5d8b1178ae2",),
+    "apply_rotary_emb": ("14486971b6c3ee73",),
+    "RMSNorm.forward_native": ("89513f603ab2f21b",),
+    "Qwen3DecoderLayer.forward": ("462c8d36df49e44d",),
+    "Qwen3MoeDecoderLayer.forward": ("64642d12c4a91782",),
+    "Glm4MoeDecoderLayer.forward": ("e0047aa72f35ff23",),
+}
+
+# class -> (model module, the method the plugin replaces on the instance)
+_ATTENTION = {"Qwen3Attention": ("qwen3", "forward_prepare_native"),
+              "Qwen3MoeAttention": ("qwen3_moe", "apply_qk_norm_rope"),
+              "Glm4MoeAttention": ("glm4_moe", "forward_prepare")}
+_ATTENTION_SOURCES = {"Qwen3Attention": ("forward", "forward_prepare_native"),
+                      "Qwen3MoeAttention": ("forward_prepare_native", "apply_qk_norm_rope", "forward_core"),
+                      "Glm4MoeAttention": ("forward_prepare", "forward_core")}
+_SHARED_ATTENTION_SOURCES = ("apply_qk_norm", "RotaryEmbedding.forward_native", "MRotaryEmbedding.forward_native",
+                             "apply_interleaved_rope", "apply_rotary_emb", "RMSNorm.forward_native")
+_DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "Glm4MoeDecoderLayer": "glm4_moe"}
+# RotaryEmbedding methods a subclass may not override to count as "changes only its table"
+_ROTARY_METHODS = ("forward", "forward_native", "forward_cpu", "forward_cuda", "forward_npu", "forward_xpu",
+                   "forward_hip", "forward_musa", "_match_cos_sin_cache_dtype")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Options.
+# --------------------------------------------------------------------------------------------------------
+def options_from_env(value: Optional[str] = None) -> Options:
+    """Parse ``$QKVFUSE_SGLANG`` (or ``value``): unset / empty / ``0`` off, ``1`` attention only, or a JSON object
+    with the keys of :class:`Options`. Raises ``ValueError`` naming a bad key or value."""
+    raw = (os.environ.get(ENV_VAR, "") if value is None else value).strip()
+    if raw in ("", "0"):
+        return Options()
+    if raw == "1":
+        return Options(attention=True)
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = raw
+    if isinstance(parsed, bool):
+        return Options(attention=parsed)
+    if not isinstance(parsed, dict):
+        raise ValueError(f"${ENV_VAR}: expected 1 or a JSON object such as {{\"attention\": true}}, got {raw!r}")
+    for key, val in parsed.items():
+        if key not in _vllm._OPTION_TYPES:
+            raise ValueError(f"${ENV_VAR}: unknown key {key!r} (expected {', '.join(_vllm._OPTION_TYPES)})")
+        if not isinstance(val, _vllm._OPTION_TYPES[key]) and not (key == "backend" and val is None):
+            raise ValueError(f"${ENV_VAR}[{key!r}]: expected a {_vllm._OPTION_TYPES[key].__name__}, got {val!r}")
+    return Options(**parsed)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The entry point.
+# --------------------------------------------------------------------------------------------------------
+_MARK = "__qkvfuse_wrapped__"
+_RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: arrange for each model SGLang's ``ModelRunner`` loads to pass
+    through :func:`fuse_model`. Idempotent and cheap: it imports nothing of SGLang (the runner module is wrapped
+    when SGLang imports it, or now if it already has)."""
+    when_imported(_RUNNER_MODULE, _wrap_runner)
+
+
+def _wrap_runner(module) -> None:
+    runner = module.ModelRunner
+    load_model, update_model_fields = runner.load_model, runner.update_model_fields
+    if getattr(load_model, _MARK, False):
+        return
+
+    def around_load_model(self, *args, **kwargs):
+        result = load_model(self, *args, **kwargs)
+        fuse_model(self.model, context_len=_context_len(self))
+        return result
+
+    def around_update_model_fields(self, new_model, *args, **kwargs):
+        fuse_model(new_model, context_len=_context_len(self))
+        return update_model_fields(self, new_model, *args, **kwargs)
+
+    for name, original, wrapper in (("load_model", load_model, around_load_model),
+                                    ("update_model_fields", update_model_fields, around_update_model_fields)):
+        wrapper.__wrapped__ = original
+        wrapper.__name__ = wrapper.__qualname__ = name
+        setattr(wrapper, _MARK, True)
+        setattr(runner, name, wrapper)
+
+
+def _context_len(runner) -> Optional[int]:
+    config = getattr(runner, "model_config", None)
+    return getattr(config, "context_len", None)
+
+
+_logged: set = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info("%s", message)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Version checks.
+# --------------------------------------------------------------------------------------------------------
+def _sglang_sources(module_name: str) -> Dict[str, Callable]:
+    """``{name in TESTED_SOURCES: function}`` for the model module ``module_name`` and the shared layers."""
+    from sglang.srt.layers import layernorm
+    from sglang.srt.layers.rotary_embedding import base, mrope, utils
+    from sglang.srt.models import utils as model_utils
+
+    models = importlib.import_module(f"sglang.srt.models.{module_name}")
+    found = {"apply_qk_norm": model_utils.apply_qk_norm,
+             "RotaryEmbedding.forward_native": base.RotaryEmbedding.forward_native,
+             "MRotaryEmbedding.forward_native": mrope.MRotaryEmbedding.forward_native,
+             "apply_interleaved_rope": mrope.apply_interleaved_rope,
+             "apply_rotary_emb": utils.apply_rotary_emb,
+             "RMSNorm.forward_native": layernorm.RMSNorm.forward_native}
+    for cls_name, (mod, _) in _ATTENTION.items():
+        if mod == module_name and hasattr(models, cls_name):
+            for method in _ATTENTION_SOURCES[cls_name]:
+                found[f"{cls_name}.{method}"] = getattr(getattr(models, cls_name), method)
+    for cls_name, mod in _DECODER.items():
+        if mod == module_name and hasattr(models, cls_name):
+            found[f"{cls_name}.forward"] = getattr(models, cls_name).forward
+    return found
+
+
+def _untested(names: List[str], module_name: str) -> Optional[str]:
+    """The first of ``names`` whose source hash is not a tested one (as a reason), else None."""
+    sources = _sglang_sources(module_name)
+    for name in names:
+        fn = sources.get(name)
+        if fn is None:
+            return f"{name} not found in this SGLang"
+        if source_hash(fn) not in TESTED_SOURCES[name]:
+            return (f"{name} differs from the SGLang versions qkvfuse was tested with (0.5.23); its code is left "
+                    "in place")
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Attention layers.
+# --------------------------------------------------------------------------------------------------------
+def _signature(module) -> tuple:
+    """What the layer's bound object was built from: the rotary module, its table and the norm weights."""
+    rot = module.rotary_emb
+    if getattr(module, "use_qk_norm", True):
+        return storage_signature(rot, rot.cos_sin_cache, module.q_norm.weight, module.k_norm.weight)
+    return storage_signature(rot, rot.cos_sin_cache)
+
+
+def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
+    """``(q, k, v)`` of ``qkv`` [T, (Hq + 2 Hkv) * D], Q and K normed and rotated in place; None when the layer
+    no longer qualifies (SGLang replaced something by what qkvfuse does not reproduce)."""
+    state = module._qkvfuse
+    if not torch.compiler.is_compiling() and module._qkvfuse_signature != _signature(module):
+        reason, _ = _attention_reason(module, state.context_len, state.backend)
+        if reason is not None:
+            _log_once(f"qkvfuse: {type(module).__name__} changed under qkvfuse ({reason}); left to SGLang")
+            return None
+        state = _bind(module, state.backend, state.verify, state.context_len)
+    if qkv.shape[0] == 0:  # nothing to normalise; SGLang's split of an empty batch
+        return qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+    return state(qkv, positions)
+
+
+def _bind(module, backend: Optional[str], verify: bool, context_len: Optional[int]):
+    state = _vllm._Prepare(module, backend, verify)  # the engine-neutral bound prepare (same attribute names)
+    state.context_len = context_len
+    module._qkvfuse = state
+    module._qkvfuse_signature = _signature(module)
+    return state
+
+
+def _fused_qwen3_prepare(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+    """``Qwen3Attention.forward_prepare_native`` with the split + QK-norm + RoPE in one fused call."""
+    qkv, _ = self.qkv_proj(hidden_states)
+    out = _prepare(self, qkv, positions)
+    if out is None:
+        return type(self).forward_prepare_native(self, positions, hidden_states)
+    return out
+
+
+def _fused_qwen3_moe_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor, forward_batch):
+    """``Qwen3MoeAttention.apply_qk_norm_rope`` fused; K/V then go to the cache through ``forward_core``'s
+    ``save_kv_cache`` (the flag SGLang's own fused kernels set), never through the rotary module."""
+    out = _prepare(self, qkv, positions)
+    if out is None:
+        return type(self).apply_qk_norm_rope(self, qkv, positions, forward_batch)
+    self._used_fused_qk_norm_rope_last_call = True
+    return out
+
+
+def _fused_glm4_moe_prepare(self, positions: torch.Tensor, hidden_states, forward_batch):
+    """``Glm4MoeAttention.forward_prepare`` (its non-NPU branch) with the split + QK-norm + RoPE fused."""
+    hs = hidden_states[0] if isinstance(hidden_states, tuple) else hidden_states
+    if hs.shape[0] == 0:
+        return hidden_states, forward_batch, None
+    qkv, _ = self.qkv_proj(hidden_states)
+    out = _prepare(self, qkv, positions)
+    if out is None:  # recompute the projection: SGLang's method starts from hidden_states
+        return type(self).forward_prepare(self, positions, hidden_states, forward_batch)
+    q, k, v = out
+    return None, forward_batch, (q, k, v, forward_batch)
+
+
+_FUSED = {"Qwen3Attention": _fused_qwen3_prepare, "Qwen3MoeAttention": _fused_qwen3_moe_qk_norm_rope,
+          "Glm4MoeAttention": _fused_glm4_moe_prepare}
+
+
+def _competing_fusion(module) -> Optional[str]:
+    """One of SGLang's own fused QK-norm(+RoPE) kernels that this layer would run, if any."""
+    models = importlib.import_module(type(module).__module__)
+    if getattr(models, "_is_npu", False):
+        return "SGLang's NPU split_qkv_rmsnorm_rope path is active"
+    for flag in ("use_fused_qk_norm_rope", "use_fused_qk_norm_mrope", "use_fused_qk_norm_rope_cpu"):
+        if getattr(module, flag, False):
+            return f"SGLang's own fused QK-norm+RoPE kernel is on for this layer ({flag})"
+    return None
+
+
+def _attention_reason(module, context_len: Optional[int], backend: Optional[str]) -> Tuple[Optional[str], str]:
+    """``(None, description)`` when ``module`` qualifies, else ``(reason, "")``."""
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
+
+    competing = _competing_fusion(module)
+    if competing:
+        return competing, ""
+    rot = getattr(module, "rotary_emb", None)
+    kind = type(rot)
+    base = MRotaryEmbedding if isinstance(rot, MRotaryEmbedding) else RotaryEmbedding
+    if not isinstance(rot, RotaryEmbedding) or any(getattr(kind, name, None) is not getattr(base, name, None)
+                                                   for name in _ROTARY_METHODS):
+        return f"rotary module {kind.__name__} is not one qkvfuse reproduces", ""
+    if base is MRotaryEmbedding and getattr(rot, "mrope_interleaved_glm", False):
+        return "the GLM-interleaved mRoPE layout (mrope_interleaved_glm) is not one qkvfuse reproduces", ""
+    if getattr(rot, "position_start", 0) != 0 or hasattr(rot, "sin_cos_cache"):
+        return "the rotary module reads its table at an offset or from a precomputed sin_cos_cache", ""
+    cache = getattr(rot, "cos_sin_cache", None)
+    head_dim, rotary_dim = module.head_dim, getattr(rot, "rotary_dim", None)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 2 or cache.shape[1] != rotary_dim:
+        return "the rotary module has no (max_position, rotary_dim) cos_sin_cache", ""
+    if context_len is not None and cache.shape[0] < context_len:
+        return (f"rotary table of {cache.shape[0]} positions < context length {context_len} (SGLang grows it on "
+                "demand)"), ""
+    if rot.head_size != head_dim:
+        return f"rotary head_size {rot.head_size} != head_dim {head_dim}", ""
+    if head_dim % 2 or head_dim > ops.MAX_HEAD_DIM or rotary_dim % 2 or rotary_dim > head_dim:
+        return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)", ""
+    if getattr(module, "use_qk_norm", True):
+        norms = (module.q_norm, module.k_norm)
+        if any(_plain_rmsnorm(n, RMSNorm, head_dim) is not None for n in norms):
+            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight", ""
+        if norms[0].variance_epsilon != norms[1].variance_epsilon:
+            return "q_norm and k_norm have different eps", ""
+    if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"rotary table dtype {cache.dtype}", ""
+    name = resolve_backend(backend, cache.device.type)
+    if name == "reference" and backend != "reference":
+        return f"no fast qkvfuse backend for {cache.device.type} tensors", ""
+    style = "neox" if rot.is_neox_style else "gptj"
+    mrope = ""
+    if base is MRotaryEmbedding and rot.mrope_section:
+        mrope = f", mrope {list(rot.mrope_section)}{' interleaved' if rot.mrope_interleaved else ''}"
+    return None, f"{name}, rotary {rotary_dim}, {style}{mrope}"
+
+
+def _plain_rmsnorm(norm, rmsnorm_cls, size: int) -> Optional[str]:
+    """None when ``norm`` is SGLang's ``RMSNorm(size)`` computing what qkvfuse computes, else a reason."""
+    if type(norm) is not rmsnorm_cls or not norm.has_weight or norm.variance_size_override is not None:
+        return f"{type(norm).__name__} is not a plain RMSNorm with a weight"
+    if norm.cast_x_before_out_mul or norm.fp32_residual or norm.override_orig_dtype is not None:
+        return "the RMSNorm uses SGLang's deterministic-inference dtype options"
+    if norm.__dict__.get("_quant_linear") is not None:
+        return "the RMSNorm fuses its consumer's FP8 input quantization"
+    if tuple(norm.weight.shape) != (size,):
+        return f"RMSNorm weight shape {tuple(norm.weight.shape)} != ({size},)"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# Decoder-layer add + RMSNorm.
+# --------------------------------------------------------------------------------------------------------
+def _fused_norm_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                        post_residual_addition: Optional[torch.Tensor] = None, quant_linear=None):
+    """SGLang's ``RMSNorm.forward(x, residual)`` by qkvfuse; the forms qkvfuse does not take keep SGLang's code."""
+    if (post_residual_addition is not None or quant_linear is not None or x.dim() != 2 or x.shape[0] == 0
+            or (residual is not None and residual.shape != x.shape)):
+        return type(self).forward(self, x, residual, post_residual_addition, quant_linear)
+    if not torch.compiler.is_compiling() and self._qkvfuse_signature != storage_signature(self.weight):
+        self._qkvfuse = _vllm._Norm(self, self._qkvfuse.backend)  # new weight object or storage: rebind
+        self._qkvfuse_signature = storage_signature(self.weight)
+    return self._qkvfuse(x, residual)
+
+
+def _norm_reason(norm, backend: Optional[str]) -> Optional[str]:
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    reason = _plain_rmsnorm(norm, RMSNorm, getattr(norm, "hidden_size", -1))
+    if reason:
+        return reason
+    name = resolve_backend(backend, norm.weight.device.type)
+    if name == "reference" and backend != "reference":
+        return f"no fast qkvfuse backend for {norm.weight.device.type} tensors"
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
+# The model walk.
+# --------------------------------------------------------------------------------------------------------
+class Report(_vllm.Report):
+    """What :func:`fuse_model` did (the vLLM plugin's report, in SGLang's name)."""
+
+    def lines(self) -> List[str]:
+        return [line.replace(" to vLLM: ", " to SGLang: ", 1) for line in super().lines()]
+
+
+def _attention_class(module) -> Optional[str]:
+    """The supported attention class ``module`` is an instance of (exactly: a subclass may differ), else None."""
+    name = type(module).__name__
+    entry = _ATTENTION.get(name)
+    if entry is None or type(module).__module__ != f"sglang.srt.models.{entry[0]}":
+        return None
+    return name
+
+
+def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
+               context_len: Optional[int] = None) -> Report:
+    """Fuse the qualifying layers of a loaded SGLang ``model`` as ``options`` (default: ``$QKVFUSE_SGLANG``)
+    asks -- nothing when off; ``context_len`` is the engine's maximum context (a shorter rotary table is left
+    to SGLang). Returns the :class:`Report` it also logs once per process."""
+    opts = options_from_env() if options is None else options
+    report = Report()
+    if not opts.enabled:
+        return report
+    untested: Dict[str, Optional[str]] = {}
+    for module in model.modules():
+        cls_name = type(module).__name__
+        if opts.attention and _attention_class(module):
+            mod = _ATTENTION[cls_name][0]
+            if cls_name not in untested:
+                names = [f"{cls_name}.{m}" for m in _ATTENTION_SOURCES[cls_name]] + list(_SHARED_ATTENTION_SOURCES)
+                untested[cls_name] = _untested(names, mod)
+            fuse_attention(module, opts, context_len, report, untested[cls_name])
+        elif opts.add_rmsnorm and cls_name in _DECODER and type(module).__module__ == \
+                f"sglang.srt.models.{_DECODER[cls_name]}":
+            if cls_name not in untested:
+                untested[cls_name] = _untested([f"{cls_name}.forward", "RMSNorm.forward_native"], _DECODER[cls_name])
+            _fuse_norms(module, cls_name, opts, untested[cls_name], report)
+    for line in report.lines():
+        _log_once(line)
+    return report
+
+
+def fuse_attention(module, opts: Options, context_len: Optional[int] = None, report: Optional[Report] = None,
+                   untested: Optional[str] = None) -> Report:
+    """Fuse one attention layer (``Qwen3Attention`` / ``Qwen3MoeAttention`` / ``Glm4MoeAttention``) if it
+    qualifies: its prepare method is replaced on the instance. Returns ``report`` (a new one if None)."""
+    report = Report() if report is None else report
+    cls_name = type(module).__name__
+    reason, detail = (untested, "") if untested else _attention_reason(module, context_len, opts.backend)
+    if reason is None:
+        _bind(module, opts.backend, opts.verify, context_len)
+        setattr(module, _ATTENTION[cls_name][1], types.MethodType(_FUSED[cls_name], module))
+    _vllm._count(report, cls_name, reason, detail)
+    return report
+
+
+def _fuse_norms(layer, cls_name, opts: Options, untested: Optional[str], report: Report) -> None:
+    name = f"{cls_name} add+RMSNorm"
+    for attr in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, attr, None)
+        reason = untested or (_norm_reason(norm, opts.backend) if norm is not None else f"no {attr}")
+        if reason is None:
+            norm._qkvfuse = _vllm._Norm(norm, opts.backend)
+            norm._qkvfuse_signature = storage_signature(norm.weight)
+            norm.forward = types.MethodType(_fused_norm_forward, norm)
+        _vllm._count(report, name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None
+                     else "")

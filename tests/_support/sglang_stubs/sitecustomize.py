@@ -1,0 +1,60 @@
+"""Test hooks inside every process of a test SGLang engine (tests only; see tests/_support/sglang_engine.py).
+
+``$QKVFUSE_TEST_COUNTS``: count the SGLang plugin's fused calls and SGLang's own rotary forwards; each process
+that makes one writes its counts to ``$QKVFUSE_TEST_COUNTS.<pid>`` after every call (SGLang ends its schedulers without running exit handlers).
+``$QKVFUSE_TEST_UNTESTED``: pretend the named SGLang method hashes differently (the refusal tests).
+"""
+
+import os
+
+if os.environ.get("QKVFUSE_TEST_COUNTS"):
+    from qkvfuse.integrations import vllm as _shared  # the bound prepare / norm classes the SGLang plugin uses
+
+    def _install(path=os.environ["QKVFUSE_TEST_COUNTS"]):
+        import functools
+        import json
+
+        counts = {"attention": 0, "norm": 0, "rope": 0}
+        prepare, norm = _shared._Prepare.__call__, _shared._Norm.__call__
+
+        def record(key):
+            counts[key] += 1
+            with open(f"{path}.{os.getpid()}", "w") as f:
+                json.dump(counts, f)
+
+        def counted_prepare(self, *args):
+            record("attention")
+            return prepare(self, *args)
+
+        def counted_norm(self, *args):
+            record("norm")
+            return norm(self, *args)
+
+        _shared._Prepare.__call__ = counted_prepare
+        _shared._Norm.__call__ = counted_norm
+
+        def count_rope(module):  # SGLang's own rotary forwards, patched before any instance dispatches to them
+            from sglang.srt.layers.rotary_embedding import mrope
+
+            for cls in (module.RotaryEmbedding, mrope.MRotaryEmbedding):
+                original = cls.forward_native
+
+                # functools.wraps: the plugin's source hash reads through __wrapped__ (inspect.getsource
+                # unwraps), so the counted method still hashes as SGLang's own
+                @functools.wraps(original)
+                def counted_rope(self, *args, _original=original, **kwargs):
+                    record("rope")
+                    return _original(self, *args, **kwargs)
+
+                cls.forward_native = counted_rope
+
+        from qkvfuse.integrations._engine_common import when_imported
+
+        when_imported("sglang.srt.layers.rotary_embedding.base", count_rope)
+
+    _install()
+
+if os.environ.get("QKVFUSE_TEST_UNTESTED"):  # an SGLang whose named method hashes differently (refusal tests)
+    from qkvfuse.integrations import sglang as _plugin
+
+    _plugin.TESTED_SOURCES[os.environ["QKVFUSE_TEST_UNTESTED"]] = ("0" * 16,)

@@ -1,0 +1,268 @@
+"""SGLang's own attention classes, built directly (no engine), fused by the plugin (issue 23, layer parity).
+
+Each case builds an SGLang 0.5.23 attention layer with random weights, runs SGLang's own prepare method (the
+class's code: split, ``apply_qk_norm``, the rotary module) and then the plugin's fused method on the same
+instance, on the same inputs: Qwen3 (``Qwen3Attention.forward_prepare_native``), Qwen3-MoE
+(``Qwen3MoeAttention.apply_qk_norm_rope`` through ``forward_prepare_native``), GLM-4.7 (``Glm4MoeAttention.
+forward_prepare``: partial rotary 0.5, QK-norm, qkv bias), GLM-4.5-Air (no QK-norm), and the language-model
+layers of Qwen3-VL (``Qwen3Attention`` with interleaved mRoPE [24, 20, 20]) and GLM-4.5V (``Glm4MoeAttention``,
+no QK-norm, sectioned mRoPE [8, 12, 12] of rotary 64), whose positions are ``[3, T]`` with rows that differ
+(a strided slice) and also 1-D text positions. fp32: within 2e-6; bf16: qkvfuse's accuracy rule against a
+float64 oracle with SGLang's own path as the unfused baseline. Then the qualification rules and re-binding.
+"""
+
+import types
+
+import pytest
+import torch
+
+from qkvfuse._verify.accuracy import check_split_outputs
+from qkvfuse._verify.oracle import oracle_split
+from qkvfuse.integrations import sglang as plugin
+
+T, HIDDEN, HQ, HKV, D, MAX_POS = 11, 96, 6, 2, 128, 512
+
+LAYERS = {  # name -> (class, rope_theta, rope_scaling, partial rotary, qk_norm)
+    "qwen3": ("Qwen3Attention", 1e6, None, 1.0, True),
+    "qwen3-moe": ("Qwen3MoeAttention", 1e6, None, 1.0, True),
+    "glm-4.7": ("Glm4MoeAttention", 1e6, None, 0.5, True),
+    "glm-4.5-air": ("Glm4MoeAttention", 1e6, None, 0.5, False),
+    "qwen3-vl": ("Qwen3Attention", 5e6, {"rope_type": "default", "mrope_section": [24, 20, 20],
+                                          "mrope_interleaved": True}, 1.0, True),
+    "glm-4.5v": ("Glm4MoeAttention", 1e4, {"rope_type": "default", "mrope_section": [8, 12, 12]}, 0.5, False),
+    "qwen3-yarn": ("Qwen3Attention", 1e6, {"rope_type": "yarn", "factor": 4.0,
+                                           "original_max_position_embeddings": 128}, 1.0, True),
+}
+_count = iter(range(10**6))
+
+
+def _layer(name: str, dtype=torch.float32):
+    """An SGLang attention layer (6 Q heads, 2 KV heads, head_dim 128) with random weights."""
+    from sglang.srt.models.glm4_moe import Glm4MoeAttention
+    from sglang.srt.models.qwen3 import Qwen3Attention
+    from sglang.srt.models.qwen3_moe import Qwen3MoeAttention
+
+    cls, theta, scaling, partial, qk_norm = LAYERS[name]
+    prefix = f"model.layers.{next(_count)}.self_attn"
+    common = dict(hidden_size=HIDDEN, num_heads=HQ, num_kv_heads=HKV, head_dim=D, rope_theta=theta,
+                  rope_scaling=scaling, max_position_embeddings=MAX_POS, prefix=prefix)
+    if cls == "Qwen3Attention":
+        layer = Qwen3Attention(rms_norm_eps=1e-6, **common)
+    elif cls == "Qwen3MoeAttention":
+        layer = Qwen3MoeAttention(rms_norm_eps=1e-6, **common)
+    else:
+        layer = Glm4MoeAttention(partial_rotary_factor=partial, rms_norm_eps=1e-5, use_qk_norm=qk_norm,
+                                 attention_bias=True, **common)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.2) + (1 if p.dim() == 1 else 0))
+    return layer.to(dtype).eval()
+
+
+@pytest.fixture
+def no_kv_pool(monkeypatch):
+    """Qwen3-MoE's prepare asks the KV pool whether SGLang's fused K/V write is on (CUDA only): no pool here."""
+    from sglang.srt.models import qwen3_moe
+
+    monkeypatch.setattr(qwen3_moe, "enable_fused_set_kv_buffer", lambda forward_batch: False)
+
+
+def _prepare(layer, positions, hidden):
+    """``(q, k, v)`` from the layer's prepare method (SGLang's own, or the plugin's once fused)."""
+    name = type(layer).__name__
+    if name == "Qwen3Attention":
+        return layer.forward_prepare_native(positions, hidden)
+    out = (layer.forward_prepare_native if name == "Qwen3MoeAttention" else layer.forward_prepare)(
+        positions, hidden, types.SimpleNamespace())
+    return out[2][:3]
+
+
+def _positions(mrope: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    if not mrope:
+        return torch.randint(0, MAX_POS, (T,), generator=g)
+    wide = torch.randint(0, MAX_POS, (3, T + 5), generator=g)
+    positions = wide[:, 3 : T + 3]  # rows differ (an image's t/h/w); a strided slice, as SGLang's buffers are
+    assert not positions.is_contiguous() and not torch.equal(positions[1], positions[2])
+    return positions
+
+
+def _fuse(layer, **kwargs):
+    report = plugin.fuse_attention(layer, plugin.Options(attention=True, **kwargs), context_len=MAX_POS)
+    assert report.fused == {type(layer).__name__: 1}, report.lines()
+    return report
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_fused_prepare_matches_sglangs_prepare(sglang_dist, no_kv_pool, name, dtype):
+    layer = _layer(name, dtype)
+    mrope = LAYERS[name][2] is not None and "mrope_section" in LAYERS[name][2]
+    cases = [_positions(mrope, s) for s in range(2)] + ([_positions(False, 5)] if mrope else [])  # + text-only
+    hidden = [torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(s)).to(dtype)
+              for s in range(len(cases))]
+    with torch.inference_mode():
+        sources = [layer.qkv_proj(h)[0] for h in hidden]
+        want = [tuple(t.clone() for t in _prepare(layer, p, h)) for p, h in zip(cases, hidden)]
+        report = _fuse(layer)
+        got = [_prepare(layer, p, h) for p, h in zip(cases, hidden)]
+    rot = layer.rotary_emb
+    assert report.details[type(layer).__name__].startswith(f"cpu, rotary {rot.rotary_dim}, neox")
+    for (q, k, v), (wq, wk, wv), positions, qkv in zip(got, want, cases, sources):
+        assert torch.isfinite(q).all() and torch.isfinite(k).all()
+        assert torch.equal(v, wv)
+        if dtype == torch.float32:
+            torch.testing.assert_close(q, wq, rtol=2e-6, atol=2e-6)
+            torch.testing.assert_close(k, wk, rtol=2e-6, atol=2e-6)
+        else:
+            qk_norm = LAYERS[name][4]
+            mrope_pos = mrope and positions.dim() == 2
+            oracle = oracle_split(qkv, positions, rot.cos_sin_cache, HQ, HKV, D,
+                                  q_weight=layer.q_norm.weight.detach() if qk_norm else None,
+                                  k_weight=layer.k_norm.weight.detach() if qk_norm else None,
+                                  eps=layer.q_norm.variance_epsilon if qk_norm else 1e-6, is_neox=True,
+                                  mrope_section=rot.mrope_section if mrope_pos else None,
+                                  mrope_interleaved=bool(getattr(rot, "mrope_interleaved", False)))
+            result = check_split_outputs((q, k, v), oracle, (wq, wk, wv), qkv, HQ, HKV, D)
+            assert result.ok, result
+
+
+def test_qwen3_moe_fused_prepare_leaves_the_kv_write_to_the_attention(sglang_dist, no_kv_pool):
+    """SGLang's own fused kernels set ``_used_fused_qk_norm_rope_last_call`` so that ``forward_core`` writes
+    K/V to the cache; the plugin's prepare does the same (the rotary module never writes it)."""
+    layer = _layer("qwen3-moe")
+    _fuse(layer)
+    with torch.inference_mode():
+        _prepare(layer, _positions(False, 0), torch.randn(T, HIDDEN))
+    assert layer._used_fused_qk_norm_rope_last_call is True
+
+
+def test_empty_batch_and_a_layer_that_no_longer_qualifies(sglang_dist, no_kv_pool):
+    import copy
+
+    layer = _layer("glm-4.7")
+    _fuse(layer)
+
+    class OtherRope(type(layer.rotary_emb)):
+        def forward_native(self, *args, **kwargs):
+            return super().forward_native(*args, **kwargs)
+
+    with torch.inference_mode():
+        assert layer.forward_prepare(_positions(False, 0)[:0], torch.randn(0, HIDDEN), None)[2] is None  # SGLang's
+        # SGLang replaces the rotary module by one qkvfuse does not reproduce: the layer falls back to SGLang's code
+        other = copy.deepcopy(layer.rotary_emb)
+        other.__class__ = OtherRope
+        layer.rotary_emb = other
+        positions, hidden = _positions(False, 1), torch.randn(T, HIDDEN)
+        want = tuple(t.clone() for t in type(layer).forward_prepare(layer, positions, hidden, None)[2][:3])
+        got = layer.forward_prepare(positions, hidden, None)[2][:3]
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_rebinds_when_weights_table_or_rotary_module_change(sglang_dist, no_kv_pool):
+    """``param.data = new`` (same identity, new storage), an in-place copy, and a new rotary module: the fused
+    prepare reads what SGLang's own would at that call."""
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    layer = _layer("qwen3")
+    reference = _layer("qwen3")  # a twin that keeps SGLang's code
+    reference.load_state_dict(layer.state_dict())
+    _fuse(layer)
+    positions, hidden = _positions(False, 2), torch.randn(T, HIDDEN)
+
+    def check():
+        with torch.inference_mode():
+            got = _prepare(layer, positions, hidden)
+            want = _prepare(reference, positions, hidden)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=2e-6, atol=2e-6)
+
+    check()
+    bound = layer._qkvfuse
+    check()
+    assert layer._qkvfuse is bound  # nothing changed: no rebuild
+    for target in (layer, reference):
+        target.q_norm.weight.data = torch.full((D,), 0.5)  # new storage, same Parameter
+    check()
+    with torch.no_grad():
+        for target in (layer, reference):
+            target.k_norm.weight.mul_(2)  # in place: the bound op reads it by reference
+    check()
+    for target in (layer, reference):
+        target.rotary_emb = get_rope(D, rotary_dim=D, max_position=MAX_POS, base=1e4)  # another theta
+    check()
+
+
+def test_a_table_shorter_than_the_context_is_left_to_sglang(sglang_dist):
+    layer = _layer("qwen3")
+    report = plugin.fuse_attention(layer, plugin.Options(attention=True), context_len=4 * MAX_POS)
+    assert report.fused == {} and "forward_prepare_native" not in layer.__dict__
+    assert "rotary table of 512 positions < context length 2048" in report.lines()[-1], report.lines()
+    assert report.lines()[-1].startswith("qkvfuse: left 1/1 Qwen3Attention to SGLang: ")
+
+
+def test_glm_interleaved_mrope_and_competing_fusions_are_refused(sglang_dist):
+    layer = _layer("glm-4.5v")
+    layer.rotary_emb.mrope_interleaved_glm = True
+    report = plugin.fuse_attention(layer, plugin.Options(attention=True), context_len=MAX_POS)
+    assert report.fused == {} and "mrope_interleaved_glm" in report.reasons["Glm4MoeAttention"]
+    layer = _layer("qwen3-moe")
+    layer.use_fused_qk_norm_rope_cpu = True  # sgl-kernel's CPU kernel would run for this layer
+    report = plugin.fuse_attention(layer, plugin.Options(attention=True), context_len=MAX_POS)
+    assert report.fused == {} and "use_fused_qk_norm_rope_cpu" in report.reasons["Qwen3MoeAttention"]
+
+
+def test_untested_sglang_code_is_refused(sglang_dist, monkeypatch):
+    model = torch.nn.Module()
+    model.attn = _layer("qwen3")
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "apply_qk_norm", ("0" * 16,))
+    report = plugin.fuse_model(model, plugin.Options(attention=True), context_len=MAX_POS)
+    assert report.fused == {} and "forward_prepare_native" not in model.attn.__dict__
+    assert report.lines() == ["qkvfuse: fused 0/1 Qwen3Attention",
+                              "qkvfuse: left 1/1 Qwen3Attention to SGLang: apply_qk_norm differs from the SGLang "
+                              "versions qkvfuse was tested with (0.5.23); its code is left in place"]
+
+
+def test_tested_sources_are_this_sglangs():
+    """Every hash in TESTED_SOURCES is the installed SGLang's (0.5.23): none is stale or misspelt."""
+    found = {}
+    for module in ("qwen3", "qwen3_moe", "glm4_moe"):
+        found.update(plugin._sglang_sources(module))
+    assert set(found) == set(plugin.TESTED_SOURCES)
+    for name, fn in found.items():
+        assert plugin.source_hash(fn) in plugin.TESTED_SOURCES[name], name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_add_rmsnorm_matches_sglangs_rmsnorm(sglang_dist, dtype):
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    from qkvfuse._verify.accuracy import check_norm_outputs
+    from qkvfuse._verify.oracle import oracle_add_rmsnorm
+
+    layer = types.SimpleNamespace()
+    hidden = 256
+    norm = RMSNorm(hidden, eps=1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(hidden)).to(dtype)
+    fused = RMSNorm(hidden, eps=1e-5)
+    fused.weight.data = norm.weight.data.clone()
+    layer.input_layernorm, layer.post_attention_layernorm = fused, RMSNorm(hidden, eps=1e-5).to(dtype)
+    report = plugin.Report()
+    plugin._fuse_norms(layer, "Qwen3DecoderLayer", plugin.Options(add_rmsnorm=True), None, report)
+    assert report.fused == {"Qwen3DecoderLayer add+RMSNorm": 2}
+    x, residual = torch.randn(T, hidden).to(dtype), torch.randn(T, hidden).to(dtype)
+    with torch.inference_mode():
+        want_y, want_r = norm(x.clone(), residual.clone())
+        got_y, got_r = fused(x.clone(), residual.clone())
+        alone = fused(x.clone())
+        torch.testing.assert_close(alone, norm(x.clone()), rtol=2e-6 if dtype == torch.float32 else 2 ** -7,
+                                   atol=2e-6 if dtype == torch.float32 else 2 ** -7)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_y, want_y, rtol=2e-6, atol=2e-6)
+        assert torch.equal(got_r, want_r)
+    else:
+        oracle = oracle_add_rmsnorm(x, residual, norm.weight.detach(), 1e-5)
+        result = check_norm_outputs((got_y, got_r), oracle, (want_y, want_r), x, residual)
+        assert result.ok, result
