@@ -399,6 +399,15 @@ def test_first_call_of_a_process_inside_compile_fullgraph_auto():
     _first_call_compiled("auto")
 
 
+def test_backend_loading_is_marked_as_torch_compiler_marks_a_constant():
+    """qkvfuse.backends marks its loader by hand (torch.compiler.assume_constant_result imports torch._dynamo,
+    and Triton with it, at ``import qkvfuse``): the mark must be the one torch's API sets."""
+    from qkvfuse import backends
+
+    marked = torch.compiler.assume_constant_result(lambda: None)
+    assert vars(marked) and all(getattr(backends._unavailable_reason, k, None) == v for k, v in vars(marked).items())
+
+
 def test_compile_with_an_unbacked_token_dim():
     """An unbacked token dim (torch._dynamo.mark_unbacked, separately on qkv and positions): the validators never
     guard on it (token counts are asserted equal at run time)."""

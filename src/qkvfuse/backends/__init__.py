@@ -26,8 +26,6 @@ import threading
 import warnings
 from typing import Dict, Optional, Tuple
 
-import torch
-
 from .. import _library, reference
 
 __all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "get_backend"]
@@ -79,13 +77,18 @@ def get_backend(name: str):
     return module
 
 
-@torch.compiler.assume_constant_result
 def _unavailable_reason(name: str) -> Optional[str]:
     """``None`` once backend ``name`` is usable, else the reason. Dynamo calls it as it traces and keeps the
     answer as a constant: a process's first qkvfuse call may be inside ``torch.compile(fullgraph=True)``, and
     loading a backend (an import, a build, a lock) cannot be traced."""
     module, reason = _load(name)
     return None if module is not None else reason
+
+
+# What torch.compiler.assume_constant_result(_unavailable_reason) does, without importing torch._dynamo (and with
+# it Triton) at `import qkvfuse`; tests/test_modes.py (first call inside torch.compile, fresh process per backend)
+# keeps it working.
+_unavailable_reason._dynamo_marked_constant = True
 
 
 _warned: set = set()
