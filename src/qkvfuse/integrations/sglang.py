@@ -247,7 +247,9 @@ def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
 
 
 def _bind(module, backend: Optional[str], verify: bool, context_len: Optional[int]):
-    state = _vllm._Prepare(module, backend, verify)  # the engine-neutral bound prepare (same attribute names)
+    # The engine-neutral bound prepare (same attribute names), with SGLang's qualification rule.
+    state = _vllm._Prepare(module, backend, verify,
+                           qualifies=lambda m: _attention_reason(m, context_len, backend)[0])
     state.context_len = context_len
     module._qkvfuse = state
     module._qkvfuse_signature = _signature(module)

@@ -256,9 +256,13 @@ class _Prepare:
     qkvfuse does not reproduce) runs vLLM's own forward until it qualifies again, with one log line.
     """
 
-    def __init__(self, module, backend: Optional[str], verify: bool, max_model_len: Optional[int] = None):
+    def __init__(self, module, backend: Optional[str], verify: bool, max_model_len: Optional[int] = None,
+                 qualifies=None):
+        """``qualifies(module)``: why the layer does not qualify, or None -- vLLM's rule (:func:`_layer_reason`)
+        by default; another engine's plugin passes its own."""
         self.module, self.backend, self.verify = module, backend, verify
         self.max_model_len = max_model_len
+        self.qualifies = qualifies or (lambda m: _layer_reason(m, self.max_model_len, self.backend))
         self.qk_norm = getattr(module, "use_qk_norm", True)
         self.hq, self.hkv, self.head_dim = module.num_heads, module.num_kv_heads, module.head_dim
         self.binding = Rebinding(self._bind)
@@ -294,7 +298,7 @@ class _Prepare:
     def _bind(self, rot, table, qn=None, q_weight=None, kn=None, k_weight=None):
         """(Re)build the bound ops from the rotary module, table and norms the layer holds now; None (and the
         reason, logged once) when the layer no longer qualifies."""
-        reason = _layer_reason(self.module, self.max_model_len, self.backend)
+        reason = self.qualifies(self.module)
         if reason is None:
             try:
                 prep = self._bound_ops(rot, table, qn, q_weight, k_weight)
