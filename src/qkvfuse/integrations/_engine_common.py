@@ -1,12 +1,9 @@
-"""Engine-neutral pieces shared by the engine plugins (:mod:`.sglang`; :mod:`.vllm` has its own copies today).
+"""Engine-neutral pieces shared by the engine plugins (:mod:`.vllm`, :mod:`.sglang`; re-binding when a running
+model changes is :mod:`._rebind`).
 
 :func:`when_imported` runs a callback on a module right after Python executes it (or now, if it already has), so
 an entry point that every engine process loads can patch one engine module without importing it where the
-engine does not -- SGLang's front end and detokenizer never import its model runner.
-
-:func:`storage_signature` is what a bound object relies on besides the identity of its tensors: an engine that
-syncs weights in place (``param.data = new``), moves a table or replaces a rotary module leaves the old identity
-or the old storage behind, and the bound object must then be rebuilt, never reused.
+engine does not -- vLLM's front end never imports its model loader, SGLang's never imports its model runner.
 """
 
 from __future__ import annotations
@@ -15,9 +12,7 @@ import importlib.abc
 import sys
 from typing import Callable, Dict, List
 
-import torch
-
-__all__ = ["when_imported", "storage_signature"]
+__all__ = ["when_imported"]
 
 _callbacks: Dict[str, List[Callable]] = {}
 
@@ -61,19 +56,6 @@ class _ImportHook(importlib.abc.MetaPathFinder):
                     sys.meta_path.remove(self)
                 return spec
         return None
-
-
-def storage_signature(*items) -> tuple:
-    """``items`` as they stand: a tensor by ``(id, data_ptr, shape, strides, dtype, device)``, anything else
-    (a module, None) by ``id``. Two equal signatures mean a bound object built from the first still describes
-    the second. A few attribute reads per item: no tensor op, no host sync."""
-    out = []
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            out.append((id(item), item.data_ptr(), item.shape, item.stride(), item.dtype, item.device))
-        else:
-            out.append(id(item))
-    return tuple(out)
 
 
 def pending_imports() -> List[str]:

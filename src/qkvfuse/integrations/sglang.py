@@ -55,7 +55,7 @@ import torch
 from .. import ops
 from ..backends import resolve_backend
 from . import vllm as _vllm
-from ._engine_common import storage_signature, when_imported
+from ._engine_common import when_imported
 
 Options = _vllm.Options  # the same options as the vLLM plugin
 source_hash = _vllm.source_hash  # the same hash rule
@@ -223,24 +223,13 @@ def _untested(names: List[str], module_name: str) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------
 # Attention layers.
 # --------------------------------------------------------------------------------------------------------
-def _signature(module) -> tuple:
-    """What the layer's bound object was built from: the rotary module, its table and the norm weights."""
-    rot = module.rotary_emb
-    if getattr(module, "use_qk_norm", True):
-        return storage_signature(rot, rot.cos_sin_cache, module.q_norm.weight, module.k_norm.weight)
-    return storage_signature(rot, rot.cos_sin_cache)
-
-
 def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
     """``(q, k, v)`` of ``qkv`` [T, (Hq + 2 Hkv) * D], Q and K normed and rotated in place; None when the layer
-    no longer qualifies (SGLang replaced something by what qkvfuse does not reproduce)."""
+    no longer qualifies (the bound prepare re-binds first when SGLang replaced or re-stored what it reads, and
+    says so once when the result does not qualify)."""
     state = module._qkvfuse
-    if not torch.compiler.is_compiling() and module._qkvfuse_signature != _signature(module):
-        reason, _ = _attention_reason(module, state.context_len, state.backend)
-        if reason is not None:
-            _log_once(f"qkvfuse: {type(module).__name__} changed under qkvfuse ({reason}); left to SGLang")
-            return None
-        state = _bind(module, state.backend, state.verify, state.context_len)
+    if not torch.compiler.is_compiling() and not state.ready(qkv):
+        return None
     if qkv.shape[0] == 0:  # nothing to normalise; SGLang's split of an empty batch
         return qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
     return state(qkv, positions)
@@ -248,11 +237,10 @@ def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
 
 def _bind(module, backend: Optional[str], verify: bool, context_len: Optional[int]):
     # The engine-neutral bound prepare (same attribute names), with SGLang's qualification rule.
-    state = _vllm._Prepare(module, backend, verify,
+    state = _vllm._Prepare(module, backend, verify, engine="SGLang",
                            qualifies=lambda m: _attention_reason(m, context_len, backend)[0])
     state.context_len = context_len
     module._qkvfuse = state
-    module._qkvfuse_signature = _signature(module)
     return state
 
 
@@ -373,10 +361,7 @@ def _fused_norm_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] 
     if (post_residual_addition is not None or quant_linear is not None or x.dim() != 2 or x.shape[0] == 0
             or (residual is not None and residual.shape != x.shape)):
         return type(self).forward(self, x, residual, post_residual_addition, quant_linear)
-    if not torch.compiler.is_compiling() and self._qkvfuse_signature != storage_signature(self.weight):
-        self._qkvfuse = _vllm._Norm(self, self._qkvfuse.backend)  # new weight object or storage: rebind
-        self._qkvfuse_signature = storage_signature(self.weight)
-    return self._qkvfuse(x, residual)
+    return self._qkvfuse(x, residual)  # re-binds itself when the weight is replaced or re-stored
 
 
 def _norm_reason(norm, backend: Optional[str]) -> Optional[str]:
@@ -458,8 +443,7 @@ def _fuse_norms(layer, cls_name, opts: Options, untested: Optional[str], report:
         norm = getattr(layer, attr, None)
         reason = untested or (_norm_reason(norm, opts.backend) if norm is not None else f"no {attr}")
         if reason is None:
-            norm._qkvfuse = _vllm._Norm(norm, opts.backend)
-            norm._qkvfuse_signature = storage_signature(norm.weight)
+            norm._qkvfuse = _vllm._Norm(norm, opts.backend, engine="SGLang")
             norm.forward = types.MethodType(_fused_norm_forward, norm)
         _vllm._count(report, name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None
                      else "")

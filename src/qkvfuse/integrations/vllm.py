@@ -54,11 +54,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import importlib.abc
 import inspect
 import logging
 import os
-import sys
 import textwrap
 import types
 from typing import Dict, List, Optional, Tuple
@@ -68,6 +66,7 @@ import torch
 from .. import ops
 from .._checks import served_dtypes
 from ..backends import resolve_backend
+from ._engine_common import when_imported
 from ._rebind import Rebinding
 
 __all__ = ["register", "fuse_model", "Options", "options_from_config", "TESTED_SOURCES", "CONFIG_KEY", "ENV_VAR"]
@@ -152,11 +151,7 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: arrange for ``BaseModelLoader.load_model`` to pass each loaded
     model to :func:`fuse_model`. Idempotent and cheap: it imports nothing of vLLM (the loader module is wrapped
     when vLLM imports it, or now if it already has), and without vLLM it does nothing."""
-    module = sys.modules.get(_LOADER_MODULE)
-    if module is not None:
-        _wrap_loader(module)
-    elif not any(isinstance(f, _LoaderHook) for f in sys.meta_path):
-        sys.meta_path.insert(0, _LoaderHook())
+    when_imported(_LOADER_MODULE, _wrap_loader)
 
 
 def _wrap_loader(module) -> None:
@@ -173,30 +168,6 @@ def _wrap_loader(module) -> None:
     load_model.__wrapped__ = original
     setattr(load_model, _MARK, True)
     loader_cls.load_model = load_model
-
-
-class _LoaderHook(importlib.abc.MetaPathFinder):
-    """Wraps the loader module right after vLLM imports it (then steps out of ``sys.meta_path``)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _LOADER_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                exec_module = spec.loader.exec_module
-
-                def exec_and_wrap(module, exec_module=exec_module):
-                    exec_module(module)
-                    _wrap_loader(module)
-
-                spec.loader.exec_module = exec_and_wrap
-                if self in sys.meta_path:
-                    sys.meta_path.remove(self)
-                return spec
-        return None
 
 
 _logged: set = set()
@@ -257,10 +228,10 @@ class _Prepare:
     """
 
     def __init__(self, module, backend: Optional[str], verify: bool, max_model_len: Optional[int] = None,
-                 qualifies=None):
+                 qualifies=None, engine: str = "vLLM"):
         """``qualifies(module)``: why the layer does not qualify, or None -- vLLM's rule (:func:`_layer_reason`)
-        by default; another engine's plugin passes its own."""
-        self.module, self.backend, self.verify = module, backend, verify
+        by default; another engine's plugin passes its own, and its name (``engine``) for the log lines."""
+        self.module, self.backend, self.verify, self.engine = module, backend, verify, engine
         self.max_model_len = max_model_len
         self.qualifies = qualifies or (lambda m: _layer_reason(m, self.max_model_len, self.backend))
         self.qk_norm = getattr(module, "use_qk_norm", True)
@@ -290,7 +261,7 @@ class _Prepare:
         if self.binding.get(*self._items(hidden_states)) is None:
             return False
         if hidden_states is not None and hidden_states.dtype not in self.io_dtypes:
-            _log_once(f"qkvfuse: {type(self.module).__name__} runs vLLM's code for {hidden_states.dtype} activations "
+            _log_once(f"qkvfuse: {type(self.module).__name__} runs {self.engine}'s code for {hidden_states.dtype} activations "
                       f"with q/k norm weights of another dtype")
             return False
         return True
@@ -307,7 +278,7 @@ class _Prepare:
         self.reason = reason
         if reason is not None:
             if self.prep is not None:  # it was fused: say that this layer now runs vLLM's code
-                _log_once(f"qkvfuse: {type(self.module).__name__} runs vLLM's code after a change to the running "
+                _log_once(f"qkvfuse: {type(self.module).__name__} runs {self.engine}'s code after a change to the running "
                           f"model: {reason}")
             self.prep = self.prep_1d = None
             return None
@@ -486,8 +457,8 @@ def _layer_reason(module, max_model_len: Optional[int], backend: Optional[str]) 
 class _Norm:
     """One decoder-layer RMSNorm run by qkvfuse: in place with a residual (vLLM's fused kernel's form)."""
 
-    def __init__(self, norm, backend: Optional[str]):
-        self.norm, self.backend = norm, backend
+    def __init__(self, norm, backend: Optional[str], engine: str = "vLLM"):
+        self.norm, self.backend, self.engine = norm, backend, engine
         self.eps = norm.variance_epsilon
         # Rebuilt when the weight is replaced or changes storage (`weight.data = ...`, `model._apply`), so the
         # bound op never reads freed memory or compares against stale byte ranges.
@@ -497,7 +468,7 @@ class _Norm:
         try:
             return ops.AddRMSNorm(weight.detach(), self.eps, backend=self.backend)
         except (ValueError, TypeError, AttributeError) as exc:  # e.g. a weight swapped for another shape
-            _log_once(f"qkvfuse: an RMSNorm runs vLLM's code after a change to the running model: {exc}")
+            _log_once(f"qkvfuse: an RMSNorm runs {self.engine}'s code after a change to the running model: {exc}")
             return None
 
     @property
