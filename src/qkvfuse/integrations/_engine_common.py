@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-__all__ = ["when_imported"]
+__all__ = ["when_imported", "first_untested"]
 
 _callbacks: Dict[str, List[Callable]] = {}
 
@@ -61,3 +61,18 @@ class _ImportHook(importlib.abc.MetaPathFinder):
 def pending_imports() -> List[str]:
     """The module names :func:`when_imported` still waits for (tests)."""
     return sorted(_callbacks)
+
+
+def first_untested(names: Sequence[str], sources: Mapping[str, Callable], tested: Mapping[str, Sequence[str]],
+                   hash_of: Callable[[Callable], str], engine: str, version: str) -> Optional[str]:
+    """The reason a plugin leaves a layer to the engine when one of ``names`` (looked up in ``sources``: the
+    engine's functions now) is missing or hashes (``hash_of``) to none of its ``tested`` versions; None when all
+    are tested."""
+    for name in names:
+        fn = sources.get(name)
+        if fn is None:
+            return f"{name} not found in this {engine}"
+        if hash_of(fn) not in tested[name]:
+            return (f"{name} differs from the {engine} versions qkvfuse was tested with ({version}); its code is left "
+                    "in place")
+    return None

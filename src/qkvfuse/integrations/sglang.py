@@ -55,7 +55,7 @@ import torch
 from .. import ops
 from ..backends import resolve_backend
 from . import vllm as _vllm
-from ._engine_common import when_imported
+from ._engine_common import first_untested, when_imported
 
 Options = _vllm.Options  # the same options as the vLLM plugin
 source_hash = _vllm.source_hash  # the same hash rule
@@ -209,15 +209,7 @@ def _sglang_sources(module_name: str) -> Dict[str, Callable]:
 
 def _untested(names: List[str], module_name: str) -> Optional[str]:
     """The first of ``names`` whose source hash is not a tested one (as a reason), else None."""
-    sources = _sglang_sources(module_name)
-    for name in names:
-        fn = sources.get(name)
-        if fn is None:
-            return f"{name} not found in this SGLang"
-        if source_hash(fn) not in TESTED_SOURCES[name]:
-            return (f"{name} differs from the SGLang versions qkvfuse was tested with (0.5.23); its code is left "
-                    "in place")
-    return None
+    return first_untested(names, _sglang_sources(module_name), TESTED_SOURCES, source_hash, "SGLang", "0.5.23")
 
 
 # --------------------------------------------------------------------------------------------------------

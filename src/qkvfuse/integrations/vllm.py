@@ -66,7 +66,7 @@ import torch
 from .. import ops
 from .._checks import served_dtypes
 from ..backends import resolve_backend
-from ._engine_common import when_imported
+from ._engine_common import first_untested, when_imported
 from ._rebind import Rebinding
 
 __all__ = ["register", "fuse_model", "Options", "options_from_config", "TESTED_SOURCES", "CONFIG_KEY", "ENV_VAR"]
@@ -201,15 +201,7 @@ def _vllm_sources(module_name: str):
 
 def _untested(names: List[str], module_name: str) -> Optional[str]:
     """The first of ``names`` whose source hash is not a tested one (as a reason), else None."""
-    sources = _vllm_sources(module_name)
-    for name in names:
-        fn = sources.get(name)
-        if fn is None:
-            return f"{name} not found in this vLLM"
-        if source_hash(fn) not in TESTED_SOURCES[name]:
-            return (f"{name} differs from the vLLM versions qkvfuse was tested with (0.32.0); its code is left in "
-                    "place")
-    return None
+    return first_untested(names, _vllm_sources(module_name), TESTED_SOURCES, source_hash, "vLLM", "0.32.0")
 
 
 # --------------------------------------------------------------------------------------------------------
