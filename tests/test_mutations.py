@@ -34,7 +34,7 @@ _public_split = qkvfuse.split_qkv_rmsnorm_rope
 
 def _partial_rotary_large(qkv, positions, cache, hq, hkv, d, *rest):
     _split(qkv, positions, cache, hq, hkv, d, *rest)
-    q_out, R = rest[-3], cache.shape[1]
+    q_out, R = rest[-4], cache.shape[1]
     heads = q_out.view(q_out.shape[0], hq, d)
     flat = torch.arange(q_out.shape[0])[:, None] * hq + torch.arange(hq)[None, :]
     heads[..., R:][flat >= PARTIAL_ROTARY_THRESHOLD] = float("nan")
@@ -59,9 +59,9 @@ def _mrope_packed_positions(positions, cache, sections, interleaved):
 
 
 def _k_variance_zero(qkv, positions, cache, hq, hkv, d, q_w, k_w, *rest):
-    def norm(x, weight, bias, eps):
+    def norm(x, weight, bias, eps, gemma=False):
         if weight is not k_w:
-            return _rms(x, weight, bias, eps)
+            return _rms(x, weight, bias, eps, gemma)
         y = x * torch.rsqrt(torch.zeros_like(x[..., :1]) + eps) * weight.float()
         return y + bias.float() if bias is not None else y
 
@@ -72,7 +72,7 @@ def _k_variance_zero(qkv, positions, cache, hq, hkv, d, q_w, k_w, *rest):
 def _skip_unlisted_head_dim(qkv, positions, cache, hq, hkv, d, *rest):
     if d in (64, 128, 256):
         return _split(qkv, positions, cache, hq, hkv, d, *rest)
-    q_out, k_out, v_out = rest[-3:]
+    q_out, k_out, v_out = rest[-4:-1]
     q_out.copy_(qkv[:, : hq * d])
     k_out.copy_(qkv[:, hq * d : (hq + hkv) * d])
     v_out.copy_(qkv[:, (hq + hkv) * d :])

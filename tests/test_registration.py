@@ -5,7 +5,7 @@ import torch
 from torch.library import opcheck
 
 import qkvfuse
-from qkvfuse._library import decode_rope, encode_rope
+from qkvfuse._library import decode_flags, decode_rope, encode_rope
 from qkvfuse._library import NAMESPACES
 from qkvfuse.backends import get_backend, select_ops
 from qkvfuse._verify import SplitCase, make_split_inputs
@@ -61,14 +61,18 @@ def test_opcheck_norm_ops(with_residual, backend):
 
 @pytest.mark.parametrize("code", [(True, (), False), (False, (), False), (True, (24, 20, 20), True),
                                   (False, (8, 12, 12), False), (True, (0, 0, 256), True), (True, (1023, 0, 1), False)])
-def test_rope_code_round_trips_through_python_and_the_native_kernel(code):
-    """The one int carrying the rotation style and mRoPE layout decodes the same in Python and in C++."""
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plain", "q_gate", "gemma", "q_gate-gemma"])
+def test_rope_code_round_trips_through_python_and_the_native_kernel(code, flags):
+    """The one int carrying the rotation style, mRoPE layout and the layout flags decodes the same in Python and
+    in C++."""
     pytest.importorskip("qkvfuse.backends.cpu")
     get_backend("cpu")
-    rope = encode_rope(*code)
-    assert decode_rope(rope) == code
+    rope = encode_rope(*code, *flags)
+    assert decode_rope(rope) == code and decode_flags(rope) == flags
     native = torch.ops.qkvfuse_cpu.decode_rope(rope)
-    assert (bool(native[0]), tuple(native[3:]) if native[1] else (), bool(native[2])) == code
+    assert (bool(native[0]), tuple(native[3:6]) if native[1] else (), bool(native[2])) == code
+    assert (bool(native[6]), bool(native[7])) == flags
 
 
 def test_torch_compile_fullgraph(backend):

@@ -28,7 +28,8 @@ MAX_HEAD_DIM = 512
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
 _FLOAT_NAMES = "torch.float32, torch.bfloat16 or torch.float16"
-_SPLIT_OUTS = ("q_out", "k_out", "v_out")
+_SPLIT_OUTS = ("q_out", "k_out", "v_out", "gate_out")
+_Q_GATE = 8  # qkvfuse._library.Q_GATE: the rope code's gated-Q bit (that module imports this one)
 
 
 def fail(arg: str, got, expected: str, exc=ValueError):
@@ -220,9 +221,14 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
         if value < 1:
             fail(name, value, "an int >= 1")
-    heads = num_q_heads + 2 * num_kv_heads
+    q_gate = bool(rope & _Q_GATE)
+    heads = (2 if q_gate else 1) * num_q_heads + 2 * num_kv_heads
     shape = qkv.shape
     if len(shape) != 2 or shape[1] % heads or (shape[1] // heads) % 2 or not 0 < shape[1] // heads <= MAX_HEAD_DIM:
+        if q_gate:
+            fail("qkv", f"shape {tuple(shape)}", f"shape (T, (2*num_q_heads + 2*num_kv_heads) * head_dim) with an "
+                 f"even head_dim <= {MAX_HEAD_DIM} for num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads} "
+                 "(q_gate: each Q head followed by its gate head)")
         fail("qkv", f"shape {tuple(shape)}", f"shape (T, (num_q_heads + 2*num_kv_heads) * head_dim) with an even "
              f"head_dim <= {MAX_HEAD_DIM} for num_q_heads={num_q_heads}, num_kv_heads={num_kv_heads}")
     T, width = shape
@@ -276,19 +282,27 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     statics = (("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias))
     _io_dtype("qkv", qkv.dtype, statics)
     _no_grad((("qkv", qkv),) + statics + (("cos_sin_cache", cache),))
-    widths = (num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
     if outs is not None:
-        for name, t, w in zip(_SPLIT_OUTS, outs, widths):
+        gate_out = outs[3] if len(outs) > 3 else None
+        if q_gate != (gate_out is not None):
+            fail("gate_out", "a tensor" if gate_out is not None else "None",
+                 f"a ({T}, {q_width}) tensor exactly when the layout is gated (q_gate)")
+        outs = tuple(outs[:3]) + ((gate_out,) if q_gate else ())
+        names = _SPLIT_OUTS[:len(outs)]
+        for name, t, w in zip(names, outs, (q_width, kv_width, kv_width, q_width)):
             _out_tensor(name, t, (T, w), qkv, "qkv")
         if real and real_memory(qkv, *outs):
-            views = []
+            starts = {"q_out": 0, "k_out": width - 2 * kv_width, "v_out": width - kv_width}
+            widths = {"q_out": q_width, "k_out": kv_width, "v_out": kv_width}
 
             def own(name):
-                if not views:
-                    views.extend(qkv.split_with_sizes(widths, 1))
-                return "qkv", views[_SPLIT_OUTS.index(name)]
+                # Gated, the Q and gate heads are interleaved in qkv: q_out and gate_out have no slice of their own.
+                if name == "gate_out" or (q_gate and name == "q_out"):
+                    return "qkv", None
+                return "qkv", qkv[:, starts[name]:starts[name] + widths[name]]
 
-            _check_outputs(tuple(zip(_SPLIT_OUTS, outs)),
+            _check_outputs(tuple(zip(names, outs)),
                            (("qkv", qkv), ("positions", positions), ("cos_sin_cache", cache)) + statics, own)
     elif inplace and real and real_memory(qkv):
         _check_targets((("qkv", qkv),), (("positions", positions), ("cos_sin_cache", cache)) + statics)

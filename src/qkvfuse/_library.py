@@ -7,12 +7,20 @@ kernel the dispatcher picks, which checks its arguments before it reads or write
 
 Ops, defined in three namespaces with one schema each:
 
-* ``split_qkv_rmsnorm_rope`` -- functional, returns ``(q, k, v)``;
-* ``split_qkv_rmsnorm_rope_out`` -- writes ``q_out, k_out, v_out``;
-* ``split_qkv_rmsnorm_rope_inplace`` -- rewrites the Q and K heads inside ``qkv``;
+* ``split_qkv_rmsnorm_rope`` -- functional, returns ``(q, k, v, gate)``; ``gate`` is an empty placeholder unless
+  the rope code has :data:`Q_GATE` (the gated layout of Qwen3-Next / Qwen3.5, ``[q_0 | g_0 | q_1 | g_1 | ... | K
+  | V]``);
+* ``split_qkv_rmsnorm_rope_out`` -- writes ``q_out, k_out, v_out`` (and ``gate_out``, given exactly with
+  :data:`Q_GATE`);
+* ``split_qkv_rmsnorm_rope_inplace`` -- rewrites the Q and K heads inside ``qkv``; with :data:`Q_GATE` it also
+  de-interleaves the row's Q/gate region into ``[Q heads | gate heads]`` (:func:`inplace_views`);
 * ``add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias); without a residual the second
   output of the functional form is an empty placeholder;
 * ``add_rmsnorm_inplace`` -- the engines' in-place form: ``y`` over ``x``, the rounded sum over ``residual``.
+
+The norm ops' trailing ``gemma`` flag, like the split's :data:`GEMMA` bit, says the norm weight is stored centred
+at 0 (Gemma, Qwen3-Next, Qwen3.5): the kernels multiply by ``1 + w`` in fp32, so nothing is derived from a weight
+outside the call (in-place weight updates are always seen).
 
 The namespace names the backend: ``qkvfuse`` is "auto" (the dispatcher picks by device: the native kernel for
 ``CPU``, Triton for ``CUDA``/``XPU``/``PrivateUse1``, the reference elsewhere), ``qkvfuse_reference`` the
@@ -26,7 +34,8 @@ The mutating forms bump the version counter of every tensor they write (an ``ADI
 
 The split schema is lean (a call parses fewer arguments): ``head_dim`` is ``qkv.shape[1] // (num_q_heads +
 2 * num_kv_heads)``, the rotary dim is ``cos_sin_cache.shape[1]``, and the rotation style and the mRoPE layout
-travel in one int, ``rope`` (:func:`encode_rope`). Every kernel -- the Python ones registered here, the fake
+travel in one int, ``rope`` (:func:`encode_rope`), with the two layout flags :data:`Q_GATE` and :data:`GEMMA`;
+gated, ``head_dim`` is ``qkv.shape[1] // (2 * num_q_heads + 2 * num_kv_heads)``. Every kernel -- the Python ones registered here, the fake
 kernels and the native CPU kernels -- checks its own arguments (:mod:`qkvfuse._checks`), so a raw ``torch.ops``
 call is as safe as a public one.
 """
@@ -40,8 +49,8 @@ import torch
 
 from . import _checks
 
-__all__ = ["NAMESPACES", "OPS", "encode_rope", "decode_rope", "impl_library", "register_kernels",
-           "check_positions", "MAX_HEAD_DIM"]
+__all__ = ["NAMESPACES", "OPS", "Q_GATE", "GEMMA", "encode_rope", "decode_rope", "decode_flags", "impl_library",
+           "register_kernels", "check_positions", "MAX_HEAD_DIM"]
 
 # Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
@@ -50,17 +59,21 @@ OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnor
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
 # --------------------------------------------------------------------------------------------------------
-# The rope code: bit 0 NeoX pairs, bit 1 mRoPE, bit 2 interleaved mRoPE, then the three section sizes in
-# 10 bits each (rotary_dim // 2 <= 256). The C++ kernels decode the same layout (decode_rope in
-# backends/cpu/split_qkv_rmsnorm_rope.cpp); a test round-trips codes through both.
+# The rope code: bit 0 NeoX pairs, bit 1 mRoPE, bit 2 interleaved mRoPE, bit 3 the gated Q layout (Q_GATE),
+# bit 4 Gemma norm weights (GEMMA), then the three section sizes in 10 bits each (rotary_dim // 2 <= 256). The
+# C++ kernels decode the same layout (decode_rope in backends/cpu/split_qkv_rmsnorm_rope.cpp); a test
+# round-trips codes through both.
 # --------------------------------------------------------------------------------------------------------
 _SECTION_BITS = 10
 _SECTION_SHIFT = (8, 18, 28)
+Q_GATE = 8  # qkv's Q region is [q_0 | g_0 | q_1 | g_1 | ...], 2 * num_q_heads * head_dim wide; the gate is copied
+GEMMA = 16  # q_weight / k_weight are stored centred at 0: heads are normalised and multiplied by 1 + w in fp32
 
 
-def encode_rope(is_neox: bool, mrope_section: Sequence[int] = (), mrope_interleaved: bool = False) -> int:
+def encode_rope(is_neox: bool, mrope_section: Sequence[int] = (), mrope_interleaved: bool = False,
+                q_gate: bool = False, gemma: bool = False) -> int:
     """The ``rope`` argument of the split ops for validated arguments (``mrope_section`` empty for RoPE)."""
-    code = int(bool(is_neox))
+    code = int(bool(is_neox)) | (Q_GATE if q_gate else 0) | (GEMMA if gemma else 0)
     if mrope_section:
         code |= 2 | (4 if mrope_interleaved else 0)
         for size, shift in zip(mrope_section, _SECTION_SHIFT):
@@ -75,6 +88,11 @@ def decode_rope(code: int) -> Tuple[bool, Tuple[int, ...], bool]:
     return bool(code & 1), sections, bool(code & 4)
 
 
+def decode_flags(code: int) -> Tuple[bool, bool]:
+    """``(q_gate, gemma)`` of a rope code."""
+    return bool(code & Q_GATE), bool(code & GEMMA)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Schemas.
 # --------------------------------------------------------------------------------------------------------
@@ -82,25 +100,26 @@ _SPLIT_ARGS = ("Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor
                "Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope")
 _NORM_ARGS = "Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps"
 
-_MUTATED = {"split_qkv_rmsnorm_rope_out": (11, 12, 13), "split_qkv_rmsnorm_rope_inplace": (0,),
+_MUTATED = {"split_qkv_rmsnorm_rope_out": (11, 12, 13, 14), "split_qkv_rmsnorm_rope_inplace": (0,),
             "add_rmsnorm_out": (5, 6), "add_rmsnorm_inplace": (0, 1)}  # argument indices each mutating form writes
 _libs = {}
 for _ns in NAMESPACES.values():
     _lib = _libs[_ns] = torch.library.Library(_ns, "DEF")
-    _lib.define(f"split_qkv_rmsnorm_rope(Tensor qkv, {_SPLIT_ARGS}) -> (Tensor, Tensor, Tensor)")
+    _lib.define(f"split_qkv_rmsnorm_rope(Tensor qkv, {_SPLIT_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")
     _lib.define(f"split_qkv_rmsnorm_rope_out(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) q_out, Tensor(b!) k_out, "
-                "Tensor(c!) v_out) -> ()")
+                "Tensor(c!) v_out, Tensor(d!)? gate_out=None) -> ()")
     _lib.define(f"split_qkv_rmsnorm_rope_inplace(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
-    _lib.define(f"add_rmsnorm({_NORM_ARGS}) -> (Tensor, Tensor)")
-    _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()")
-    _lib.define("add_rmsnorm_inplace(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, Tensor? bias, float eps) -> ()")
+    _lib.define(f"add_rmsnorm({_NORM_ARGS}, bool gemma=False) -> (Tensor, Tensor)")
+    _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out, bool gemma=False) -> ()")
+    _lib.define("add_rmsnorm_inplace(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, Tensor? bias, float eps, "
+                "bool gemma=False) -> ()")
 
 
 def _version_bumping_kernel(op, mutated):
     after = torch._C._after_ADInplaceOrView_keyset
 
     def kernel(keyset, *args):
-        written = [args[i] for i in mutated if args[i] is not None]
+        written = [args[i] for i in mutated if i < len(args) and args[i] is not None]  # defaults are not passed
         # increment_version skips inference tensors silently; torch's in-place ops refuse to write them outside
         # inference mode, and so does this (the native C++ kernel gets the same from TensorImpl::bump_version).
         if not torch.is_inference_mode_enabled() and any(t.is_inference() for t in written):
@@ -126,21 +145,27 @@ def register_version_kernels(backend: str) -> torch.library.Library:
 version_libraries = {backend: register_version_kernels(backend) for backend in NAMESPACES}
 
 
-def head_dim_of(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> int:
-    return qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
+def head_dim_of(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_gate: bool = False) -> int:
+    return qkv.shape[1] // ((2 if q_gate else 1) * num_q_heads + 2 * num_kv_heads)
 
 
-def split_outputs(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
-    """Fresh ``(q, k, v)`` outputs for ``qkv``."""
-    T, D = qkv.shape[0], head_dim_of(qkv, num_q_heads, num_kv_heads)
+def split_outputs(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_gate: bool = False):
+    """Fresh ``(q, k, v, gate)`` outputs for ``qkv``; ``gate`` is an empty placeholder unless ``q_gate``."""
+    T, D = qkv.shape[0], head_dim_of(qkv, num_q_heads, num_kv_heads, q_gate)
     return (qkv.new_empty((T, num_q_heads * D)), qkv.new_empty((T, num_kv_heads * D)),
-            qkv.new_empty((T, num_kv_heads * D)))
+            qkv.new_empty((T, num_kv_heads * D)), qkv.new_empty((T, num_q_heads * D) if q_gate else (0,)))
 
 
-def inplace_views(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int):
-    """``qkv``'s ``(q, k, v)`` column views (one op for the three)."""
-    D = head_dim_of(qkv, num_q_heads, num_kv_heads)
-    return tuple(qkv.split_with_sizes([num_q_heads * D, num_kv_heads * D, num_kv_heads * D], dim=1))
+def inplace_views(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_gate: bool = False):
+    """``qkv``'s ``(q, k, v)`` column views after the in-place form (one op), ``(q, k, v, gate)`` when ``q_gate``:
+    the gated in-place form leaves each row as ``[Q heads | gate heads | K heads | V heads]``, so all four are
+    column views with ``qkv``'s row stride (unit last stride)."""
+    D = head_dim_of(qkv, num_q_heads, num_kv_heads, q_gate)
+    q, kv = num_q_heads * D, num_kv_heads * D
+    if q_gate:
+        q_, g, k, v = qkv.split_with_sizes([q, q, kv, kv], dim=1)
+        return q_, k, v, g
+    return tuple(qkv.split_with_sizes([q, kv, kv], dim=1))
 
 
 def norm_outputs(x: torch.Tensor, residual: Optional[torch.Tensor]):
@@ -155,13 +180,13 @@ for _ns, _lib in _libs.items():
                     eps, rope):
         _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
                             num_kv_heads, rope, real=False)
-        return split_outputs(qkv, num_q_heads, num_kv_heads)
+        return split_outputs(qkv, num_q_heads, num_kv_heads, bool(rope & Q_GATE))
 
     @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_out", lib=_lib)
     def _split_out_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
-                        num_kv_heads, eps, rope, q_out, k_out, v_out):
+                        num_kv_heads, eps, rope, q_out, k_out, v_out, gate_out=None):
         _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
-                            num_kv_heads, rope, outs=(q_out, k_out, v_out), real=False)
+                            num_kv_heads, rope, outs=(q_out, k_out, v_out, gate_out), real=False)
 
     @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_inplace", lib=_lib)
     def _split_inplace_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
@@ -170,26 +195,27 @@ for _ns, _lib in _libs.items():
                             num_kv_heads, rope, inplace=True, real=False)
 
     @torch.library.register_fake(f"{_ns}::add_rmsnorm", lib=_lib)
-    def _norm_fake(x, residual, weight, bias, eps):
+    def _norm_fake(x, residual, weight, bias, eps, gemma=False):
         _checks.check_norm(x, residual, weight, bias, real=False)
         return norm_outputs(x, residual)
 
     @torch.library.register_fake(f"{_ns}::add_rmsnorm_out", lib=_lib)
-    def _norm_out_fake(x, residual, weight, bias, eps, y_out, residual_out):
+    def _norm_out_fake(x, residual, weight, bias, eps, y_out, residual_out, gemma=False):
         _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out), real=False)
 
     @torch.library.register_fake(f"{_ns}::add_rmsnorm_inplace", lib=_lib)
-    def _norm_inplace_fake(x, residual, weight, bias, eps):
+    def _norm_inplace_fake(x, residual, weight, bias, eps, gemma=False):
         _checks.check_norm(x, residual, weight, bias, inplace=True, real=False)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Registration. Kernels are written against the *reference signature* (:mod:`qkvfuse.reference`):
 #   split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, mrope_section,
-#             mrope_interleaved, q_out, k_out, v_out)
-#   norm_out(x, residual, weight, bias, eps, y_out, residual_out)
+#             mrope_interleaved, q_gate, gemma, q_out, k_out, v_out, gate_out)
+#   norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
 # and adapted here to the schemas (functional and in-place forms derived from the out= form; the norm kernels
-# accept outputs that exactly alias their own inputs).
+# accept outputs that exactly alias their own inputs; the gated in-place form's outputs are inplace_views, which
+# overlap the interleaved input: the split kernels read a token's Q/gate region before they write it).
 # --------------------------------------------------------------------------------------------------------
 SplitOut = Callable[..., None]
 NormOut = Callable[..., None]
@@ -206,40 +232,45 @@ def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: S
 
     # Each kernel checks its own arguments (qkvfuse._checks), then runs: a raw torch.ops call is as safe as a
     # public one.
-    def run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, q_out, k_out, v_out):
+    def run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, q_out, k_out, v_out, gate_out):
         check_positions(positions, cache.shape[0])  # before any output is written
         is_neox, sections, interleaved = decode_rope(rope)
+        q_gate, gemma = decode_flags(rope)
         split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, sections, interleaved,
-                  q_out, k_out, v_out)
+                  q_gate, gemma, q_out, k_out, v_out, gate_out)
 
-    def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out):
-        outs = (q_out, k_out, v_out)
+    def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out, gate_out=None):
+        outs = (q_out, k_out, v_out, gate_out)
         head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope, outs=outs)
         run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs)
 
     def functional(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
         head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope)
-        outs = split_outputs(qkv, hq, hkv)
-        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs)
+        q_gate = bool(rope & Q_GATE)
+        outs = split_outputs(qkv, hq, hkv, q_gate)
+        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs[:3],
+            outs[3] if q_gate else None)
         return outs
 
     def inplace(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
         head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope, inplace=True)
-        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *inplace_views(qkv, hq, hkv))
+        views = inplace_views(qkv, hq, hkv, bool(rope & Q_GATE))
+        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *views[:3],
+            views[3] if len(views) == 4 else None)
 
-    def norm_checked_out(x, residual, weight, bias, eps, y_out, residual_out):
+    def norm_checked_out(x, residual, weight, bias, eps, y_out, residual_out, gemma=False):
         _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out))
-        norm_out(x, residual, weight, bias, eps, y_out, residual_out)
+        norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
 
-    def norm_functional(x, residual, weight, bias, eps):
+    def norm_functional(x, residual, weight, bias, eps, gemma=False):
         _checks.check_norm(x, residual, weight, bias)
         y, residual_out = norm_outputs(x, residual)
-        norm_out(x, residual, weight, bias, eps, y, residual_out if residual is not None else None)
+        norm_out(x, residual, weight, bias, eps, gemma, y, residual_out if residual is not None else None)
         return y, residual_out
 
-    def norm_inplace(x, residual, weight, bias, eps):
+    def norm_inplace(x, residual, weight, bias, eps, gemma=False):
         _checks.check_norm(x, residual, weight, bias, inplace=True)
-        norm_out(x, residual, weight, bias, eps, x, residual)
+        norm_out(x, residual, weight, bias, eps, gemma, x, residual)
 
     lib.impl("split_qkv_rmsnorm_rope", functional, dispatch_key)
     lib.impl("split_qkv_rmsnorm_rope_out", out, dispatch_key)

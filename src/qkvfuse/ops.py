@@ -108,17 +108,23 @@ def _check_eps(eps) -> float:
     return float(eps)
 
 
-def _check_geometry(num_q_heads, num_kv_heads, head_dim) -> int:
-    """The head geometry's ints; returns qkv's width."""
+def _check_geometry(num_q_heads, num_kv_heads, head_dim, q_gate: bool = False) -> int:
+    """The head geometry's ints; returns qkv's width (gated: each Q head followed by its gate head)."""
     _check_int("num_q_heads", num_q_heads)
     _check_int("num_kv_heads", num_kv_heads)
     _check_int("head_dim", head_dim, 2)
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         _fail("head_dim", head_dim, f"an even int <= {MAX_HEAD_DIM}")
-    return (num_q_heads + 2 * num_kv_heads) * head_dim
+    return ((2 if q_gate else 1) * num_q_heads + 2 * num_kv_heads) * head_dim
 
 
-def _rope_code(is_neox, mrope_section, mrope_interleaved) -> Tuple[int, bool]:
+def _check_flag(arg: str, value) -> bool:
+    if not isinstance(value, bool):
+        _fail(arg, repr(value), "a bool", TypeError)
+    return value
+
+
+def _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate=False, gemma_norm=False) -> Tuple[int, bool]:
     """``(rope, mrope)``: the lean schema's rope code (:func:`qkvfuse._library.encode_rope`) of checked arguments.
     The sections' sum against the rotary dim (the table's width) is the kernel's check."""
     sections: Tuple[int, ...] = ()
@@ -134,17 +140,24 @@ def _rope_code(is_neox, mrope_section, mrope_interleaved) -> Tuple[int, bool]:
         _fail("mrope_interleaved", repr(mrope_interleaved), "a bool", TypeError)
     if not isinstance(is_neox, bool):
         _fail("is_neox", repr(is_neox), "a bool", TypeError)
-    return encode_rope(is_neox, sections, mrope_interleaved), bool(mrope_section)
+    _check_flag("q_gate", q_gate)
+    _check_flag("gemma_norm", gemma_norm)
+    return encode_rope(is_neox, sections, mrope_interleaved, q_gate, gemma_norm), bool(mrope_section)
 
 
-def _qkv_width_error(qkv, width: int, num_q_heads: int, num_kv_heads: int, head_dim: int):
+def _qkv_width_error(qkv, width: int, num_q_heads: int, num_kv_heads: int, head_dim: int, q_gate: bool = False):
     _check_tensor("qkv", qkv)
+    if q_gate:
+        _fail("qkv", f"shape {tuple(qkv.shape)}",
+              f"shape (T, {width}) = (T, (2*num_q_heads + 2*num_kv_heads) * head_dim) for num_q_heads={num_q_heads}, "
+              f"num_kv_heads={num_kv_heads}, head_dim={head_dim} (q_gate: each Q head followed by its gate head)")
     _fail("qkv", f"shape {tuple(qkv.shape)}",
           f"shape (T, {width}) = (T, (num_q_heads + 2*num_kv_heads) * head_dim) for num_q_heads={num_q_heads}, "
           f"num_kv_heads={num_kv_heads}, head_dim={head_dim}")
 
 
 _SPLIT_OUTS = ("q_out", "k_out", "v_out")
+_GATED_OUTS = ("q_out", "k_out", "v_out", "gate_out")
 
 
 def _check_outs(out, names) -> None:
@@ -167,7 +180,7 @@ class _SplitConfig(NamedTuple):
     num_kv_heads: int
     head_dim: int
     width: int
-    widths: Tuple[int, int, int]  # q, k, v column widths
+    widths: Tuple[int, ...]  # the in-place views' column widths: q, k, v (gated: q, gate, k, v)
     cos_sin_cache: torch.Tensor
     q_weight: Optional[torch.Tensor]
     k_weight: Optional[torch.Tensor]
@@ -175,16 +188,18 @@ class _SplitConfig(NamedTuple):
     k_bias: Optional[torch.Tensor]
     eps: float
     mrope: bool
+    q_gate: bool
+    gemma_norm: bool
     device: torch.device
     ops: _Ops
     static_args: tuple  # the ops' arguments after qkv and positions
 
 
 def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
-                  is_neox, mrope_section, mrope_interleaved, backend) -> _SplitConfig:
+                  is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm, backend) -> _SplitConfig:
     """A bound object's configuration, validated once (the kernels check the same tensors again on every call:
     they may be updated in place or swapped under the object)."""
-    width = _check_geometry(num_q_heads, num_kv_heads, head_dim)
+    width = _check_geometry(num_q_heads, num_kv_heads, head_dim, _check_flag("q_gate", q_gate))
     _check_tensor("cos_sin_cache", cos_sin_cache)
     device, anchor = cos_sin_cache.device, "cos_sin_cache"
     if cos_sin_cache.dtype not in _FLOATS:
@@ -199,7 +214,7 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
     if cos_sin_cache.stride(1) != 1 or cos_sin_cache.stride(0) < rotary_dim:
         _fail("cos_sin_cache", f"strides {cos_sin_cache.stride()}",
               "a contiguous last dim and row stride >= rotary_dim")
-    rope, mrope = _rope_code(is_neox, mrope_section, mrope_interleaved)
+    rope, mrope = _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm)
     if mrope and sum(mrope_section) != rotary_dim // 2:
         _fail("mrope_section", f"{tuple(mrope_section)} (sum {sum(mrope_section)})",
               f"sections summing to rotary_dim // 2 = {rotary_dim // 2}")
@@ -219,11 +234,23 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
         given, missing = ("q_bias", "k_bias") if k_bias is None else ("k_bias", "q_bias")
         _fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
     eps = _check_eps(eps)
-    kv_width = num_kv_heads * head_dim
     tensors = (cos_sin_cache, q_weight, k_weight, q_bias, k_bias)
-    return _SplitConfig(num_q_heads, num_kv_heads, head_dim, width, (num_q_heads * head_dim, kv_width, kv_width),
-                        *tensors, eps, mrope, device, _ops_for(backend, device),
+    return _SplitConfig(num_q_heads, num_kv_heads, head_dim, width, _view_widths(num_q_heads, num_kv_heads, head_dim,
+                                                                                 q_gate),
+                        *tensors, eps, mrope, q_gate, gemma_norm, device, _ops_for(backend, device),
                         (*tensors, num_q_heads, num_kv_heads, eps, rope))
+
+
+def _view_widths(num_q_heads: int, num_kv_heads: int, head_dim: int, q_gate: bool) -> Tuple[int, ...]:
+    """Column widths of the in-place form's views (:func:`qkvfuse._library.inplace_views`)."""
+    q, kv = num_q_heads * head_dim, num_kv_heads * head_dim
+    return (q, q, kv, kv) if q_gate else (q, kv, kv)
+
+
+def _inplace_result(qkv: torch.Tensor, widths: Tuple[int, ...]):
+    """The in-place form's ``(q, k, v)`` views, ``(q, k, v, gate)`` gated (one op for the views)."""
+    views = qkv.split_with_sizes(widths, 1)
+    return views if len(views) == 3 else (views[0], views[2], views[3], views[1])
 
 
 def _is_tensor_or_none(t) -> bool:
@@ -231,7 +258,7 @@ def _is_tensor_or_none(t) -> bool:
 
 
 def _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight, k_weight, q_bias,
-                k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend):
+                k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm, backend):
     """The functional ops' checks: ``(ops, static_args, widths)``. Each group is accepted by one expression in the
     common case (plain ints, a float eps, plain RoPE); otherwise its checks run, and raise with their messages."""
     if not (isinstance(qkv, _Tensor) and isinstance(positions, _Tensor) and isinstance(cos_sin_cache, _Tensor)
@@ -242,23 +269,23 @@ def _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_d
         _check_tensor("cos_sin_cache", cos_sin_cache)
         _check_optional((("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)))
     if (type(num_q_heads) is int and type(num_kv_heads) is int and type(head_dim) is int and num_q_heads >= 1
-            and num_kv_heads >= 1 and 2 <= head_dim <= MAX_HEAD_DIM and not head_dim % 2):
+            and num_kv_heads >= 1 and 2 <= head_dim <= MAX_HEAD_DIM and not head_dim % 2 and q_gate is False):
         width = (num_q_heads + 2 * num_kv_heads) * head_dim
     else:
-        width = _check_geometry(num_q_heads, num_kv_heads, head_dim)
-    if mrope_section is None and is_neox is True and mrope_interleaved is False:
+        width = _check_geometry(num_q_heads, num_kv_heads, head_dim, _check_flag("q_gate", q_gate))
+    if mrope_section is None and is_neox is True and mrope_interleaved is False and q_gate is False and (
+            gemma_norm is False):
         rope = 1  # encode_rope(True): NeoX pairs, plain RoPE
     else:
-        rope, _ = _rope_code(is_neox, mrope_section, mrope_interleaved)
+        rope, _ = _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm)
     if type(eps) is not float or not 0.0 <= eps < math.inf:
         eps = _check_eps(eps)
     shape = qkv.shape
     if len(shape) != 2 or shape[1] != width:
-        _qkv_width_error(qkv, width, num_q_heads, num_kv_heads, head_dim)
-    kv_width = num_kv_heads * head_dim
+        _qkv_width_error(qkv, width, num_q_heads, num_kv_heads, head_dim, q_gate)
     return (_OPS[select_ops(backend, qkv.device.type)],
             (cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope),
-            (num_q_heads * head_dim, kv_width, kv_width))
+            _view_widths(num_q_heads, num_kv_heads, head_dim, q_gate))
 
 
 class QKNormRope:
@@ -286,6 +313,12 @@ class QKNormRope:
         ``(s_t, s_h, s_w)`` summing to ``rotary_dim // 2``; calls then take positions of shape ``(3, T)``.
     mrope_interleaved : bool
         Qwen3-VL interleaved layout (True) or contiguous sections (Qwen2-VL, GLM-4.5V).
+    q_gate : bool
+        The gated layout of Qwen3-Next / Qwen3.5 full attention (see :func:`split_qkv_rmsnorm_rope`): calls take
+        ``qkv [T, (2*Hq + 2*Hkv)*D]`` and return ``(q, k, v, gate)``.
+    gemma_norm : bool
+        ``q_weight`` / ``k_weight`` are stored centred at 0 (Gemma-style RMSNorm: Qwen3-Next, Qwen3.5); heads are
+        multiplied by ``1 + w`` in fp32.
     backend : str, optional
         ``"reference"``, ``"cpu"``, ``"triton"`` or ``"auto"`` (default; also ``QKVFUSE_BACKEND``), resolved once
         here for the cache's device.
@@ -293,54 +326,57 @@ class QKNormRope:
     The tensors are held by reference and checked by the kernel on every call: in-place updates of the weights, and
     ``.data =`` swaps, are seen (and checked) at the next call. Calls: ``q, k, v = prep(qkv, positions)`` (fresh
     outputs), ``prep(qkv, positions, out=(q, k, v))`` and ``prep.inplace(qkv, positions)``, with the semantics of
-    :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_`.
+    :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each).
     """
 
-    __slots__ = ("config", "_width", "_widths", "_out", "_inplace", "_args")
+    __slots__ = ("config", "_width", "_widths", "_out", "_inplace", "_args", "_outs")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
                  q_bias: Optional[torch.Tensor] = None, k_bias: Optional[torch.Tensor] = None, eps: float = 1e-6,
                  is_neox: bool = True, mrope_section: Optional[Sequence[int]] = None, mrope_interleaved: bool = False,
-                 backend: Optional[str] = None):
+                 q_gate: bool = False, gemma_norm: bool = False, backend: Optional[str] = None):
         c = self.config = _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight,
-                                        q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend)
+                                        q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_gate,
+                                        gemma_norm, backend)
         # What a call reads, in slots: the checks of every tensor are the kernel's.
         self._width, self._widths, self._args = c.width, c.widths, c.static_args
         self._out, self._inplace = c.ops.split_out, c.ops.split_inplace
+        self._outs = _GATED_OUTS if q_gate else _SPLIT_OUTS
 
     def _bad_call(self, qkv, positions):
         _check_tensor("qkv", qkv)
         _check_tensor("positions", positions)
         c = self.config
-        _qkv_width_error(qkv, c.width, c.num_q_heads, c.num_kv_heads, c.head_dim)
+        _qkv_width_error(qkv, c.width, c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
 
-    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, *,
-                 out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None):
-        """``(q, k, v)`` of ``qkv [T, (Hq+2Hkv)*D]`` at ``positions [T]`` (or ``[3, T]``); see
+    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, *, out: Optional[Tuple[torch.Tensor, ...]] = None):
+        """``(q, k, v)`` (gated: ``(q, k, v, gate)``) of ``qkv`` at ``positions [T]`` (or ``[3, T]``); see
         :func:`split_qkv_rmsnorm_rope` for shapes, ``out`` and the semantics."""
         if not (isinstance(qkv, _Tensor) and isinstance(positions, _Tensor)) or qkv.dim() != 2 or (
                 qkv.shape[1] != self._width):
             self._bad_call(qkv, positions)
         if out is None:
-            return self.config.ops.split(qkv, positions, *self._args)
-        _check_outs(out, _SPLIT_OUTS)
+            outs = self.config.ops.split(qkv, positions, *self._args)
+            return outs if len(self._outs) == 4 else outs[:3]
+        _check_outs(out, self._outs)
         self._out(qkv, positions, *self._args, *out)
         return tuple(out)
 
     def inplace(self, qkv: torch.Tensor, positions: torch.Tensor):
-        """Rewrite the Q and K heads inside ``qkv`` and return its ``(q, k, v)`` views; see
-        :func:`split_qkv_rmsnorm_rope_`."""
+        """Rewrite the Q and K heads inside ``qkv`` and return its ``(q, k, v)`` views (gated: ``(q, k, v,
+        gate)``); see :func:`split_qkv_rmsnorm_rope_`."""
         if not (isinstance(qkv, _Tensor) and isinstance(positions, _Tensor)) or qkv.dim() != 2 or (
                 qkv.shape[1] != self._width):
             self._bad_call(qkv, positions)
         self._inplace(qkv, positions, *self._args)
-        return qkv.split_with_sizes(self._widths, 1)
+        return _inplace_result(qkv, self._widths)
 
     def __repr__(self) -> str:
         c = self.config
         return (f"QKNormRope(num_q_heads={c.num_q_heads}, num_kv_heads={c.num_kv_heads}, head_dim={c.head_dim}, "
-                f"rotary_dim={c.cos_sin_cache.shape[1]}, qk_norm={c.q_weight is not None}, mrope={c.mrope})")
+                f"rotary_dim={c.cos_sin_cache.shape[1]}, qk_norm={c.q_weight is not None}, mrope={c.mrope}, "
+                f"q_gate={c.q_gate}, gemma_norm={c.gemma_norm})")
 
 
 def split_qkv_rmsnorm_rope(
@@ -359,9 +395,11 @@ def split_qkv_rmsnorm_rope(
     is_neox: bool = True,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
-    out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+    q_gate: bool = False,
+    gemma_norm: bool = False,
+    out: Optional[Tuple[torch.Tensor, ...]] = None,
     backend: Optional[str] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, ...]:
     """Split packed QKV, RMSNorm each Q and K head, and apply RoPE / mRoPE -- in one pass.
 
     Parameters
@@ -394,27 +432,42 @@ def split_qkv_rmsnorm_rope(
         ``(s_t, s_h, s_w)`` summing to ``rotary_dim // 2``; requires positions of shape ``(3, T)``.
     mrope_interleaved : bool
         Qwen3-VL interleaved layout (True) or contiguous sections (Qwen2-VL, GLM-4.5V).
-    out : tuple of 3 tensors, optional
-        Preallocated ``(q, k, v)`` outputs with ``qkv``'s dtype, contiguous last dim, any row stride (e.g.
-        column views of one packed ``[T, (Hq+2Hkv)*D]`` buffer). Each may exactly alias its own slice of
-        ``qkv``; sharing any other element with an input or another output raises.
+    q_gate : bool
+        The gated attention of Qwen3-Next / Qwen3.5 (their full-attention layers): ``qkv`` is
+        ``(T, (2 * num_q_heads + 2 * num_kv_heads) * head_dim)``, laid out ``[q_0 | g_0 | q_1 | g_1 | ... | K heads
+        | V heads]`` (each slot ``head_dim`` wide: transformers' ``q_proj`` output per head, vLLM's packed
+        ``[q_gate | k | v]`` row). Returns ``(q, k, v, gate)``: q and k normed and rotated as without the gate,
+        ``gate`` (``(T, num_q_heads * head_dim)``) and ``v`` bit-exact copies. The model applies
+        ``attn_output * sigmoid(gate)`` after attention.
+    gemma_norm : bool
+        ``q_weight`` / ``k_weight`` are stored centred at 0 (Gemma-style RMSNorm, ``Qwen3_5RMSNorm``, vLLM's
+        ``GemmaRMSNorm``): heads are multiplied by ``1 + w`` computed in fp32, exactly the models' math. Passing
+        fp32 ``1 + w`` weights without this flag gives the same values.
+    out : tuple of 3 (gated: 4) tensors, optional
+        Preallocated ``(q, k, v)`` (gated: ``(q, k, v, gate)``) outputs with ``qkv``'s dtype, contiguous last dim,
+        any row stride (e.g. column views of one packed ``[T, (Hq+2Hkv)*D]`` buffer). Each may exactly alias its
+        own slice of ``qkv`` (gated: k and v only); sharing any other element with an input or another output
+        raises.
     backend : str, optional
         ``"reference"``, ``"cpu"``, ``"triton"`` or ``"auto"`` (default; also ``QKVFUSE_BACKEND``).
 
     Returns
     -------
-    (q, k, v) : tuple of torch.Tensor
-        Shapes ``(T, num_q_heads * head_dim)``, ``(T, num_kv_heads * head_dim)`` twice, ``qkv``'s dtype.
+    (q, k, v) or (q, k, v, gate) : tuple of torch.Tensor
+        Shapes ``(T, num_q_heads * head_dim)``, ``(T, num_kv_heads * head_dim)`` twice (and the gate's
+        ``(T, num_q_heads * head_dim)``), ``qkv``'s dtype.
         All arithmetic is fp32 with one rounding at the end. NaN/Inf inputs propagate (a NaN in a head makes
         that head's normalised output NaN); they are not checked, which would cost a pass over the data.
 
     For a layer called many times, :class:`QKNormRope` validates the static arguments once.
     """
     ops, static, _ = _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
-                                 k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, backend)
+                                 k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_gate,
+                                 gemma_norm, backend)
     if out is None:
-        return ops.split(qkv, positions, *static)
-    _check_outs(out, _SPLIT_OUTS)
+        outs = ops.split(qkv, positions, *static)
+        return outs if q_gate else outs[:3]
+    _check_outs(out, _GATED_OUTS if q_gate else _SPLIT_OUTS)
     ops.split_out(qkv, positions, *static, *out)
     return tuple(out)
 
@@ -435,20 +488,27 @@ def split_qkv_rmsnorm_rope_(
     is_neox: bool = True,
     mrope_section: Optional[Sequence[int]] = None,
     mrope_interleaved: bool = False,
+    q_gate: bool = False,
+    gemma_norm: bool = False,
     backend: Optional[str] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Tuple[torch.Tensor, ...]:
     """In-place :func:`split_qkv_rmsnorm_rope`: Q and K are rewritten inside ``qkv`` (what serving engines do).
 
     Same arguments and semantics as :func:`split_qkv_rmsnorm_rope` (without ``out``). Returns views
     ``q = qkv[:, :Hq*D]``, ``k = qkv[:, Hq*D:(Hq+Hkv)*D]``, ``v = qkv[:, (Hq+Hkv)*D:]`` (row stride = qkv's);
     V is left untouched. ``qkv`` may not share an element with another input. The write bumps ``qkv``'s
     version counter, as any in-place torch op does.
+
+    Gated (``q_gate``), each row's Q/gate region ``[q_0 | g_0 | q_1 | g_1 | ...]`` is rewritten as ``[Q heads
+    (normed, rotated) | gate heads (bit-exact)]``, K rewritten, V untouched; returns ``(q, k, v, gate)`` views
+    ``q = qkv[:, :Hq*D]``, ``gate = qkv[:, Hq*D:2*Hq*D]``, ``k = qkv[:, 2*Hq*D:(2*Hq+Hkv)*D]``, ``v`` the rest:
+    all four unit-stride column views with ``qkv``'s row stride (``.view(T, H, D)`` works on each).
     """
     ops, static, widths = _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
                                       k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved,
-                                      backend)
+                                      q_gate, gemma_norm, backend)
     ops.split_inplace(qkv, positions, *static)
-    return qkv.split_with_sizes(widths, 1)
+    return _inplace_result(qkv, widths)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -458,12 +518,13 @@ class _NormConfig(NamedTuple):
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     eps: float
+    gemma_norm: bool
     hidden: int
     device: torch.device
     ops: _Ops
 
 
-def _norm_config(weight, eps, bias, backend) -> _NormConfig:
+def _norm_config(weight, eps, bias, gemma_norm, backend) -> _NormConfig:
     """A bound object's configuration, validated once (the kernels check the tensors again on every call)."""
     _check_tensor("weight", weight)
     device = weight.device
@@ -471,10 +532,11 @@ def _norm_config(weight, eps, bias, backend) -> _NormConfig:
     _check_vector("weight", weight, hidden, device, "weight")
     if bias is not None:
         _check_vector("bias", bias, hidden, device, "weight")
-    return _NormConfig(weight, bias, _check_eps(eps), hidden, device, _ops_for(backend, device))
+    return _NormConfig(weight, bias, _check_eps(eps), _check_flag("gemma_norm", gemma_norm), hidden, device,
+                       _ops_for(backend, device))
 
 
-def _norm_call(x, residual, weight, bias, eps, backend) -> _Ops:
+def _norm_call(x, residual, weight, bias, eps, gemma_norm, backend) -> _Ops:
     """The functional ops' checks (the tensors' Python types, eps, the backend): their ops."""
     if not (isinstance(x, _Tensor) and isinstance(weight, _Tensor) and _is_tensor_or_none(residual)
             and _is_tensor_or_none(bias)):
@@ -484,6 +546,8 @@ def _norm_call(x, residual, weight, bias, eps, backend) -> _Ops:
         _check_optional((("bias", bias),))
     if type(eps) is not float or not 0.0 <= eps < math.inf:
         _check_eps(eps)
+    if gemma_norm is not False:
+        _check_flag("gemma_norm", gemma_norm)
     return _OPS[select_ops(backend, x.device.type)]
 
 
@@ -510,6 +574,9 @@ class AddRMSNorm:
         RMSNorm epsilon.
     bias : torch.Tensor, optional
         Post-norm bias, shape ``(H,)``: ``y = norm(s) * weight + bias``.
+    gemma_norm : bool
+        ``weight`` is stored centred at 0 (Gemma-style RMSNorm: Qwen3-Next, Qwen3.5): ``y = norm(s) * (1 + weight)``
+        with ``1 + weight`` computed in fp32.
     backend : str, optional
         As for :class:`QKNormRope`.
 
@@ -518,12 +585,13 @@ class AddRMSNorm:
     ``x``, the rounded sum over ``residual``: :func:`add_rmsnorm_`).
     """
 
-    __slots__ = ("config", "_hidden", "_out", "_inplace", "_args")
+    __slots__ = ("config", "_hidden", "_out", "_inplace", "_args", "_gemma")
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, bias: Optional[torch.Tensor] = None, *,
-                 backend: Optional[str] = None):
-        c = self.config = _norm_config(weight, eps, bias, backend)
+                 gemma_norm: bool = False, backend: Optional[str] = None):
+        c = self.config = _norm_config(weight, eps, bias, gemma_norm, backend)
         self._hidden, self._args = c.hidden, (c.weight, c.bias, c.eps)
+        self._gemma = c.gemma_norm
         self._out, self._inplace = c.ops.norm_out, c.ops.norm_inplace
 
     def _bad_call(self, x, residual):
@@ -537,10 +605,10 @@ class AddRMSNorm:
                 residual is not None and not isinstance(residual, _Tensor)):
             self._bad_call(x, residual)
         if out is None:
-            y, residual_out = self.config.ops.norm(x, residual, *self._args)
+            y, residual_out = self.config.ops.norm(x, residual, *self._args, self._gemma)
             return y, (residual_out if residual is not None else x)
         y, residual_out = _norm_outs(out, residual)
-        self._out(x, residual, *self._args, y, residual_out)
+        self._out(x, residual, *self._args, y, residual_out, self._gemma)
         return y, (residual_out if residual is not None else x)
 
     def inplace(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
@@ -549,11 +617,12 @@ class AddRMSNorm:
         if not isinstance(x, _Tensor) or x.dim() != 2 or x.shape[1] != self._hidden or (
                 residual is not None and not isinstance(residual, _Tensor)):
             self._bad_call(x, residual)
-        self._inplace(x, residual, *self._args)
+        self._inplace(x, residual, *self._args, self._gemma)
         return x, (residual if residual is not None else x)
 
     def __repr__(self) -> str:
-        return f"AddRMSNorm(hidden={self.config.hidden}, eps={self.config.eps}, bias={self.config.bias is not None})"
+        c = self.config
+        return f"AddRMSNorm(hidden={c.hidden}, eps={c.eps}, bias={c.bias is not None}, gemma_norm={c.gemma_norm})"
 
 
 def add_rmsnorm(
@@ -564,6 +633,7 @@ def add_rmsnorm(
     bias: Optional[torch.Tensor] = None,
     out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     *,
+    gemma_norm: bool = False,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm (+ post-norm bias).
@@ -584,6 +654,9 @@ def add_rmsnorm(
         Preallocated ``(y, residual_out)``, ``x``'s shape and dtype (``residual_out`` ignored without a
         residual). ``y`` may exactly alias ``x`` and ``residual_out`` exactly alias ``residual`` (the in-place
         form engines use); any other overlap raises.
+    gemma_norm : bool
+        ``weight`` is stored centred at 0 (Gemma-style RMSNorm: Qwen3-Next, Qwen3.5 decoder norms): ``y`` is
+        multiplied by ``1 + weight`` computed in fp32, exactly the models' math.
 
     Returns
     -------
@@ -592,13 +665,13 @@ def add_rmsnorm(
         when ``residual`` is None) and ``y = residual_out * rsqrt(mean(residual_out^2) + eps) * weight (+ bias)``
         computed in fp32 and rounded once.
     """
-    ops = _norm_call(x, residual, weight, bias, eps, backend)
+    ops = _norm_call(x, residual, weight, bias, eps, gemma_norm, backend)
     eps = float(eps)
     if out is None:
-        y, residual_out = ops.norm(x, residual, weight, bias, eps)
+        y, residual_out = ops.norm(x, residual, weight, bias, eps, gemma_norm)
         return y, (residual_out if residual is not None else x)
     y, residual_out = _norm_outs(out, residual)
-    ops.norm_out(x, residual, weight, bias, eps, y, residual_out)
+    ops.norm_out(x, residual, weight, bias, eps, y, residual_out, gemma_norm)
     return y, (residual_out if residual is not None else x)
 
 
@@ -609,6 +682,7 @@ def add_rmsnorm_(
     eps: float = 1e-6,
     bias: Optional[torch.Tensor] = None,
     *,
+    gemma_norm: bool = False,
     backend: Optional[str] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """In-place :func:`add_rmsnorm` (vLLM's ``fused_add_rms_norm`` form): ``y`` is written over ``x`` and the
@@ -619,5 +693,6 @@ def add_rmsnorm_(
     residual: a plain in-place RMSNorm); both version counters are bumped, as by any in-place torch op. Every
     row is read before it is written, so no extra buffer is used.
     """
-    _norm_call(x, residual, weight, bias, eps, backend).norm_inplace(x, residual, weight, bias, float(eps))
+    _norm_call(x, residual, weight, bias, eps, gemma_norm, backend).norm_inplace(x, residual, weight, bias, float(eps),
+                                                                                   gemma_norm)
     return x, (residual if residual is not None else x)

@@ -15,10 +15,15 @@ Semantics of ``split_qkv_rmsnorm_rope``. Per token ``t`` and head ``h``, ``x = q
 * NeoX pairs ``(j, j + half)``, GPT-J pairs ``(2j, 2j + 1)``: ``out_a = y_a*c - y_b*s``, ``out_b = y_b*c + y_a*s``.
 * Dims ``R..D`` pass through normalised but unrotated (partial rotary; GLM-4.x uses ``R = D/2``).
 * All arithmetic in fp32; one rounding to the output dtype at the end.
+* Gemma norm weights (``gemma``; Qwen3-Next, Qwen3.5): ``w`` is stored centred at 0 and the heads are multiplied
+  by ``1 + w`` (computed in fp32), exactly as the models' ``(1.0 + weight.float())``.
+* Gated layout (``q_gate``; Qwen3-Next, Qwen3.5): the Q region of a row is ``[q_0 | g_0 | q_1 | g_1 | ...]``
+  (``2 * num_q_heads * D`` values), then K and V as usual; ``q`` is the Q heads, normed and rotated as above,
+  ``gate`` the gate heads copied bit-exact, both ``[T, num_q_heads * D]``.
 
 Semantics of ``add_rmsnorm``: ``s = x + residual`` rounded to ``x.dtype`` (bit-exact with the unfused add;
 ``s = x`` without residual), then ``y = s * rsqrt(mean(s^2) + eps) * w (+ b)`` in fp32 from the rounded ``s``,
-rounded once.
+rounded once (``w`` is ``1 + weight`` in fp32 for Gemma norms, ``gemma``).
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from .rope import mrope_axis_map
 __all__ = ["split_qkv_rmsnorm_rope_out", "add_rmsnorm_out"]
 
 
-def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight.float()
+def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                   gemma: bool = False) -> torch.Tensor:
+    w = 1.0 + weight.float() if gemma else weight.float()
+    y = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * w
     return y + bias.float() if bias is not None else y
 
 
@@ -81,25 +88,38 @@ def split_qkv_rmsnorm_rope_out(
     is_neox: bool,
     mrope_section: Sequence[int],
     mrope_interleaved: bool,
+    q_gate: bool,
+    gemma: bool,
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
+    gate_out: Optional[torch.Tensor],
 ) -> None:
-    """Reference ``split_qkv_rmsnorm_rope`` writing into ``q_out, k_out, v_out`` (see the module docstring)."""
+    """Reference ``split_qkv_rmsnorm_rope`` writing into ``q_out, k_out, v_out`` (and ``gate_out`` when
+    ``q_gate``; see the module docstring)."""
     T = qkv.shape[0]
     q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
-    q = qkv[:, :q_width].float().reshape(T, num_q_heads, head_dim)
-    k = qkv[:, q_width : q_width + kv_width].float().reshape(T, num_kv_heads, head_dim)
+    q_region = (2 if q_gate else 1) * q_width
+    if q_gate:
+        q_gate_heads = qkv[:, :q_region].reshape(T, num_q_heads, 2, head_dim)
+        q = q_gate_heads[:, :, 0].float()
+        gate = q_gate_heads[:, :, 1].reshape(T, q_width).clone()  # read before any output is written
+    else:
+        q = qkv[:, :q_width].float().reshape(T, num_q_heads, head_dim)
+    k = qkv[:, q_region : q_region + kv_width].float().reshape(T, num_kv_heads, head_dim)
     if q_weight is not None:
-        q = _rms_norm_fp32(q, q_weight, q_bias, eps)
-        k = _rms_norm_fp32(k, k_weight, k_bias, eps)
+        q = _rms_norm_fp32(q, q_weight, q_bias, eps, gemma)
+        k = _rms_norm_fp32(k, k_weight, k_bias, eps, gemma)
     cos, sin = _cos_sin(positions, cos_sin_cache, mrope_section, mrope_interleaved)
     q = _rotate(q, cos, sin, is_neox)
     k = _rotate(k, cos, sin, is_neox)
-    # Q and K were read into fp32 copies above, so writing them back is safe when outputs alias qkv.
+    # Q, K and the gate were read into copies above, so writing them back is safe when outputs alias qkv (the
+    # in-place forms, the gated one de-interleaving the Q/gate region).
     q_out.copy_(q.reshape(T, q_width))
     k_out.copy_(k.reshape(T, kv_width))
-    v_out.copy_(qkv[:, q_width + kv_width :])  # a no-op when v_out is qkv's own V slice
+    if q_gate:
+        gate_out.copy_(gate)
+    v_out.copy_(qkv[:, q_region + kv_width :])  # a no-op when v_out is qkv's own V slice
 
 
 def add_rmsnorm_out(
@@ -108,12 +128,13 @@ def add_rmsnorm_out(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     eps: float,
+    gemma: bool,
     y_out: torch.Tensor,
     residual_out: Optional[torch.Tensor],
 ) -> None:
     """Reference ``add_rmsnorm`` writing into ``y_out`` and (with a residual) ``residual_out``."""
     s = x + residual if residual is not None else x
-    y = _rms_norm_fp32(s.float(), weight, bias, eps)
+    y = _rms_norm_fp32(s.float(), weight, bias, eps, gemma)
     if residual_out is not None:
         residual_out.copy_(s)
     y_out.copy_(y)

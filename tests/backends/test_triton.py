@@ -59,7 +59,7 @@ def _launch(kwargs, out):
         kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"], kwargs["num_kv_heads"],
         kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"), kwargs.get("q_bias"),
         kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"], list(kwargs["mrope_section"] or ()),
-        kwargs["mrope_interleaved"], *out)
+        kwargs["mrope_interleaved"], False, False, *out)
 
 
 # ---------------------------------------------------------------------------------------------------------

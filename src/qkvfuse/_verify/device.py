@@ -277,7 +277,7 @@ def launch_direct(kwargs, out):
         kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"], kwargs["num_kv_heads"],
         kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"), kwargs.get("q_bias"),
         kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"], list(kwargs["mrope_section"] or ()),
-        kwargs["mrope_interleaved"], *out)
+        kwargs["mrope_interleaved"], kwargs.get("q_gate", False), kwargs.get("gemma_norm", False), *out)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -103,8 +103,8 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
             call = (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
                     kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
                     kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
-                    list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"],
-                    *poisoned_outputs(case, device))
+                    list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"], False, False,
+                    *poisoned_outputs(case, device), None)
             measure("split_qkv_rmsnorm_rope", preset_name, T, launch.split_qkv_rmsnorm_rope_out,
                     reference.split_qkv_rmsnorm_rope_out, call, _split_bytes(case), kwargs["qkv"])
             del kwargs, call
@@ -112,7 +112,7 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
         for T in tokens:
             kw = make_norm_inputs(T, hidden, torch.bfloat16, residual=True, device=device)
             x = kw["x"]
-            call = (x, kw["residual"], kw["weight"], None, kw["eps"], torch.empty_like(x), torch.empty_like(x))
+            call = (x, kw["residual"], kw["weight"], None, kw["eps"], False, torch.empty_like(x), torch.empty_like(x))
             measure("add_rmsnorm", f"{preset_name} ({hidden})", T, launch.add_rmsnorm_out, reference.add_rmsnorm_out,
                     call, 4 * x.numel() * x.element_size(), x)
     note = ("median of triton.testing.do_bench (ms -> us) on preallocated outputs; bytes = qkv read + q/k/v written "

@@ -8,6 +8,7 @@
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -289,8 +290,9 @@ const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
 }
 
 // generic_only: the specialised rows off (qkvfuse_cpu::add_rmsnorm_generic_out, for tests).
-void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
-                          double eps, const Tensor& y_out, const OptRef& residual_out, bool generic_only = false) {
+void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight_arg, const OptRef& bias,
+                          double eps, const Tensor& y_out, const OptRef& residual_out, bool generic_only = false,
+                          bool gemma = false) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
                                x.scalar_type() == at::kHalf),
               "qkvfuse cpu kernel: bad x ", x.sizes());
@@ -300,6 +302,16 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
               "qkvfuse cpu kernel: residual and residual_out come together");
   const int64_t T = x.size(0), H = x.size(1);
   if (T == 0 || H == 0) return;
+  // Gemma norms: the weight is stored centred at 0; the rows use 1 + w, computed in fp32 as the models do.
+  thread_local std::vector<float> gemma_w;
+  Tensor gemma_t;
+  if (gemma) {
+    gemma_w.resize(H);
+    vector_to_fp32(weight_arg, H, gemma_w.data());
+    for (int64_t i = 0; i < H; ++i) gemma_w[i] = 1.0f + gemma_w[i];
+    gemma_t = at::from_blob(gemma_w.data(), {H}, at::TensorOptions().dtype(at::kFloat));
+  }
+  const Tensor& weight = gemma ? gemma_t : weight_arg;
   NormPlan p{};
   p.T = T;
   p.H = H;
@@ -356,14 +368,14 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
 
 // Without a residual the second output is an empty placeholder (the public function returns x there).
 std::tuple<Tensor, Tensor> add_rmsnorm_impl(const Tensor& x, const OptRef& residual, const Tensor& weight,
-                                            const OptRef& bias, double eps) {
+                                            const OptRef& bias, double eps, bool gemma) {
   Tensor y = at::empty(x.sizes(), x.options());
   if (!residual.has_value()) {
-    add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, OptRef());
+    add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, OptRef(), false, gemma);
     return {y, at::empty({0}, x.options())};
   }
   Tensor r_out = at::empty(x.sizes(), x.options());
-  add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, r_out);
+  add_rmsnorm_out_impl(x, residual, weight, bias, eps, y, r_out, false, gemma);
   return {y, r_out};
 }
 
@@ -423,28 +435,29 @@ void check_norm(const Tensor& x, const OptTensor& residual, const Tensor& weight
 
 // The dispatcher's kernels (TORCH_LIBRARY_IMPL below): the schema's optional tensors, borrowed.
 void add_rmsnorm_out(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
-                     double eps, const Tensor& y_out, const OptTensor& residual_out) {
+                     double eps, const Tensor& y_out, const OptTensor& residual_out, bool gemma) {
   check_norm(x, residual, weight, bias, &y_out, &residual_out, false);
-  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out));
+  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out), false, gemma);
 }
 
 // In place (the engines' form): y over x, the rounded sum over residual. Exact aliasing is safe (norm_row).
 void add_rmsnorm_inplace(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
-                         double eps) {
+                         double eps, bool gemma) {
   check_norm(x, residual, weight, bias, nullptr, nullptr, true);
-  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, x, borrow(residual));
+  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, x, borrow(residual), false, gemma);
 }
 
 void add_rmsnorm_generic_out(const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                             const OptTensor& bias, double eps, const Tensor& y_out, const OptTensor& residual_out) {
+                             const OptTensor& bias, double eps, const Tensor& y_out, const OptTensor& residual_out,
+                             bool gemma) {
   check_norm(x, residual, weight, bias, &y_out, &residual_out, false);
-  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out), true);
+  add_rmsnorm_out_impl(x, borrow(residual), weight, borrow(bias), eps, y_out, borrow(residual_out), true, gemma);
 }
 
 std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residual, const Tensor& weight,
-                                       const OptTensor& bias, double eps) {
+                                       const OptTensor& bias, double eps, bool gemma) {
   check_norm(x, residual, weight, bias, nullptr, nullptr, false);
-  return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps);
+  return add_rmsnorm_impl(x, borrow(residual), weight, borrow(bias), eps, gemma);
 }
 
 }  // namespace
@@ -459,6 +472,6 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
 // For tests: the out= kernel with the specialised rows off (compared bit for bit with the default).
 TORCH_LIBRARY_FRAGMENT(qkvfuse_cpu, m) {
   m.def("add_rmsnorm_generic_out(Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps, "
-        "Tensor(a!) y_out, Tensor(b!)? residual_out) -> ()",
+        "Tensor(a!) y_out, Tensor(b!)? residual_out, bool gemma=False) -> ()",
         &qkvfuse_cpu::add_rmsnorm_generic_out);
 }

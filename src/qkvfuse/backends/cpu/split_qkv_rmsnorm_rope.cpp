@@ -615,10 +615,14 @@ void run_split(const SplitPlan& p) {
 
 // An optional weight or bias as fp32 (nullptr when absent): in place when it already is contiguous fp32, else
 // converted into out.
-const float* to_fp32(const OptRef& t, int64_t D, float* out) {
+// gemma: the weight is stored centred at 0 and 1 + w (in fp32, as the models compute it) is returned.
+const float* to_fp32(const OptRef& t, int64_t D, float* out, bool gemma = false) {
   if (!t.has_value()) return nullptr;
-  if (is_fp32_vector(*t, D)) return (*t).const_data_ptr<float>();
+  if (!gemma && is_fp32_vector(*t, D)) return (*t).const_data_ptr<float>();
   vector_to_fp32(*t, D, out);
+  if (gemma) {
+    for (int64_t i = 0; i < D; ++i) out[i] = 1.0f + out[i];
+  }
   return out;
 }
 
@@ -636,7 +640,7 @@ void check_out(const Tensor& out, const Tensor& qkv, int64_t width) {
 SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
                     int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
                     const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
-                    bool mrope_interleaved, float* weight_buffers) {
+                    bool mrope_interleaved, float* weight_buffers, bool gemma = false) {
   const int64_t width = (hq + 2 * hkv) * D;
   TORCH_CHECK(hq >= 1 && hkv >= 1 && D >= 2 && D % 2 == 0 && D <= kMaxHeadDim,
               "qkvfuse cpu kernel: bad head geometry");
@@ -687,8 +691,8 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
   p.cache = cache.const_data_ptr();
   p.cache_dtype = cache.scalar_type();
   p.cache_rs = cache.stride(0);
-  p.wq = to_fp32(q_weight, D, weight_buffers);
-  p.wk = to_fp32(k_weight, D, weight_buffers + kMaxHeadDim);
+  p.wq = to_fp32(q_weight, D, weight_buffers, gemma);
+  p.wk = to_fp32(k_weight, D, weight_buffers + kMaxHeadDim, gemma);
   p.bq = to_fp32(q_bias, D, weight_buffers + 2 * kMaxHeadDim);
   p.bk = to_fp32(k_bias, D, weight_buffers + 3 * kMaxHeadDim);
   p.weights_finite = true;
@@ -724,62 +728,30 @@ void run(const SplitPlan& p, at::ScalarType dtype) {
   }
 }
 
-void split_qkv_rmsnorm_rope_out_impl(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                int64_t hkv, int64_t D, const OptRef& q_weight, const OptRef& k_weight,
-                                const OptRef& q_bias, const OptRef& k_bias, double eps, bool is_neox,
-                                c10::IntArrayRef mrope_section, bool mrope_interleaved, const Tensor& q_out,
-                                const Tensor& k_out, const Tensor& v_out) {
-  alignas(64) float weights[4 * kMaxHeadDim];
-  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
-                          mrope_section, mrope_interleaved, weights);
-  set_outputs(p, qkv, q_out, k_out, v_out);
-  run(p, qkv.scalar_type());
-}
-
-std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope_impl(
-    const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv, int64_t D,
-    const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias, const OptRef& k_bias,
-    double eps, bool is_neox, c10::IntArrayRef mrope_section, bool mrope_interleaved) {
-  alignas(64) float weights[4 * kMaxHeadDim];
-  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
-                          mrope_section, mrope_interleaved, weights);
-  Tensor q = at::empty({p.T, hq * D}, qkv.options());
-  Tensor k = at::empty({p.T, hkv * D}, qkv.options());
-  Tensor v = at::empty({p.T, hkv * D}, qkv.options());
-  set_outputs(p, qkv, q, k, v);
-  run(p, qkv.scalar_type());
-  return {q, k, v};
-}
-
-void split_qkv_rmsnorm_rope_inplace_impl(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq,
-                                    int64_t hkv, int64_t D, const OptRef& q_weight, const OptRef& k_weight,
-                                    const OptRef& q_bias, const OptRef& k_bias, double eps, bool is_neox,
-                                    c10::IntArrayRef mrope_section, bool mrope_interleaved) {
-  alignas(64) float weights[4 * kMaxHeadDim];
-  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, q_weight, k_weight, q_bias, k_bias, eps, is_neox,
-                          mrope_section, mrope_interleaved, weights);
-  char* base = static_cast<char*>(qkv.data_ptr());
-  p.q = base;
-  p.q_rs = p.qkv_rs;
-  p.k = base + hq * D * qkv.element_size();
-  p.k_rs = p.qkv_rs;
-  p.v = nullptr;  // V stays where it is
-  run(p, qkv.scalar_type());
-}
-
 // The rope argument of the schemas (qkvfuse._library.encode_rope, the definition): bit 0 NeoX pairs, bit 1
-// mRoPE, bit 2 interleaved mRoPE, then the three section sizes in 10 bits each from bit 8.
+// mRoPE, bit 2 interleaved mRoPE, bit 3 the gated Q layout, bit 4 Gemma norm weights, then the three section
+// sizes in 10 bits each from bit 8.
 struct Rope {
-  bool neox, mrope, interleaved;
+  bool neox, mrope, interleaved, q_gate, gemma;
   int64_t sections[3];
+  c10::IntArrayRef section_list() const { return mrope ? c10::IntArrayRef(sections, 3) : c10::IntArrayRef(); }
 };
 
 Rope decode_rope(int64_t code) {
-  Rope r{(code & 1) != 0, (code & 2) != 0, (code & 4) != 0, {0, 0, 0}};
+  Rope r{(code & 1) != 0, (code & 2) != 0, (code & 4) != 0, (code & 8) != 0, (code & 16) != 0, {0, 0, 0}};
   if (r.mrope) {
     for (int i = 0; i < 3; ++i) r.sections[i] = (code >> (8 + 10 * i)) & 1023;
   }
   return r;
+}
+
+// The plan of one call from checked arguments (head_dim D as check_split derived it).
+SplitPlan plan_for(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                   const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
+                   int64_t hkv, int64_t D, double eps, const Rope& r, float* weights) {
+  TORCH_CHECK(!r.q_gate, "qkvfuse cpu kernel: the gated Q layout (q_gate) is not implemented by this build yet");
+  return make_plan(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight), borrow(q_bias),
+                   borrow(k_bias), eps, r.neox, r.section_list(), r.interleaved, weights, r.gemma);
 }
 
 // The per-call rules of qkvfuse/_checks.py check_split, in its order and with its messages (checks.h); returns
@@ -795,13 +767,16 @@ int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache
   }
   if (hq < 1) ck::fail(Kind::Value, "num_q_heads", std::to_string(hq), "an int >= 1");
   if (hkv < 1) ck::fail(Kind::Value, "num_kv_heads", std::to_string(hkv), "an int >= 1");
-  const int64_t heads = hq + 2 * hkv;
+  const Rope r = decode_rope(rope);
+  const int64_t heads = (r.q_gate ? 2 : 1) * hq + 2 * hkv;
   if (qkv.dim() != 2 || qkv.size(1) % heads != 0 || (qkv.size(1) / heads) % 2 != 0 || qkv.size(1) / heads <= 0 ||
       qkv.size(1) / heads > kMaxHeadDim) {
     ck::fail(Kind::Value, "qkv", "shape " + ck::py_tuple(qkv.sizes()),
-             "shape (T, (num_q_heads + 2*num_kv_heads) * head_dim) with an even head_dim <= " +
-                 std::to_string(kMaxHeadDim) + " for num_q_heads=" + std::to_string(hq) +
-                 ", num_kv_heads=" + std::to_string(hkv));
+             std::string(r.q_gate ? "shape (T, (2*num_q_heads + 2*num_kv_heads) * head_dim)"
+                                  : "shape (T, (num_q_heads + 2*num_kv_heads) * head_dim)") +
+                 " with an even head_dim <= " + std::to_string(kMaxHeadDim) + " for num_q_heads=" +
+                 std::to_string(hq) + ", num_kv_heads=" + std::to_string(hkv) +
+                 (r.q_gate ? " (q_gate: each Q head followed by its gate head)" : ""));
   }
   const int64_t T = qkv.size(0), width = qkv.size(1), D = width / heads;
   ck::rows("qkv", qkv, width);
@@ -810,7 +785,6 @@ int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache
   if (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong) {
     ck::fail(Kind::Type, "positions", "dtype " + ck::py_dtype(positions.scalar_type()), "torch.int32 or torch.int64");
   }
-  const Rope r = decode_rope(rope);
   if (r.mrope) {
     if (positions.dim() != 2 || positions.size(0) != 3 || positions.size(1) != T) {
       ck::fail(Kind::Value, "positions", "shape " + ck::py_tuple(positions.sizes()),
@@ -876,15 +850,26 @@ int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache
       kb{"k_bias", opt(k_bias)};
   ck::io_dtype("qkv", qkv.scalar_type(), {qw, kw, qb, kb});
   ck::no_grad({{"qkv", &qkv}, qw, kw, qb, kb, {"cos_sin_cache", &cache}});
-  const int64_t widths[3] = {hq * D, hkv * D, hkv * D};
+  const int64_t q_width = hq * D, kv_width = hkv * D;
   if (outs != nullptr) {
-    static constexpr const char* kNames[3] = {"q_out", "k_out", "v_out"};
-    for (int i = 0; i < 3; ++i) ck::out_tensor(kNames[i], *outs[i], T, widths[i], qkv, "qkv");
+    // outs[3] is the optional gate_out (nullptr when None): given exactly when the layout is gated.
+    if (r.q_gate != (outs[3] != nullptr)) {
+      ck::fail(Kind::Value, "gate_out", outs[3] != nullptr ? "a tensor" : "None",
+               "a (" + std::to_string(T) + ", " + std::to_string(q_width) +
+                   ") tensor exactly when the layout is gated (q_gate)");
+    }
+    static constexpr const char* kNames[4] = {"q_out", "k_out", "v_out", "gate_out"};
+    const int64_t widths[4] = {q_width, kv_width, kv_width, q_width};
+    const int n = r.q_gate ? 4 : 3;
+    for (int i = 0; i < n; ++i) ck::out_tensor(kNames[i], *outs[i], T, widths[i], qkv, "qkv");
     const int64_t size_of = static_cast<int64_t>(qkv.element_size());
-    ck::outputs(ck::entries({{kNames[0], outs[0]}, {kNames[1], outs[1]}, {kNames[2], outs[2]}}),
+    ck::outputs(ck::entries({{kNames[0], outs[0]}, {kNames[1], outs[1]}, {kNames[2], outs[2]},
+                             {kNames[3], n == 4 ? outs[3] : nullptr}}),
                 ck::entries({{"qkv", &qkv}, {"positions", &positions}, {"cos_sin_cache", &cache}, qw, kw, qb, kb}),
                 [&](const char* name) {
-                  const int64_t col = name[0] == 'q' ? 0 : (name[0] == 'k' ? widths[0] : widths[0] + widths[1]);
+                  // Gated, Q and gate heads interleave in qkv: q_out and gate_out have no slice of their own.
+                  if (name[0] == 'g' || (r.q_gate && name[0] == 'q')) return ck::Own{"qkv", 0, 0, 0, false};
+                  const int64_t col = name[0] == 'q' ? 0 : (name[0] == 'k' ? width - 2 * kv_width : width - kv_width);
                   return ck::Own{"qkv", ck::address(qkv) + col * size_of, qkv.stride(0), qkv.stride(1), true};
                 });
   } else if (inplace) {
@@ -898,52 +883,61 @@ int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache
 void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
                                 const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
                                 const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
-                                const Tensor& q_out, const Tensor& k_out, const Tensor& v_out) {
-  const Tensor* const outs[3] = {&q_out, &k_out, &v_out};
+                                const Tensor& q_out, const Tensor& k_out, const Tensor& v_out,
+                                const OptTensor& gate_out) {
+  const Tensor* const outs[4] = {&q_out, &k_out, &v_out, gate_out.has_value() ? &*gate_out : nullptr};
   const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, false);
-  const Rope r = decode_rope(rope);
-  split_qkv_rmsnorm_rope_out_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
-                                  borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
-                                  r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
-                                  r.interleaved, q_out, k_out, v_out);
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
+                         decode_rope(rope), weights);
+  set_outputs(p, qkv, q_out, k_out, v_out);
+  run(p, qkv.scalar_type());
 }
 
-std::tuple<Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(const Tensor& qkv, const Tensor& positions,
-                                                          const Tensor& cache, const OptTensor& q_weight,
-                                                          const OptTensor& k_weight, const OptTensor& q_bias,
-                                                          const OptTensor& k_bias, int64_t hq, int64_t hkv,
-                                                          double eps, int64_t rope) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
+    const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+    const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps,
+    int64_t rope) {
   const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, nullptr, false);
   const Rope r = decode_rope(rope);
-  return split_qkv_rmsnorm_rope_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
-                                     borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
-                                     r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
-                                     r.interleaved);
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps, r, weights);
+  const int64_t T = qkv.size(0);
+  Tensor q = at::empty({T, hq * D}, qkv.options());
+  Tensor k = at::empty({T, hkv * D}, qkv.options());
+  Tensor v = at::empty({T, hkv * D}, qkv.options());
+  Tensor gate = r.q_gate ? at::empty({T, hq * D}, qkv.options()) : at::empty({0}, qkv.options());
+  set_outputs(p, qkv, q, k, v);
+  run(p, qkv.scalar_type());
+  return {q, k, v, gate};
 }
 
 void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
                                     const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
                                     const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope) {
   const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, nullptr, true);
-  const Rope r = decode_rope(rope);
-  split_qkv_rmsnorm_rope_inplace_impl(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
-                                      borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
-                                      r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(),
-                                      r.interleaved);
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
+                         decode_rope(rope), weights);
+  char* base = static_cast<char*>(qkv.data_ptr());
+  p.q = base;
+  p.q_rs = p.qkv_rs;
+  p.k = base + hq * D * qkv.element_size();
+  p.k_rs = p.qkv_rs;
+  p.v = nullptr;  // V stays where it is
+  run(p, qkv.scalar_type());
 }
 
 // The out= kernel with the specialised heads off: tests compare the two paths bit for bit.
 void split_generic_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
                        const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
                        int64_t hkv, double eps, int64_t rope, const Tensor& q_out, const Tensor& k_out,
-                       const Tensor& v_out) {
-  const Tensor* const outs[3] = {&q_out, &k_out, &v_out};
+                       const Tensor& v_out, const OptTensor& gate_out) {
+  const Tensor* const outs[4] = {&q_out, &k_out, &v_out, gate_out.has_value() ? &*gate_out : nullptr};
   const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, false);
-  const Rope r = decode_rope(rope);
   alignas(64) float weights[4 * kMaxHeadDim];
-  SplitPlan p = make_plan(qkv, positions, cache, hq, hkv, D, borrow(q_weight),
-                          borrow(k_weight), borrow(q_bias), borrow(k_bias), eps, r.neox,
-                          r.mrope ? c10::IntArrayRef(r.sections, 3) : c10::IntArrayRef(), r.interleaved, weights);
+  SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
+                         decode_rope(rope), weights);
   set_outputs(p, qkv, q_out, k_out, v_out);
   p.generic_only = true;
   run(p, qkv.scalar_type());
@@ -951,7 +945,7 @@ void split_generic_out(const Tensor& qkv, const Tensor& positions, const Tensor&
 
 std::vector<int64_t> decoded_rope(int64_t code) {
   const Rope r = decode_rope(code);
-  return {r.neox, r.mrope, r.interleaved, r.sections[0], r.sections[1], r.sections[2]};
+  return {r.neox, r.mrope, r.interleaved, r.sections[0], r.sections[1], r.sections[2], r.q_gate, r.gemma};
 }
 
 }  // namespace
@@ -998,7 +992,7 @@ TORCH_LIBRARY(qkvfuse_cpu, m) {
   m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
   m.def("split_generic_out(Tensor qkv, Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor? k_weight, "
         "Tensor? q_bias, Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope, Tensor(a!) q_out, "
-        "Tensor(b!) k_out, Tensor(c!) v_out) -> ()",
+        "Tensor(b!) k_out, Tensor(c!) v_out, Tensor(d!)? gate_out=None) -> ()",
         &qkvfuse_cpu::split_generic_out);
 #if defined(CPU_CAPABILITY_AVX2)
   m.def("pack_rne_blocks(Tensor x) -> Tensor", &qkvfuse_cpu::pack_rne_blocks);

@@ -110,9 +110,12 @@ def split_qkv_rmsnorm_rope_out(
     is_neox: bool,
     mrope_section: Sequence[int],
     mrope_interleaved: bool,
+    q_gate: bool,
+    gemma: bool,
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
+    gate_out: Optional[torch.Tensor] = None,
 ) -> None:
     """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (reference signature, checked input).
 
@@ -120,6 +123,8 @@ def split_qkv_rmsnorm_rope_out(
     skipped under graph capture and ``torch.compile``). Outputs may exactly alias their own slice of ``qkv``.
     """
     T = qkv.shape[0]
+    if q_gate or gemma:
+        raise NotImplementedError("qkvfuse triton: q_gate / gemma not implemented yet")
     if T == 0:
         return
     cfg = split_config(T, num_q_heads, num_kv_heads, head_dim)
@@ -161,10 +166,13 @@ def add_rmsnorm_out(
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     eps: float,
+    gemma: bool,
     y_out: torch.Tensor,
     residual_out: Optional[torch.Tensor],
 ) -> None:
     """Triton ``add_rmsnorm`` into ``y_out`` (and ``residual_out`` with a residual); reference signature."""
+    if gemma:
+        raise NotImplementedError("qkvfuse triton: gemma not implemented yet")
     T, H = x.shape
     if T == 0:
         return
