@@ -22,6 +22,7 @@ def test_catalogue_covers_both_ops_and_the_cache_builder():
     assert len(set(names)) == len(names) >= 30
     args = {bad.arg for bad in fm.BAD_CALLS}
     for arg in ("qkv", "positions", "cos_sin_cache", "mrope_section", "q_weight", "k_bias", "q_out", "eps",  # split
+                "gate_out", "q_gate", "gemma_norm", "out",  # split, gated layout and Gemma norms
                 "x", "residual", "weight", "bias", "y_out", "residual_out",  # add_rmsnorm
                 "rotary_dim", "max_position", "base", "dtype", "rope_scaling"):  # build_cos_sin_cache
         assert arg in args, f"no bad call for {arg!r}"

@@ -11,8 +11,8 @@ A fused result is judged against the float64 oracle (which reads inputs and cos/
 2. **Elementwise**: every element within half an ulp of the oracle (in the output dtype, at the larger of
    ``|out|`` and ``|oracle|``) plus an fp32 allowance of ``FP32_ALLOWANCE * max|oracle|`` over the head. Rule 1
    alone would accept one extra intermediate rounding (unfused has several); this rule does not.
-3. **Finite where the oracle is finite**; NaN never passes. Pass-through data (V, ``residual_out``) must be
-   bit-exact.
+3. **Finite where the oracle is finite**; NaN never passes. Pass-through data (V, the gate of the gated layout,
+   ``residual_out``) must be bit-exact.
 
 ``INTERPRETER_BF16_ULPS`` is the one extra allowance that exists, and it is 0: Triton's CPU interpreter
 truncates fp32 -> bf16 conversions instead of rounding to nearest even, but the Triton backend rounds
@@ -111,17 +111,32 @@ def _merge(reports: Dict[str, AccuracyReport]) -> AccuracyReport:
                           max(r.unfused_err for r in reports.values()), "; ".join(failed))
 
 
+def _bit_exact(name: str, got: torch.Tensor, want: torch.Tensor) -> AccuracyReport:
+    ok = got.shape == want.shape and got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu())
+    return AccuracyReport(ok, 0.0 if ok else float("inf"), 0.0, "" if ok else f"{name}: not a bit-exact copy")
+
+
 def check_split_outputs(outs, oracle, unfused, qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                         head_dim: int, extra_ulps: float = 0.0) -> AccuracyReport:
-    """Apply the accuracy rule to ``(q, k, v)`` of ``split_qkv_rmsnorm_rope``; V must be bit-exact."""
-    q, k, v = outs
+    """Apply the accuracy rule to ``(q, k, v)`` of ``split_qkv_rmsnorm_rope``; V must be bit-exact.
+
+    The gated layout (``q_gate``) is recognised by ``qkv``'s width, ``(2 Hq + 2 Hkv) * D``: then ``outs`` must be
+    ``(q, k, v, gate)`` and the gate, too, a bit-exact copy (of the odd ``D``-wide slots of the Q region)."""
+    q_gate = qkv.shape[1] == (2 * num_q_heads + 2 * num_kv_heads) * head_dim
+    if len(outs) != (4 if q_gate else 3):
+        layout = "gated (q, k, v, gate)" if q_gate else "(q, k, v)"
+        return AccuracyReport(False, float("nan"), float("nan"), f"{len(outs)} outputs for a {layout} layout")
+    q, k, v = outs[:3]
     reports = {
         "q": _check_tensor("q", q, oracle[0], unfused[0], head_dim, extra_ulps),
         "k": _check_tensor("k", k, oracle[1], unfused[1], head_dim, extra_ulps),
     }
-    v_in = qkv[:, (num_q_heads + num_kv_heads) * head_dim :]
-    v_ok = v.shape == v_in.shape and torch.equal(v.cpu(), v_in.cpu())
-    reports["v"] = AccuracyReport(v_ok, 0.0 if v_ok else float("inf"), 0.0, "" if v_ok else "v: not a bit-exact copy")
+    q_region = (2 if q_gate else 1) * num_q_heads * head_dim
+    reports["v"] = _bit_exact("v", v, qkv[:, q_region + num_kv_heads * head_dim :])
+    if q_gate:
+        T = qkv.shape[0]
+        gate_in = qkv[:, :q_region].reshape(T, num_q_heads, 2, head_dim)[:, :, 1].reshape(T, -1)
+        reports["gate"] = _bit_exact("gate", outs[3], gate_in)
     return _merge(reports)
 
 

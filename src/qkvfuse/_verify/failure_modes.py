@@ -40,7 +40,7 @@ from ..backends import available_backends
 from ..presets import get_preset
 from ..rope import build_cos_sin_cache
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
-from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
+from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .sections import Options, Section, triton_interpreter
 
@@ -102,17 +102,12 @@ def _oracle_split_cached(kwargs: Dict[str, object]):
     return _ORACLE_CACHE[key]
 
 
-def _split_out(case_or_kwargs, row_pad: int = 0):
-    """NaN-poisoned ``(q, k, v)`` outputs (optionally with a wider row stride) for split kwargs."""
-    qkv = case_or_kwargs["qkv"]
-    T, D = qkv.shape[0], case_or_kwargs["head_dim"]
-    hq, hkv = case_or_kwargs["num_q_heads"], case_or_kwargs["num_kv_heads"]
-    return tuple(poisoned_like(torch.empty(T, n * D, dtype=qkv.dtype, device=qkv.device), row_pad)
-                 for n in (hq, hkv, hkv))
+_split_out = poisoned_split_outputs  # NaN-poisoned (q, k, v) -- gated (q, k, v, gate) -- outputs for split kwargs
 
 
 def run_split(backend: str, kwargs: Dict[str, object], out_row_pad: int = 0, mode: str = "out"):
-    """Run ``split_qkv_rmsnorm_rope`` on ``kwargs``, check it under the accuracy rule, return ``(q, k, v)``.
+    """Run ``split_qkv_rmsnorm_rope`` on ``kwargs``, check it under the accuracy rule, return ``(q, k, v)``
+    (``(q, k, v, gate)`` with ``q_gate``).
 
     ``mode``: ``"out"`` (NaN-poisoned preallocated outputs, row stride ``+out_row_pad``), ``"functional"``
     or ``"inplace"`` (on a copy of qkv). Raises ``AssertionError`` naming the first bad element.
@@ -153,13 +148,14 @@ class NormCase:
     bias: bool = False
     row_pad: int = 0
     mode: str = "out"  # "out", "functional" or "inplace" (y aliases x, residual_out aliases residual)
+    gemma_norm: bool = False  # weight centred at 0, applied as 1 + w (Qwen3-Next / Qwen3.5 decoder norms)
 
 
 def run_norm(backend: str, case: NormCase, seed: int = 0, device="cpu"):
     """Run ``add_rmsnorm`` for ``case`` on ``device``, check it under the accuracy rule, return
     ``(y, residual_out)``."""
     kw = make_norm_inputs(case.T, case.H, case.dtype, residual=case.residual, bias=case.bias, seed=seed,
-                          row_pad=case.row_pad, device=device)
+                          row_pad=case.row_pad, device=device, gemma_norm=case.gemma_norm)
     x, residual = kw["x"], kw["residual"]
     snapshot = (x.clone(), None if residual is None else residual.clone())
     oracle, unfused = oracle_add_rmsnorm(**kw), unfused_add_rmsnorm(**kw)
@@ -173,7 +169,7 @@ def run_norm(backend: str, case: NormCase, seed: int = 0, device="cpu"):
         x2 = poisoned_like(x, case.row_pad).copy_(x)
         r2 = None if residual is None else poisoned_like(x, case.row_pad).copy_(residual)
         got = qkvfuse.add_rmsnorm(x2, r2, kw["weight"], kw["eps"], bias=kw.get("bias"), out=(x2, r2),
-                                  backend=backend)
+                                  gemma_norm=case.gemma_norm, backend=backend)
         assert got[0] is x2
     assert bits_equal(x, snapshot[0]) and (residual is None or bits_equal(residual, snapshot[1])), \
         "the op modified an input"
@@ -363,6 +359,103 @@ def check_strided_and_3d_views(backend: str) -> None:
     _expect_rejected(lambda: qkvfuse.add_rmsnorm(x.t().contiguous().t(), None, weight, backend=backend), "x")
 
 
+# --------------------------------------------------------------------------------------------------------
+# The gated attention of Qwen3-Next / Qwen3.5 (q_gate, Gemma norms, head_dim 256 with rotary 64).
+# --------------------------------------------------------------------------------------------------------
+def _gated_case(T: int, num_q_heads: int, num_kv_heads: int, preset: str = "Qwen3.5-27B", **changes) -> SplitCase:
+    """``preset``'s full-attention geometry (gated, Gemma, D 256, R 64) with a per-rank head count."""
+    fields = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, dtype=torch.bfloat16, max_position=4096)
+    fields.update(changes)
+    return SplitCase.from_preset(get_preset(preset), T, **fields)
+
+
+def _gate_slots(qkv: torch.Tensor, num_q_heads: int, head_dim: int) -> torch.Tensor:
+    """The gate heads of a gated row, ``[T, Hq * D]`` (slot ``2h + 1`` of the Q region)."""
+    T = qkv.shape[0]
+    return qkv[:, : 2 * num_q_heads * head_dim].reshape(T, num_q_heads, 2, head_dim)[:, :, 1].reshape(T, -1)
+
+
+def check_gated_mrope_image_rows(backend: str) -> None:
+    """Qwen3.5's interleaved mRoPE in the gated layout: image tokens' height/width rows are read.
+
+    The dropped-row bug of SGLang #35345/#34446, in the layout a gated fused path adds (Q slots interleaved with
+    gate slots, K after ``2 * Hq`` slots): every form is checked against the oracle, and the H/W rows must change
+    Q and K (so the check cannot pass by accident), never the gate.
+    """
+    case = _gated_case(16, 4, 1, dtype=torch.float32, image=True)
+    kwargs = make_split_inputs(case, seed=35346)
+    results = [run_split(backend, kwargs, mode=mode) for mode in ("out", "functional", "inplace")]
+    pos = kwargs["positions"]
+    assert not torch.equal(pos[0], pos[1]) and not torch.equal(pos[0], pos[2]), "test inputs lost image rows"
+    text_like = qkvfuse.split_qkv_rmsnorm_rope(**dict(kwargs, positions=pos[:1].expand(3, -1)), backend=backend)
+    q, k, _, gate = results[0]
+    assert not torch.equal(text_like[0], q) and not torch.equal(text_like[1], k), \
+        "H/W rows had no effect: the check would not see them dropped"
+    assert torch.equal(text_like[3], gate), "the gate depends on positions"
+
+
+def check_gate_not_mixed_with_q(backend: str) -> None:
+    """The gate is the odd slots, Q the even ones: neither is read from the other's slot (nor from a
+    ``[Q heads | gate heads]`` block layout, which is not how ``q_proj`` lays them out).
+
+    Gate slots are scaled far from the Q slots (x 64), so a gate read from Q's slot (or Q from the gate's) cannot
+    match by accident; every form (``out=``, functional, in place, the bound object) returns the gate bit-exact
+    and Q under the accuracy rule.
+    """
+    case = _gated_case(6, 3, 1, preset="Qwen3-Next-80B-A3B", dtype=torch.bfloat16)
+    kwargs = make_split_inputs(case, seed=22)
+    qkv = kwargs["qkv"].clone()
+    hq, D = case.num_q_heads, case.head_dim
+    qkv[:, : 2 * hq * D].view(case.T, hq, 2, D)[:, :, 1] *= 64
+    kwargs["qkv"] = qkv
+    gate_in = _gate_slots(qkv, hq, D)
+    expected = None
+    for mode in ("out", "functional", "inplace"):
+        got = run_split(backend, kwargs, mode=mode)
+        assert bits_equal(got[3], gate_in), f"{mode}: the gate is not its slots' bits"
+        expected = expected or got
+    static = {k: v for k, v in kwargs.items() if k not in ("qkv", "positions", "num_q_heads", "num_kv_heads",
+                                                            "head_dim", "cos_sin_cache")}
+    bound = qkvfuse.QKNormRope(hq, case.num_kv_heads, D, kwargs["cos_sin_cache"], **static, backend=backend)
+    work = qkv.clone()
+    for form, got in (("call", bound(qkv, kwargs["positions"])), ("inplace", bound.inplace(work, kwargs["positions"]))):
+        assert len(got) == 4 and all(bits_equal(a, b) for a, b in zip(got, expected)), \
+            f"bound object ({form}): (q, k, v, gate) differ from the public op's"
+
+
+def check_pass_through_dims(backend: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Dims ``64..255`` of a rotary-64 head (Qwen3-Next / Qwen3.5) come out normalised (``* (1 + w)``) and
+    unrotated: neither copied from the input nor rotated (a kernel looping over the head in rotary-wide chunks).
+
+    Besides the oracle check: moving every token to another position changes only dims ``< 64``, bit for bit.
+    """
+    case = _gated_case(7, 2, 1, preset="Qwen3-Next-80B-A3B", dtype=dtype)
+    kwargs = make_split_inputs(case, seed=64)
+    q, k, _, _ = run_split(backend, kwargs)
+    R, D = case.rotary_dim, case.head_dim
+    moved = dict(kwargs, positions=(kwargs["positions"] + 1) % case.max_position)
+    q2, k2, _, _ = qkvfuse.split_qkv_rmsnorm_rope(**moved, backend=backend)
+    for name, a, b in (("q", q, q2), ("k", k, k2)):
+        heads_a, heads_b = a.view(case.T, -1, D), b.view(case.T, -1, D)
+        assert torch.equal(heads_a[..., R:], heads_b[..., R:]), f"{name}: pass-through dims depend on the position"
+        assert not torch.equal(heads_a[..., :R], heads_b[..., :R]), f"{name}: rotated dims ignore the position"
+
+
+# Per-rank head counts of the gated models under tensor parallelism (KV heads replicated when TP > Hkv):
+# Qwen3.5-397B 32/2 at TP8 -> 4/1, Qwen3.5-27B 24/4 at TP8 -> 3/1, Qwen3-Next 16/2 at TP8 -> 2/1 and at TP16
+# -> 1/1; 24/4 at TP4 -> 6/1, 16/4 at TP2 -> 8/2, 24/4 at TP2 -> 12/2, Qwen3.5-9B unsplit 16/4.
+GATED_TP_HEADS = ((4, 1), (3, 1), (2, 1), (1, 1), (6, 1), (8, 2), (12, 2), (16, 4))
+
+
+def check_gated_tp_heads(backend: str, num_q_heads: int = 4, num_kv_heads: int = 1) -> None:
+    """The gated layout at a TP-sized head count (1-4 KV heads): K and V found after ``2 * Hq`` slots, Gemma
+    weights applied as ``1 + w``; out=, functional and in place under the accuracy rule (bf16, image mRoPE)."""
+    case = _gated_case(5, num_q_heads, num_kv_heads, image=True)
+    kwargs = make_split_inputs(case, seed=1000 + 10 * num_q_heads + num_kv_heads)
+    for mode in ("out", "functional", "inplace"):
+        run_split(backend, kwargs, mode=mode)
+
+
 # Checks that take several seconds under the Triton CPU interpreter; ``verify --quick`` leaves them to the
 # full run and the tests.
 HEAVY_ON_INTERPRETER = {"partial rotary above 10240 token x heads"}
@@ -381,6 +474,12 @@ FAILURE_MODES: Dict[str, Callable[[str], None]] = {
     "position reads deterministic at large T": check_positions_deterministic_large_t,
     "no bf16 rounding between norm and rotation": check_no_bf16_rounding_between_norm_and_rope,
     "strided views handled, 3-D views rejected": check_strided_and_3d_views,
+    "gated: mRoPE image rows read": check_gated_mrope_image_rows,
+    "gated: gate and Q not mixed up": check_gate_not_mixed_with_q,
+    **{f"gated: pass-through dims 64..255 normalised, unrotated ({str(dt)[6:]})":
+       (lambda b, dt=dt: check_pass_through_dims(b, dt)) for dt in (torch.bfloat16, torch.float32)},
+    **{f"gated: TP heads Hq/Hkv = {hq}/{hkv}": (lambda b, hq=hq, hkv=hkv: check_gated_tp_heads(b, hq, hkv))
+       for hq, hkv in GATED_TP_HEADS},
 }
 
 
@@ -522,6 +621,59 @@ def _norm_overlap(backend: str, which: str):
     return qkvfuse.add_rmsnorm(**kw, out=out, backend=backend)
 
 
+def _gated_kwargs(**changes) -> Dict[str, object]:
+    """The standard bad-call inputs in the gated Gemma layout: width (2*4 + 2*2) * 64 = 768."""
+    case = SplitCase(T=3, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                     q_gate=True, gemma_norm=True, max_position=64)
+    return dict(make_split_inputs(case, seed=0), **changes)
+
+
+def _gated(backend: str, **changes):
+    return qkvfuse.split_qkv_rmsnorm_rope(**_gated_kwargs(**changes), backend=backend)
+
+
+def _gated_out(kind: str):
+    """Bad ``out`` tuples for the gated split op."""
+    kw = _gated_kwargs()
+    q, k, v, gate = _split_out(kw)
+    qkv = kw["qkv"]
+    if kind == "three":
+        return kw, (q, k, v)
+    if kind == "gate_shape":
+        gate = poisoned_like(torch.empty(3, 128, dtype=torch.bfloat16))
+    elif kind == "gate_dtype":
+        gate = poisoned_like(torch.empty(gate.shape, dtype=torch.float32))
+    elif kind == "gate_none":
+        gate = None
+    elif kind == "gate_overlaps_qkv":
+        gate = qkv[:, 64 : 64 + gate.shape[1]]  # from gate slot 0 on: not a slice of its own (there is none)
+    elif kind == "q_over_q_slots":
+        q = qkv[:, : q.shape[1]]  # the ungated layout's own Q slice: gated, it holds Q and gate slots
+    elif kind == "gate_overlaps_q":
+        gate = q[:, : gate.shape[1]]
+    return kw, (q, k, v, gate)
+
+
+def _gated_with_out(backend: str, kind: str):
+    kw, out = _gated_out(kind)
+    return qkvfuse.split_qkv_rmsnorm_rope(**kw, out=out, backend=backend)
+
+
+def _raw_split_out(backend: str, gated: bool):
+    """The raw out op (as a loaded ``torch.export`` program calls it) with ``gate_out`` given exactly when the
+    layout is not gated: the kernel's own rule (its C++ copy on the native CPU backend)."""
+    from ..ops import _split_call
+
+    kw = _gated_kwargs() if gated else _split_kwargs()
+    ops, static, _ = _split_call(kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw["num_q_heads"],
+                                 kw["num_kv_heads"], kw["head_dim"], kw.get("q_weight"), kw.get("k_weight"),
+                                 kw.get("q_bias"), kw.get("k_bias"), kw["eps"], kw["is_neox"], kw["mrope_section"],
+                                 kw["mrope_interleaved"], gated, gated, backend)
+    outs = _split_out(kw)
+    gate_out = None if gated else poisoned_like(outs[0])
+    return ops.split_out(kw["qkv"], kw["positions"], *static, *outs[:3], gate_out)
+
+
 _META = torch.device("meta")
 _B = BadCall
 BAD_CALLS: List[BadCall] = [
@@ -598,6 +750,32 @@ BAD_CALLS: List[BadCall] = [
     _B("out last dim not contiguous", "v_out", lambda b: _split_with_out(b, "last_dim_stride")),
     _B("out two tensors", "out", lambda b: _split_with_out(b, "pair")),
     _B("in-place qkv overlapping the cache", "qkv", _shared_storage_inplace),
+    # the gated layout (q_gate) and Gemma norms (gemma_norm)
+    _B("q_gate width not (2Hq+2Hkv)*D", "qkv", lambda b: _gated(b, qkv=torch.zeros(3, 700, dtype=torch.bfloat16))),
+    _B("q_gate with an ungated-width qkv", "qkv", lambda b: _gated(b, qkv=torch.zeros(3, 512, dtype=torch.bfloat16))),
+    _B("ungated call on a gated-width qkv", "qkv",
+       lambda b: _split(b, qkv=torch.zeros(3, 768, dtype=torch.bfloat16))),
+    _B("q_gate an int", "q_gate", lambda b: _gated(b, q_gate=1)),
+    _B("q_gate a string", "q_gate", lambda b: _split(b, q_gate="yes")),
+    _B("gemma_norm an int", "gemma_norm", lambda b: _gated(b, gemma_norm=1)),
+    _B("gemma_norm None", "gemma_norm", lambda b: _split(b, gemma_norm=None)),
+    _B("in-place q_gate an int", "q_gate",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope_(**dict(_gated_kwargs(), q_gate=1), backend=b)),
+    _B("QKNormRope q_gate None", "q_gate",
+       lambda b: qkvfuse.QKNormRope(4, 2, 64, _gated_kwargs()["cos_sin_cache"], q_gate=None, backend=b)),
+    _B("QKNormRope gemma_norm an int", "gemma_norm",
+       lambda b: qkvfuse.QKNormRope(4, 2, 64, _gated_kwargs()["cos_sin_cache"], gemma_norm=0, backend=b)),
+    _B("gated out three tensors", "out", lambda b: _gated_with_out(b, "three")),
+    _B("ungated out four tensors", "out",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_split_kwargs(), out=_split_out(_gated_kwargs()), backend=b)),
+    _B("gate_out wrong shape", "gate_out", lambda b: _gated_with_out(b, "gate_shape")),
+    _B("gate_out wrong dtype", "gate_out", lambda b: _gated_with_out(b, "gate_dtype")),
+    _B("gate_out None", "gate_out", lambda b: _gated_with_out(b, "gate_none")),
+    _B("gate_out overlapping qkv", "gate_out", lambda b: _gated_with_out(b, "gate_overlaps_qkv")),
+    _B("gate_out overlapping q_out", "q_out", lambda b: _gated_with_out(b, "gate_overlaps_q")),
+    _B("gated q_out over qkv's first Hq*D columns", "q_out", lambda b: _gated_with_out(b, "q_over_q_slots")),
+    _B("raw out op: gate_out without the gated layout", "gate_out", lambda b: _raw_split_out(b, False)),
+    _B("raw out op: no gate_out with the gated layout", "gate_out", lambda b: _raw_split_out(b, True)),
     # add_rmsnorm
     _B("x int dtype", "x", lambda b: _norm(b, x=torch.zeros(3, 64, dtype=torch.int32))),
     _B("x 3-D", "x", lambda b: _norm(b, x=torch.zeros(1, 3, 64, dtype=torch.bfloat16))),
@@ -608,6 +786,11 @@ BAD_CALLS: List[BadCall] = [
     _B("weight not a tensor", "weight", lambda b: _norm(b, weight=[1.0] * 64)),
     _B("bias wrong length", "bias", lambda b: _norm(b, bias=torch.zeros(128))),
     _B("add_rmsnorm eps inf", "eps", lambda b: _norm(b, eps=float("inf"))),
+    _B("add_rmsnorm gemma_norm a string", "gemma_norm", lambda b: _norm(b, gemma_norm="yes")),
+    _B("add_rmsnorm_ gemma_norm an int", "gemma_norm",
+       lambda b: qkvfuse.add_rmsnorm_(**dict(make_norm_inputs(3, 64, torch.bfloat16), gemma_norm=1), backend=b)),
+    _B("AddRMSNorm gemma_norm None", "gemma_norm",
+       lambda b: qkvfuse.AddRMSNorm(torch.zeros(64), 1e-6, gemma_norm=None, backend=b)),
     _B("y_out overlapping residual", "y_out", lambda b: _norm_overlap(b, "y_out")),
     _B("residual_out overlapping x", "residual_out", lambda b: _norm_overlap(b, "residual_out")),
     # build_cos_sin_cache

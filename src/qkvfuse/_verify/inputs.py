@@ -10,7 +10,7 @@ import torch
 from ..presets import ModelPreset
 from ..rope import build_cos_sin_cache
 
-__all__ = ["SplitCase", "make_split_inputs", "make_norm_inputs", "poisoned_like"]
+__all__ = ["SplitCase", "make_split_inputs", "make_norm_inputs", "poisoned_like", "poisoned_split_outputs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,26 +35,32 @@ class SplitCase:
     row_pad: int = 0  # extra elements per qkv row (strided rows)
     max_position: int = 4096
     eps: float = 1e-6
+    q_gate: bool = False  # Qwen3-Next / Qwen3.5 gated layout: [q_0 | g_0 | q_1 | g_1 | ... | K | V]
+    gemma_norm: bool = False  # norm weights centred at 0, applied as 1 + w
 
     @classmethod
     def from_preset(cls, preset: ModelPreset, T: int, **changes) -> "SplitCase":
         fields = dict(num_q_heads=preset.num_q_heads, num_kv_heads=preset.num_kv_heads, head_dim=preset.head_dim,
                       rotary_dim=preset.rotary_dim, norm=preset.qk_norm, is_neox=preset.is_neox,
                       mrope_section=preset.mrope_section, mrope_interleaved=preset.mrope_interleaved,
-                      eps=preset.rms_norm_eps)
+                      eps=preset.rms_norm_eps, q_gate=preset.q_gate, gemma_norm=preset.gemma_norm)
         fields.update(changes)
         return cls(T=T, **fields)
 
     @property
     def width(self) -> int:
-        return (self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+        """qkv's width: ``(Hq + 2 Hkv) * D``, gated ``(2 Hq + 2 Hkv) * D``."""
+        return ((2 if self.q_gate else 1) * self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
 
 
 def make_split_inputs(case: SplitCase, seed: int = 0, device="cpu") -> Dict[str, object]:
     """Keyword arguments for ``split_qkv_rmsnorm_rope(**kwargs)`` (and the oracle) for ``case``.
 
-    Inputs have a spread of magnitudes per head (so a norm bug shows), weights near 1 with noise, positions
-    spread over the table; with mRoPE and ``image=True`` the three rows differ as for image tokens.
+    Inputs have a spread of magnitudes per head (so a norm bug shows), weights near 1 with noise (Gemma norms:
+    the stored weights are centred at 0, so ``1 + w`` is near 1), positions spread over the table; with mRoPE and
+    ``image=True`` the three rows differ as for image tokens. ``q_gate`` and ``gemma_norm`` are in the kwargs only
+    when set (callers that predate them keep working on the other cases); the gated width's Q and gate slots are
+    drawn like any head, each with its own magnitude.
     """
     g = torch.Generator().manual_seed(seed)
     T, W = case.T, case.width
@@ -83,9 +89,14 @@ def make_split_inputs(case: SplitCase, seed: int = 0, device="cpu") -> Dict[str,
         eps=case.eps, is_neox=case.is_neox, mrope_section=case.mrope_section,
         mrope_interleaved=case.mrope_interleaved,
     )
+    if case.q_gate:
+        kwargs["q_gate"] = True
+    if case.gemma_norm:
+        kwargs["gemma_norm"] = True
     if case.norm:
+        centre = 0.0 if case.gemma_norm else 1.0
         for name in ("q_weight", "k_weight"):
-            kwargs[name] = (1.0 + 0.2 * torch.randn(case.head_dim, generator=g)).to(wdtype).to(device)
+            kwargs[name] = (centre + 0.2 * torch.randn(case.head_dim, generator=g)).to(wdtype).to(device)
         if case.bias:
             for name in ("q_bias", "k_bias"):
                 kwargs[name] = (0.1 * torch.randn(case.head_dim, generator=g)).to(wdtype).to(device)
@@ -93,8 +104,9 @@ def make_split_inputs(case: SplitCase, seed: int = 0, device="cpu") -> Dict[str,
 
 
 def make_norm_inputs(T: int, H: int, dtype: torch.dtype, residual: bool = True, bias: bool = False,
-                     seed: int = 0, row_pad: int = 0, device="cpu") -> Dict[str, object]:
-    """Keyword arguments for ``add_rmsnorm(**kwargs)`` (and its oracle)."""
+                     seed: int = 0, row_pad: int = 0, device="cpu", gemma_norm: bool = False) -> Dict[str, object]:
+    """Keyword arguments for ``add_rmsnorm(**kwargs)`` (and its oracle). ``gemma_norm``: the weight is centred at
+    0 and ``gemma_norm=True`` is in the kwargs (absent otherwise)."""
     g = torch.Generator().manual_seed(seed)
 
     def rows(scale):
@@ -102,8 +114,11 @@ def make_norm_inputs(T: int, H: int, dtype: torch.dtype, residual: bool = True, 
         buf[:, :H] = torch.randn(T, H, generator=g) * scale
         return buf.to(dtype).to(device)[:, :H]
 
+    centre = 0.0 if gemma_norm else 1.0
     kwargs: Dict[str, object] = dict(x=rows(1.0), residual=rows(3.0) if residual else None,
-                                     weight=(1.0 + 0.2 * torch.randn(H, generator=g)).to(device), eps=1e-6)
+                                     weight=(centre + 0.2 * torch.randn(H, generator=g)).to(device), eps=1e-6)
+    if gemma_norm:
+        kwargs["gemma_norm"] = True
     if bias:
         kwargs["bias"] = (0.1 * torch.randn(H, generator=g)).to(device)
     return kwargs
@@ -113,3 +128,13 @@ def poisoned_like(t: torch.Tensor, row_pad: int = 0) -> torch.Tensor:
     """A NaN-filled tensor of ``t``'s shape and dtype (optionally with a wider row stride), never zeros."""
     T, W = t.shape
     return torch.full((T, W + row_pad), float("nan"), dtype=t.dtype, device=t.device)[:, :W]
+
+
+def poisoned_split_outputs(kwargs: Dict[str, object], row_pad: int = 0):
+    """NaN-poisoned ``out=`` tensors for split kwargs: ``(q, k, v)``, gated ``(q, k, v, gate)`` (row stride
+    ``+row_pad``), on qkv's device."""
+    qkv = kwargs["qkv"]
+    T, D = qkv.shape[0], kwargs["head_dim"]
+    hq, hkv = kwargs["num_q_heads"], kwargs["num_kv_heads"]
+    heads = (hq, hkv, hkv, hq) if kwargs.get("q_gate") else (hq, hkv, hkv)
+    return tuple(poisoned_like(torch.empty(T, n * D, dtype=qkv.dtype, device=qkv.device), row_pad) for n in heads)

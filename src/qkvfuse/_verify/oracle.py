@@ -6,6 +6,9 @@ the mRoPE axis rule again. It is slow; use it on test-sized inputs.
 
 The unfused baseline is what the model code does without qkvfuse: each op in the working dtype with a
 rounding after each one (RMSNorm rounds before the weight multiply; cos/sin are cast to the activation dtype).
+For the gated Gemma models (Qwen3-Next, Qwen3.5) it is their own unfused path: ``torch.chunk`` of each
+``[q_h | gate_h]`` pair, ``Qwen3_5RMSNorm`` (normalise in fp32, multiply by ``1 + w`` in fp32, one cast), then
+the same RoPE in the dtype with cos/sin in the dtype; the gate is a copy.
 """
 
 from __future__ import annotations
@@ -34,16 +37,22 @@ def _oracle_axis(j: int, sections: Sequence[int], interleaved: bool) -> int:
 
 def oracle_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight=None,
                  k_weight=None, q_bias=None, k_bias=None, eps=1e-6, is_neox=True, mrope_section=None,
-                 mrope_interleaved=False):
-    """float64 ``(q, k, v)`` of ``split_qkv_rmsnorm_rope`` for the same arguments."""
+                 mrope_interleaved=False, q_gate=False, gemma_norm=False):
+    """float64 ``(q, k, v)`` of ``split_qkv_rmsnorm_rope`` for the same arguments; ``(q, k, v, gate)`` with
+    ``q_gate`` (Q head ``h`` is slot ``2h`` of the row, its gate slot ``2h + 1``). ``gemma_norm``: the weights
+    are ``1 + w``, in float64."""
     x = qkv.detach().to("cpu", torch.float64)
     pos = positions.detach().to("cpu", torch.int64)
     table = cos_sin_cache.detach().to("cpu", torch.float64)
     D = head_dim
     half = table.shape[1] // 2
+    # Slot (D-wide column block of qkv) of each head, in the order q heads, k heads, v heads (and gate heads).
+    q_slots = [2 * h if q_gate else h for h in range(num_q_heads)]
+    first_kv = (2 if q_gate else 1) * num_q_heads
+    slots = q_slots + list(range(first_kv, first_kv + 2 * num_kv_heads))
     outs = []
-    for h in range(num_q_heads + 2 * num_kv_heads):
-        head = x[:, h * D : (h + 1) * D].clone()
+    for h, slot in enumerate(slots):
+        head = x[:, slot * D : (slot + 1) * D].clone()
         if h >= num_q_heads + num_kv_heads:  # V: unchanged
             outs.append(head)
             continue
@@ -51,7 +60,8 @@ def oracle_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_
         weight, bias = (q_weight, q_bias) if is_q else (k_weight, k_bias)
         if weight is not None:
             rms = torch.sqrt((head * head).mean(dim=1, keepdim=True) + eps)
-            head = head / rms * weight.detach().to("cpu", torch.float64)
+            w = weight.detach().to("cpu", torch.float64)
+            head = head / rms * (1.0 + w if gemma_norm else w)
             if bias is not None:
                 head = head + bias.detach().to("cpu", torch.float64)
         rotated = head.clone()
@@ -65,41 +75,57 @@ def oracle_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_
     q = torch.cat(outs[:num_q_heads], dim=1)
     k = torch.cat(outs[num_q_heads : num_q_heads + num_kv_heads], dim=1)
     v = torch.cat(outs[num_q_heads + num_kv_heads :], dim=1)
-    return q, k, v
+    if not q_gate:
+        return q, k, v
+    gate = torch.cat([x[:, (2 * h + 1) * D : (2 * h + 2) * D] for h in range(num_q_heads)], dim=1)
+    return q, k, v, gate
 
 
-def oracle_add_rmsnorm(x, residual, weight, eps=1e-6, bias=None):
-    """float64 ``y`` of ``add_rmsnorm``, computed from the sum rounded to ``x.dtype`` (as the spec says)."""
+def oracle_add_rmsnorm(x, residual, weight, eps=1e-6, bias=None, gemma_norm=False):
+    """float64 ``y`` of ``add_rmsnorm``, computed from the sum rounded to ``x.dtype`` (as the spec says);
+    ``gemma_norm``: the weight is ``1 + weight``, in float64."""
     s = (x + residual) if residual is not None else x
     s64 = s.detach().to("cpu", torch.float64)
     rms = torch.sqrt((s64 * s64).mean(dim=1, keepdim=True) + eps)
-    y = s64 / rms * weight.detach().to("cpu", torch.float64)
+    w = weight.detach().to("cpu", torch.float64)
+    y = s64 / rms * (1.0 + w if gemma_norm else w)
     return y + bias.detach().to("cpu", torch.float64) if bias is not None else y
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Unfused baseline in the working dtype (what a transformers model computes).
 # ---------------------------------------------------------------------------------------------------------
-def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor]):
+def _hf_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, bias: Optional[torch.Tensor],
+                gemma_norm: bool = False):
     dtype = x.dtype
     xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * weight.to(dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma_norm:  # Qwen3_5RMSNorm / Qwen3NextRMSNorm: (x * (1 + w)) in fp32, one cast (no bias in the models)
+        y = (normed * (1.0 + weight.float())).to(dtype)
+    else:
+        y = normed.to(dtype) * weight.to(dtype)
     return y + bias.to(dtype) if bias is not None else y
 
 
 def unfused_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight=None,
                   k_weight=None, q_bias=None, k_bias=None, eps=1e-6, is_neox=True, mrope_section=None,
-                  mrope_interleaved=False):
-    """``(q, k, v)`` the way transformers computes them: rounding to ``qkv.dtype`` after every op."""
+                  mrope_interleaved=False, q_gate=False, gemma_norm=False):
+    """``(q, k, v)`` (gated: ``(q, k, v, gate)``) the way transformers computes them: rounding to ``qkv.dtype``
+    after every op."""
     dtype = qkv.dtype
     T, D = qkv.shape[0], head_dim
     qw, kvw = num_q_heads * D, num_kv_heads * D
-    q = qkv[:, :qw].reshape(T, num_q_heads, D)
-    k = qkv[:, qw : qw + kvw].reshape(T, num_kv_heads, D)
-    v = qkv[:, qw + kvw :].clone()
+    q_region = 2 * qw if q_gate else qw
+    if q_gate:  # Qwen3NextAttention: torch.chunk(q_proj(x).view(..., -1, head_dim * 2), 2, dim=-1)
+        q, gate = torch.chunk(qkv[:, :q_region].reshape(T, num_q_heads, 2 * D), 2, dim=-1)
+        gate = gate.reshape(T, qw)
+    else:
+        q = qkv[:, :qw].reshape(T, num_q_heads, D)
+    k = qkv[:, q_region : q_region + kvw].reshape(T, num_kv_heads, D)
+    v = qkv[:, q_region + kvw :].clone()
     if q_weight is not None:
-        q = _hf_rmsnorm(q, q_weight, eps, q_bias)
-        k = _hf_rmsnorm(k, k_weight, eps, k_bias)
+        q = _hf_rmsnorm(q, q_weight, eps, q_bias, gemma_norm)
+        k = _hf_rmsnorm(k, k_weight, eps, k_bias, gemma_norm)
     R = cos_sin_cache.shape[1]
     half = R // 2
     axes = torch.tensor(mrope_axis_map(half, tuple(mrope_section) if mrope_section else None, mrope_interleaved))
@@ -119,10 +145,11 @@ def unfused_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head
             out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
         return torch.cat([out, rest], dim=-1)
 
-    return rope(q).reshape(T, qw), rope(k).reshape(T, kvw), v
+    out = rope(q).reshape(T, qw), rope(k).reshape(T, kvw), v
+    return out + (gate.clone(),) if q_gate else out
 
 
-def unfused_add_rmsnorm(x, residual, weight, eps=1e-6, bias=None):
+def unfused_add_rmsnorm(x, residual, weight, eps=1e-6, bias=None, gemma_norm=False):
     """``(y, residual_out)`` the way transformers computes them."""
     s = x + residual if residual is not None else x
-    return _hf_rmsnorm(s, weight, eps, bias), s
+    return _hf_rmsnorm(s, weight, eps, bias, gemma_norm), s
