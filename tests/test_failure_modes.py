@@ -68,3 +68,32 @@ def test_no_bf16_rounding_between_norm_and_rotation(backend):
 # its storage as [T, width], as vLLM's CPU rotary_embedding did with 3-D input).
 def test_strided_views_handled_and_3d_views_rejected(backend):
     fm.check_strided_and_3d_views(backend)
+
+
+# The gated attention of Qwen3-Next / Qwen3.5 (q_gate, Gemma norms, head_dim 256 with rotary 64).
+# Mutation "gated_mrope_drop_hw": in the gated layout every rotary pair reads the temporal row (the dropped
+# height/width rows of SGLang #35345 / #34446, in a gated fused path).
+def test_gated_mrope_image_tokens_use_height_width_rows(backend):
+    fm.check_gated_mrope_image_rows(backend)
+
+
+# Mutations "gate_from_q" (the gate is copied from the Q slots), "q_from_gate" (Q is read from the gate slots) and
+# "gated_blocks" (the Q region is read as [Q heads | gate heads] blocks instead of per-head [q_h | g_h] pairs).
+def test_gate_and_q_not_mixed_up(backend):
+    fm.check_gate_not_mixed_with_q(backend)
+
+
+# Mutations "pass_through_unnormalised" (dims R..D of Q and K heads copied from the input, unnormalised) and
+# "pass_through_rotated" (the head rotated in R-wide chunks, all with the cache's frequencies).
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_pass_through_dims_normalised_and_unrotated(backend, dtype):
+    import torch
+
+    fm.check_pass_through_dims(backend, getattr(torch, dtype))
+
+
+# Mutations "gated_kv_ungated_offsets" (K and V read at the ungated layout's offsets, Hq*D on, inside the Q/gate
+# region) and "gemma_weight_as_stored" (gemma_norm ignored: heads multiplied by w instead of 1 + w).
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", fm.GATED_TP_HEADS, ids=lambda v: str(v))
+def test_gated_tp_sized_head_counts(backend, num_q_heads, num_kv_heads):
+    fm.check_gated_tp_heads(backend, num_q_heads, num_kv_heads)

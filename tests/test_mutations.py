@@ -22,7 +22,7 @@ import qkvfuse
 import qkvfuse._verify.failure_modes as fm
 import qkvfuse.reference as ref
 from qkvfuse import _library
-from qkvfuse._verify.failure_modes import KNORM_RATIOS, NON_POW2_HEAD_DIMS, PARTIAL_ROTARY_THRESHOLD
+from qkvfuse._verify.failure_modes import GATED_TP_HEADS, KNORM_RATIOS, NON_POW2_HEAD_DIMS, PARTIAL_ROTARY_THRESHOLD
 
 _split = ref.split_qkv_rmsnorm_rope_out
 _norm = ref.add_rmsnorm_out
@@ -114,6 +114,82 @@ def _accept_3d_views(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, h
     return _public_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, **kwargs)
 
 
+# The gated layout. ``rest`` after head_dim: q_w, k_w, q_b, k_b, eps, is_neox, sections, interleaved, q_gate, gemma,
+# q_out, k_out, v_out, gate_out. The in-place form's outputs overlap qkv: mutations that rewrite the input read a
+# contiguous copy of it, taken before anything is written.
+_Q_GATE, _GEMMA, _SECTIONS = 8, 9, 6
+
+
+def _copy(qkv):
+    return qkv.clone(memory_format=torch.contiguous_format)
+
+
+def _gated_mrope_drop_hw(qkv, positions, cache, hq, hkv, d, *rest):
+    if rest[_Q_GATE] and rest[_SECTIONS]:
+        positions = positions[:1].expand_as(positions)
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+
+
+def _gate_from_q(qkv, positions, cache, hq, hkv, d, *rest):
+    src = _copy(qkv)
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+    if rest[_Q_GATE]:
+        T = src.shape[0]
+        rest[-1].copy_(src[:, : 2 * hq * d].reshape(T, hq, 2, d)[:, :, 0].reshape(T, -1))
+
+
+def _q_from_gate(qkv, positions, cache, hq, hkv, d, *rest):
+    if rest[_Q_GATE]:
+        qkv = _copy(qkv)
+        pairs = qkv[:, : 2 * hq * d].view(qkv.shape[0], hq, 2, d)
+        pairs[:, :, 0] = pairs[:, :, 1]
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+
+
+def _gated_blocks(qkv, positions, cache, hq, hkv, d, *rest):
+    if rest[_Q_GATE]:
+        src, T, qw = _copy(qkv), qkv.shape[0], hq * d
+        # What a kernel reading [Q heads | gate heads] sees, presented in the per-head layout the reference reads.
+        src[:, : 2 * qw] = torch.stack([qkv[:, :qw].reshape(T, hq, d), qkv[:, qw : 2 * qw].reshape(T, hq, d)],
+                                       2).reshape(T, 2 * qw)
+        qkv = src
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+
+
+def _pass_through_unnormalised(qkv, positions, cache, hq, hkv, d, *rest):
+    src = _copy(qkv)
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+    R, T = cache.shape[1], src.shape[0]
+    q_region = (2 if rest[_Q_GATE] else 1) * hq * d
+    q_in = (src[:, :q_region].reshape(T, hq, 2, d)[:, :, 0] if rest[_Q_GATE]
+            else src[:, :q_region].reshape(T, hq, d))
+    k_in = src[:, q_region : q_region + hkv * d].reshape(T, hkv, d)
+    q_out, k_out = rest[-4], rest[-3]
+    q_out.view(T, hq, d)[..., R:] = q_in[..., R:]
+    k_out.view(T, hkv, d)[..., R:] = k_in[..., R:]
+
+
+def _pass_through_rotated(y, cos, sin, is_neox):
+    R = 2 * cos.shape[-1]
+    if y.shape[-1] % R:
+        return _rotate(y, cos, sin, is_neox)
+    return torch.cat([_rotate(y[..., i : i + R], cos, sin, is_neox) for i in range(0, y.shape[-1], R)], dim=-1)
+
+
+def _gated_kv_ungated_offsets(qkv, positions, cache, hq, hkv, d, *rest):
+    if rest[_Q_GATE]:
+        src, qw, kvw = _copy(qkv), hq * d, hkv * d
+        src[:, 2 * qw : 2 * qw + 2 * kvw] = qkv[:, qw : qw + 2 * kvw]
+        qkv = src
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+
+
+def _gemma_weight_as_stored(qkv, positions, cache, hq, hkv, d, *rest):
+    rest = list(rest)
+    rest[_GEMMA] = False
+    _split(qkv, positions, cache, hq, hkv, d, *rest)
+
+
 # name -> (patches [(object, attribute, replacement)], check, parametrisations of its test)
 MUTATIONS = {
     "partial_rotary_large": ([(ref, "split_qkv_rmsnorm_rope_out", _partial_rotary_large)],
@@ -138,6 +214,21 @@ MUTATIONS = {
                           fm.check_strided_and_3d_views, [{}]),
     "accept_3d_views": ([(qkvfuse, "split_qkv_rmsnorm_rope", _accept_3d_views)], fm.check_strided_and_3d_views,
                         [{}]),
+    "gated_mrope_drop_hw": ([(ref, "split_qkv_rmsnorm_rope_out", _gated_mrope_drop_hw)],
+                            fm.check_gated_mrope_image_rows, [{}]),
+    "gate_from_q": ([(ref, "split_qkv_rmsnorm_rope_out", _gate_from_q)], fm.check_gate_not_mixed_with_q, [{}]),
+    "q_from_gate": ([(ref, "split_qkv_rmsnorm_rope_out", _q_from_gate)], fm.check_gate_not_mixed_with_q, [{}]),
+    "gated_blocks": ([(ref, "split_qkv_rmsnorm_rope_out", _gated_blocks)], fm.check_gate_not_mixed_with_q, [{}]),
+    "pass_through_unnormalised": ([(ref, "split_qkv_rmsnorm_rope_out", _pass_through_unnormalised)],
+                                  fm.check_pass_through_dims, [dict(dtype=torch.bfloat16), dict(dtype=torch.float32)]),
+    "pass_through_rotated": ([(ref, "_rotate", _pass_through_rotated)], fm.check_pass_through_dims,
+                             [dict(dtype=torch.bfloat16), dict(dtype=torch.float32)]),
+    "gated_kv_ungated_offsets": ([(ref, "split_qkv_rmsnorm_rope_out", _gated_kv_ungated_offsets)],
+                                 fm.check_gated_tp_heads,
+                                 [dict(num_q_heads=hq, num_kv_heads=hkv) for hq, hkv in GATED_TP_HEADS]),
+    "gemma_weight_as_stored": ([(ref, "split_qkv_rmsnorm_rope_out", _gemma_weight_as_stored)],
+                               fm.check_gated_tp_heads,
+                               [dict(num_q_heads=hq, num_kv_heads=hkv) for hq, hkv in GATED_TP_HEADS]),
 }
 
 # What counts as a check catching a mutation: a failed assertion, nothing else.
