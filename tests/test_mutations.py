@@ -135,7 +135,7 @@ def _gate_from_q(qkv, positions, cache, hq, hkv, d, *rest):
     _split(qkv, positions, cache, hq, hkv, d, *rest)
     if rest[_Q_GATE]:
         T = src.shape[0]
-        rest[-1].copy_(src[:, : 2 * hq * d].reshape(T, hq, 2, d)[:, :, 0].reshape(T, -1))
+        rest[-1].copy_(src[:, : 2 * hq * d].reshape(T, hq, 2, d)[:, :, 0].reshape(T, hq * d))
 
 
 def _q_from_gate(qkv, positions, cache, hq, hkv, d, *rest):

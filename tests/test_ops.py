@@ -13,6 +13,7 @@ import qkvfuse
 from _support.cases import run_split_case
 from qkvfuse._verify import (SplitCase, check_norm_outputs, make_norm_inputs, make_split_inputs,
                              oracle_add_rmsnorm, poisoned_like, unfused_add_rmsnorm)
+from qkvfuse.presets import get_preset
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -51,16 +52,54 @@ def _resolve(case: SplitCase) -> SplitCase:
 
 CASES = [_resolve(c) for c in _matrix()]
 
+# The gated attention of Qwen3-Next / Qwen3.5 (their full-attention layers): q_gate, Gemma QK-norm, head_dim 256,
+# NeoX rotary 64 (Qwen3.5: interleaved mRoPE [11, 11, 10]). Each preset at its own head counts and at TP-sized
+# per-rank counts, small T.
+GATED_PRESETS = ("Qwen3-Next-80B-A3B", "Qwen3.5-9B", "Qwen3.5-27B", "Qwen3.5-35B-A3B", "Qwen3.5-397B-A17B")
+TP_HEADS = ((4, 1), (3, 1), (2, 1), (1, 1))
+
+
+def _gated_matrix():
+    cases = [SplitCase.from_preset(get_preset(name), 3, dtype=torch.bfloat16, max_position=4096)
+             for name in GATED_PRESETS]
+    cycle = itertools.count()
+    for (hq, hkv), name, dtype in itertools.product(TP_HEADS, ("Qwen3-Next-80B-A3B", "Qwen3.5-27B"), DTYPES):
+        i = next(cycle)
+        cases.append(SplitCase.from_preset(
+            get_preset(name), (0, 1, 5, 17)[i % 4] if i % 7 else 2, num_q_heads=hq, num_kv_heads=hkv, dtype=dtype,
+            image=(i % 3) != 0, pos_dtype=(torch.int64, torch.int32)[i % 2],
+            cache_dtype=(torch.float32, torch.bfloat16)[(i // 3) % 2], weight_dtype=(None, dtype)[(i // 2) % 2],
+            row_pad=(0, 16)[(i // 4) % 2], max_position=4096))
+    # Each flag without the other (Gemma norms alone: any model with centred weights; the gate with plain
+    # weights), a norm bias, no QK-norm, GPT-J pairs and full rotary: the flags are independent of the rest.
+    base = dict(T=5, num_q_heads=3, num_kv_heads=1, head_dim=128, rotary_dim=64, dtype=torch.bfloat16)
+    cases += [
+        SplitCase(**base, gemma_norm=True),
+        SplitCase(**dict(base, dtype=torch.float32), gemma_norm=True, mrope_section=(12, 10, 10),
+                  mrope_interleaved=True, row_pad=8),
+        SplitCase(**base, q_gate=True),
+        SplitCase(**dict(base, dtype=torch.float16), q_gate=True, gemma_norm=True, bias=True),
+        SplitCase(**base, q_gate=True, norm=False),
+        SplitCase(**dict(base, rotary_dim=128), q_gate=True, gemma_norm=True, is_neox=False),
+        SplitCase(**dict(base, head_dim=80, rotary_dim=40), q_gate=True, gemma_norm=True,
+                  mrope_section=(8, 6, 6), mrope_interleaved=False),
+    ]
+    return cases
+
+
+GATED_CASES = _gated_matrix()
+
 
 def _id(c: SplitCase) -> str:
     mode = "rope" if c.mrope_section is None else ("mropeI" if c.mrope_interleaved else "mropeC")
     return (f"T{c.T}-h{c.num_q_heads}x{c.num_kv_heads}-D{c.head_dim}-R{c.rotary_dim}-{mode}"
             f"{'-img' if c.mrope_section and c.image else ''}-{'neox' if c.is_neox else 'gptj'}"
             f"-{str(c.dtype)[6:]}{'-norm' if c.norm else ''}{'-bias' if c.bias else ''}"
-            f"-{str(c.pos_dtype)[6:]}-cache{str(c.cache_dtype)[6:]}{'-strided' if c.row_pad else ''}")
+            f"-{str(c.pos_dtype)[6:]}-cache{str(c.cache_dtype)[6:]}{'-strided' if c.row_pad else ''}"
+            f"{'-gate' if c.q_gate else ''}{'-gemma' if c.gemma_norm else ''}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=_id)
+@pytest.mark.parametrize("case", CASES + GATED_CASES, ids=_id)
 def test_split_matches_oracle(backend, case):
     kwargs, result = run_split_case(backend, case)
     # The functional form allocates its own outputs and must give the same bits; so must the bound object, in
@@ -79,7 +118,8 @@ def test_split_matches_oracle(backend, case):
     assert all(t.is_contiguous() for t in fresh)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.T in (7, 64)][:12], ids=_id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.T in (7, 64)][:12] + [c for c in GATED_CASES if c.T >= 5],
+                         ids=_id)
 def test_split_inplace_matches_out_of_place(backend, case):
     kwargs = make_split_inputs(case)
     expected = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
@@ -90,16 +130,37 @@ def test_split_inplace_matches_out_of_place(backend, case):
         assert torch.equal(view, exp)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.T == 64][:6], ids=_id)
+@pytest.mark.parametrize("case", [c for c in CASES if c.T == 64][:6] + [c for c in GATED_CASES if c.T == 17][:4],
+                         ids=_id)
 def test_split_batch_invariant(backend, case):
     """A token's output bits do not depend on T or on the other tokens in the batch."""
     kwargs = make_split_inputs(case)
     full = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
-    for lo, hi in ((0, 1), (13, 14), (5, 38)):
+    for lo, hi in ((0, 1), (13, 14), (5, min(38, case.T))):
         part = dict(kwargs, qkv=kwargs["qkv"][lo:hi], positions=kwargs["positions"][..., lo:hi])
         sub = qkvfuse.split_qkv_rmsnorm_rope(**part, backend=backend)
         for a, b in zip(full, sub):
             assert torch.equal(a[lo:hi], b)
+
+
+@pytest.mark.parametrize("case", [c for c in GATED_CASES if c.norm and c.T >= 1][::3], ids=_id)
+def test_gated_gemma_is_the_plain_op_on_the_q_heads_with_one_plus_w(backend, case):
+    """The documented equivalences, bit for bit: gated, ``(q, k, v)`` are the ungated op's on the row with the gate
+    slots removed, and ``gate`` the gate slots; ``gemma_norm`` equals fp32 ``1 + w`` weights without the flag."""
+    kwargs = make_split_inputs(case)
+    got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, backend=backend)
+    qkv, T, D, hq = kwargs["qkv"], case.T, case.head_dim, case.num_q_heads
+    plain = {k: v for k, v in kwargs.items() if k not in ("q_gate", "gemma_norm")}
+    if case.q_gate:
+        pairs = qkv[:, : 2 * hq * D].reshape(T, hq, 2, D)
+        plain["qkv"] = torch.cat([pairs[:, :, 0].reshape(T, hq * D), qkv[:, 2 * hq * D :]], dim=1)
+        assert torch.equal(got[3], pairs[:, :, 1].reshape(T, hq * D))
+    if case.gemma_norm:
+        for name in ("q_weight", "k_weight"):
+            plain[name] = 1.0 + kwargs[name].float()
+    want = qkvfuse.split_qkv_rmsnorm_rope(**plain, backend=backend)
+    for a, b in zip(got[:3], want):
+        assert torch.equal(a, b)
 
 
 NORM_CASES = [
@@ -128,27 +189,59 @@ def test_add_rmsnorm_matches_oracle(backend, T, H, dtype, residual, bias, pad):
         assert torch.equal(fresh[0], y) and torch.equal(fresh[1], res_out)
 
 
+# Gemma norms (Qwen3-Next / Qwen3.5 decoder norms): weights centred at 0, applied as 1 + w in fp32.
+GEMMA_NORM_CASES = [
+    (T, H, dtype, residual, bias, pad)
+    for (T, H), dtype, (residual, bias, pad) in itertools.product(
+        [(0, 64), (1, 64), (7, 80), (33, 2048), (5, 4096)], DTYPES,
+        [(True, False, 0), (True, True, 8), (False, False, 4)])
+]
+
+
+@pytest.mark.parametrize("T,H,dtype,residual,bias,pad", GEMMA_NORM_CASES)
+def test_add_rmsnorm_gemma_matches_oracle(backend, T, H, dtype, residual, bias, pad):
+    """Every form (out=, functional, the bound object's call and out=) against the oracle's ``1 + w``; equal, bit for
+    bit, to fp32 ``1 + w`` weights without the flag (the documented equivalence)."""
+    kwargs = make_norm_inputs(T, H, dtype, residual=residual, bias=bias, row_pad=pad, gemma_norm=True)
+    x, r = kwargs["x"], kwargs["residual"]
+    out = (poisoned_like(x, pad), poisoned_like(x, pad))
+    y, res_out = qkvfuse.add_rmsnorm(**kwargs, out=out, backend=backend)
+    assert y is out[0]
+    report = check_norm_outputs((y, res_out), oracle_add_rmsnorm(**kwargs), unfused_add_rmsnorm(**kwargs), x, r)
+    assert report.ok, report.detail
+    bound = qkvfuse.AddRMSNorm(kwargs["weight"], kwargs["eps"], kwargs.get("bias"), gemma_norm=True, backend=backend)
+    assert "gemma_norm=True" in repr(bound)
+    plain = dict(kwargs, weight=1.0 + kwargs["weight"].float(), gemma_norm=False)
+    for fresh in (qkvfuse.add_rmsnorm(**kwargs, backend=backend), bound(x, r),
+                  bound(x, r, out=(torch.empty_like(x), torch.empty_like(x) if residual else None)),
+                  qkvfuse.add_rmsnorm(**plain, backend=backend)):
+        assert torch.equal(fresh[0], y) and torch.equal(fresh[1], res_out)
+
+
+@pytest.mark.parametrize("gemma_norm", [False, True], ids=["plain", "gemma"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rmsnorm_in_place(backend, dtype):
+def test_add_rmsnorm_in_place(backend, dtype, gemma_norm):
     """``y`` may alias ``x`` and ``residual_out`` may alias ``residual`` (the engine in-place form)."""
-    kwargs = make_norm_inputs(9, 256, dtype, residual=True, bias=True)
+    kwargs = make_norm_inputs(9, 256, dtype, residual=True, bias=True, gemma_norm=gemma_norm)
     expected = qkvfuse.add_rmsnorm(**kwargs, backend=backend)
     x, residual = kwargs["x"].clone(), kwargs["residual"].clone()
     y, res_out = qkvfuse.add_rmsnorm(x, residual, kwargs["weight"], kwargs["eps"], bias=kwargs["bias"],
-                                     out=(x, residual), backend=backend)
+                                     out=(x, residual), gemma_norm=gemma_norm, backend=backend)
     assert y is x and res_out is residual
     assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
-    bound = qkvfuse.AddRMSNorm(kwargs["weight"], kwargs["eps"], kwargs["bias"], backend=backend)
+    bound = qkvfuse.AddRMSNorm(kwargs["weight"], kwargs["eps"], kwargs["bias"], gemma_norm=gemma_norm,
+                               backend=backend)
     for form in (lambda x, r: qkvfuse.add_rmsnorm_(x, r, kwargs["weight"], kwargs["eps"], kwargs["bias"],
-                                                   backend=backend), bound.inplace):
+                                                   gemma_norm=gemma_norm, backend=backend), bound.inplace):
         x, residual = kwargs["x"].clone(), kwargs["residual"].clone()
         got = form(x, residual)
         assert got[0] is x and got[1] is residual
         assert torch.equal(x, expected[0]) and torch.equal(residual, expected[1])
     x = kwargs["x"].clone()  # without a residual: a plain in-place RMSNorm
-    assert qkvfuse.add_rmsnorm_(x, None, kwargs["weight"], kwargs["eps"], backend=backend)[0] is x
+    assert qkvfuse.add_rmsnorm_(x, None, kwargs["weight"], kwargs["eps"], gemma_norm=gemma_norm,
+                                backend=backend)[0] is x
     assert torch.equal(x, qkvfuse.add_rmsnorm(kwargs["x"], None, kwargs["weight"], kwargs["eps"],
-                                              backend=backend)[0])
+                                              gemma_norm=gemma_norm, backend=backend)[0])
 
 
 @pytest.mark.parametrize("target", ["same", "overlapping rows", "weight"])

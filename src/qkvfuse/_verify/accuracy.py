@@ -135,7 +135,7 @@ def check_split_outputs(outs, oracle, unfused, qkv: torch.Tensor, num_q_heads: i
     reports["v"] = _bit_exact("v", v, qkv[:, q_region + num_kv_heads * head_dim :])
     if q_gate:
         T = qkv.shape[0]
-        gate_in = qkv[:, :q_region].reshape(T, num_q_heads, 2, head_dim)[:, :, 1].reshape(T, -1)
+        gate_in = qkv[:, :q_region].reshape(T, num_q_heads, 2, head_dim)[:, :, 1].reshape(T, num_q_heads * head_dim)
         reports["gate"] = _bit_exact("gate", outs[3], gate_in)
     return _merge(reports)
 

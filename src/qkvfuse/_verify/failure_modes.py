@@ -372,7 +372,7 @@ def _gated_case(T: int, num_q_heads: int, num_kv_heads: int, preset: str = "Qwen
 def _gate_slots(qkv: torch.Tensor, num_q_heads: int, head_dim: int) -> torch.Tensor:
     """The gate heads of a gated row, ``[T, Hq * D]`` (slot ``2h + 1`` of the Q region)."""
     T = qkv.shape[0]
-    return qkv[:, : 2 * num_q_heads * head_dim].reshape(T, num_q_heads, 2, head_dim)[:, :, 1].reshape(T, -1)
+    return qkv[:, : 2 * num_q_heads * head_dim].reshape(T, num_q_heads, 2, head_dim)[:, :, 1].reshape(T, num_q_heads * head_dim)
 
 
 def check_gated_mrope_image_rows(backend: str) -> None:
