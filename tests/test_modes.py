@@ -13,8 +13,9 @@ or a trace, it must contain the qkvfuse ops.
 Also here: the inference-only rule (inputs requiring grad under grad mode), version counters of in-place writes
 (autograd must see them), and the packed-output / overlap rule.
 
-Shapes are small (T <= 8 except the dynamic-shape sweep, head_dim 64, partial rotary; one RoPE bf16 case and one
-mRoPE fp32 case). Triton runs CPU tensors under ``TRITON_INTERPRET=1`` (set by conftest) in every mode here,
+Shapes are small (T <= 8 except the dynamic-shape sweep, head_dim 64, partial rotary; one RoPE bf16 case, one
+mRoPE fp32 case and one gated + Gemma bf16 case -- Qwen3.5's layout: ``q_gate``, ``gemma_norm``, interleaved mRoPE
+-- whose entry points return ``(q, k, v, gate)`` and take four ``out=`` tensors). Triton runs CPU tensors under ``TRITON_INTERPRET=1`` (set by conftest) in every mode here,
 also inside compiled and exported graphs: the graphs call the op, whose kernel runs eagerly at run time.
 """
 
@@ -44,7 +45,9 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:`torch\.jit\.\w+` is deprecated
 ROPE = SplitCase(T=7, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16, bias=True)
 MROPE = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=48, dtype=torch.float32,
                   mrope_section=(8, 8, 8), mrope_interleaved=True)
-CASES = {"rope-bf16": ROPE, "mrope-fp32": MROPE}
+GATED = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                  mrope_section=(6, 5, 5), mrope_interleaved=True, q_gate=True, gemma_norm=True)
+CASES = {"rope-bf16": ROPE, "mrope-fp32": MROPE, "gated-gemma-bf16": GATED}
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +71,7 @@ def static_args(case: SplitCase):
     del kw["qkv"], kw["positions"]
     hidden = case.num_q_heads * case.head_dim
     g = torch.Generator().manual_seed(100)
-    weight = 1.0 + 0.2 * torch.randn(hidden, generator=g)
+    weight = (0.0 if case.gemma_norm else 1.0) + 0.2 * torch.randn(hidden, generator=g)  # Gemma: centred at 0
     bias = 0.1 * torch.randn(hidden, generator=g) if case.bias else None
     return kw, weight, bias
 
@@ -83,44 +86,66 @@ def call_inputs(case: SplitCase, seed: int, T=None):
 
 
 class Prepare(torch.nn.Module):
-    """Every public entry point once, on one layer's configuration; returns all their outputs."""
+    """Every public entry point once, on one layer's configuration; returns all their outputs (gated: each split
+    entry point's four, ``(q, k, v, gate)``)."""
 
     def __init__(self, case: SplitCase, backend, static=None):
         super().__init__()
         kw, weight, bias = static if static is not None else static_args(case)
         self.kw, self.backend, self.weight, self.bias = kw, backend, weight, bias
         hq, hkv, d = case.num_q_heads, case.num_kv_heads, case.head_dim
-        self.sizes = [hq * d, hkv * d, hkv * d]
+        self.gated, self.gemma = case.q_gate, case.gemma_norm
+        self.sizes = [hq * d, hkv * d, hkv * d] + ([hq * d] if case.q_gate else [])  # out= order: q, k, v(, gate)
+        self.k_start = (2 if case.q_gate else 1) * hq * d  # K's first column in qkv
         self.prep = qkvfuse.QKNormRope(
             hq, hkv, d, kw["cos_sin_cache"], q_weight=kw.get("q_weight"), k_weight=kw.get("k_weight"),
             q_bias=kw.get("q_bias"), k_bias=kw.get("k_bias"), eps=kw["eps"], is_neox=kw["is_neox"],
-            mrope_section=kw["mrope_section"], mrope_interleaved=kw["mrope_interleaved"], backend=backend)
-        self.norm = qkvfuse.AddRMSNorm(weight, 1e-6, bias, backend=backend)
+            mrope_section=kw["mrope_section"], mrope_interleaved=kw["mrope_interleaved"], q_gate=case.q_gate,
+            gemma_norm=case.gemma_norm, backend=backend)
+        self.norm = qkvfuse.AddRMSNorm(weight, 1e-6, bias, gemma_norm=case.gemma_norm, backend=backend)
+
+    def own_slices(self, qkv):
+        """``out=`` tensors exactly aliasing their own slices of ``qkv`` (gated, only K and V have one: q and gate
+        are fresh)."""
+        if not self.gated:
+            return tuple(qkv.split(self.sizes, dim=1))
+        q_width, kv_width = self.sizes[0], self.sizes[1]
+        k, v = qkv[:, self.k_start : self.k_start + kv_width], qkv[:, self.k_start + kv_width :]
+        return qkv.new_empty(qkv.shape[0], q_width), k, v, qkv.new_empty(qkv.shape[0], q_width)
 
     def forward(self, qkv, positions, residual):
         kw, b = self.kw, self.backend
-        q, k, v = self.prep(qkv, positions)  # bound object, fresh outputs
-        packed = qkv.new_empty(qkv.shape)  # bound object, out= column views of one packed buffer
+        outs = []
+        fresh = self.prep(qkv, positions)  # bound object, fresh outputs
+        q = fresh[0]
+        outs += fresh
+        packed = qkv.new_empty(qkv.shape[0], sum(self.sizes))  # bound object, out= column views of one buffer
         self.prep(qkv, positions, out=tuple(packed.split(self.sizes, dim=1)))
         work = qkv.clone()  # bound object, in place
         self.prep.inplace(work, positions)
         aliased = qkv.clone()  # bound object, out= exactly its own slices of qkv
-        self.prep(aliased, positions, out=tuple(aliased.split(self.sizes, dim=1)))
-        fq, fk, fv = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, backend=b)  # public, functional
-        fpacked = qkv.new_empty(qkv.shape)  # public, out=
+        own = self.own_slices(aliased)
+        self.prep(aliased, positions, out=own)
+        outs += [packed, work, aliased] + ([own[0], own[3]] if self.gated else [])
+        functional = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, backend=b)  # public, functional
+        fq = functional[0]
+        outs += functional
+        fpacked = qkv.new_empty(qkv.shape[0], sum(self.sizes))  # public, out=
         qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, out=tuple(fpacked.split(self.sizes, dim=1)), backend=b)
         fwork = qkv.clone()  # public, in place
-        qkvfuse.split_qkv_rmsnorm_rope_(fwork, positions, **kw, backend=b)
+        views = qkvfuse.split_qkv_rmsnorm_rope_(fwork, positions, **kw, backend=b)
+        outs += [fpacked, fwork] + ([views[3]] if self.gated else [])  # the gate view of the in-place row
+        g = self.gemma
         y, r = self.norm(q, residual)  # bound add + norm
         x2, r2 = q.clone(), residual.clone()  # bound, in-place out=(x, residual)
         self.norm(x2, r2, out=(x2, r2))
         x5, r5 = q.clone(), residual.clone()  # bound, .inplace
         self.norm.inplace(x5, r5)
         x6, r6 = fq.clone(), residual.clone()  # public, in place
-        qkvfuse.add_rmsnorm_(x6, r6, self.weight, 1e-6, self.bias, backend=b)
-        y3, r3 = qkvfuse.add_rmsnorm(fq, residual, self.weight, 1e-6, self.bias, backend=b)  # public
-        y4, _ = qkvfuse.add_rmsnorm(fq, None, self.weight, 1e-6, backend=b)  # public, no residual
-        return q, k, v, packed, work, aliased, fq, fk, fv, fpacked, fwork, y, r, x2, r2, x5, r5, x6, r6, y3, r3, y4
+        qkvfuse.add_rmsnorm_(x6, r6, self.weight, 1e-6, self.bias, gemma_norm=g, backend=b)
+        y3, r3 = qkvfuse.add_rmsnorm(fq, residual, self.weight, 1e-6, self.bias, gemma_norm=g, backend=b)  # public
+        y4, _ = qkvfuse.add_rmsnorm(fq, None, self.weight, 1e-6, gemma_norm=g, backend=b)  # public, no residual
+        return (*outs, y, r, x2, r2, x5, r5, x6, r6, y3, r3, y4)
 
 
 def namespace(backend) -> str:
@@ -254,9 +279,10 @@ _LOAD_AND_RUN = textwrap.dedent("""
 def test_export_save_load_in_a_fresh_process(backend, tmp_path):
     """Strict and non-strict programs saved here, loaded and run in a fresh process that only imports qkvfuse:
     outputs bitwise equal to the eager result saved alongside. The fp32 mRoPE case: in fp32 the backends differ
-    by an ulp, so a loaded program that ran another backend's kernel would show."""
+    by an ulp, so a loaded program that ran another backend's kernel would show; the gated Gemma case: the four
+    outputs and the optional ``gate_out`` of the out op survive serialisation."""
     groups = []
-    for name, case in (("mrope-fp32", MROPE),):
+    for name, case in (("mrope-fp32", MROPE), ("gated-gemma-bf16", GATED)):
         model = Prepare(case, backend)
         inputs = call_inputs(case, seed=1)
         torch.save({"inputs": inputs, "expected": eager(model, inputs)}, tmp_path / f"{name}.pt")
@@ -270,7 +296,7 @@ def test_export_save_load_in_a_fresh_process(backend, tmp_path):
     result = subprocess.run([sys.executable, "-c", _LOAD_AND_RUN, *groups], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == "ok 2"
+    assert result.stdout.strip() == "ok 4"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -441,14 +467,16 @@ def _to_meta(x):
     return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
+@pytest.mark.parametrize("meta_case", ["mrope-fp32", "gated-gemma-bf16"])
 @pytest.mark.parametrize("which", ["reference", "auto"])
-def test_meta_tensors(which):
+def test_meta_tensors(which, meta_case):
     """Meta tensors run through the reference and auto (the dispatcher's Meta kernel) with eager's shapes."""
     backend = None if which == "auto" else which
-    inputs = call_inputs(MROPE, seed=1)
-    want = eager(Prepare(MROPE, backend), inputs)
-    kw, weight, bias = static_args(MROPE)
-    model = Prepare(MROPE, backend, ({k: _to_meta(v) for k, v in kw.items()}, _to_meta(weight), _to_meta(bias)))
+    case = CASES[meta_case]
+    inputs = call_inputs(case, seed=1)
+    want = eager(Prepare(case, "reference"), inputs)  # shapes only: the reference runs every case on CPU today
+    kw, weight, bias = static_args(case)
+    model = Prepare(case, backend, ({k: _to_meta(v) for k, v in kw.items()}, _to_meta(weight), _to_meta(bias)))
     got = model(*map(_to_meta, inputs))
     assert all(t.is_meta for t in got)
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
@@ -582,6 +610,15 @@ def test_in_place_and_out_writes_bump_version_counters(backend, request):
         check("QKNormRope out=", outs2, lambda: model.prep(qkv, positions, out=outs2))
         x, r = qkv[:, : model.sizes[0]].clone(), residual.clone()
         check("AddRMSNorm out=", [x, r], lambda: model.norm(x, r, out=(x, r)))
+        gated = Prepare(GATED, backend)  # the gated layout: the in-place row rewrite and all four out= tensors
+        g_qkv, g_positions, g_residual = call_inputs(GATED, seed=1)
+        g_work = g_qkv.clone()
+        check("gated QKNormRope.inplace", [g_work], lambda: gated.prep.inplace(g_work, g_positions))
+        g_outs = tuple(torch.empty(GATED.T, n, dtype=g_qkv.dtype) for n in gated.sizes)
+        check("gated split out=", g_outs, lambda: qkvfuse.split_qkv_rmsnorm_rope(g_qkv, g_positions, **gated.kw,
+                                                                                out=g_outs, backend=backend))
+        g_x, g_r = g_qkv[:, : gated.sizes[0]].clone(), g_residual.clone()
+        check("Gemma AddRMSNorm.inplace", [g_x, g_r], lambda: gated.norm.inplace(g_x, g_r))
     assert all(bumped.values()), bumped
 
 
@@ -594,30 +631,34 @@ def test_packed_output_buffer_and_overlap_errors(backend, case):
     model = Prepare(case, backend)
     sizes, width = model.sizes, sum(model.sizes)
     plain = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, backend=backend)
+    gate = (torch.empty(case.T, sizes[0], dtype=qkv.dtype),) if case.q_gate else ()  # a fresh gate_out, gated
 
     packed = torch.full((case.T, width), float("nan"), dtype=qkv.dtype)
     got = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, out=tuple(packed.split(sizes, 1)), backend=backend)
     assert_bitwise(got, plain)
     assert all(t.data_ptr() == packed.data_ptr() + off * packed.element_size()
-               for t, off in zip(got, (0, sizes[0], sizes[0] + sizes[1])))
+               for t, off in zip(got, (0, sizes[0], sizes[0] + sizes[1], sum(sizes[:3]))))
     packed2 = torch.full((case.T, width + 3), float("nan"), dtype=qkv.dtype)[:, :width]  # padded rows too
     assert_bitwise(model.prep(qkv, positions, out=tuple(packed2.split(sizes, 1))), plain)
 
     # q_out and k_out share one column: both named.
     buf = torch.empty(case.T, width, dtype=qkv.dtype)
     q_o, k_o = buf[:, : sizes[0]], buf[:, sizes[0] - 1 : sizes[0] - 1 + sizes[1]]
-    v_o = buf[:, width - sizes[2] :]
-    for call in (lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, out=(q_o, k_o, v_o), backend=backend),
-                 lambda: model.prep(qkv, positions, out=(q_o, k_o, v_o))):
+    v_o = buf[:, sizes[0] + sizes[1] : sizes[0] + sizes[1] + sizes[2]]
+    for call in (lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, **kw, out=(q_o, k_o, v_o, *gate),
+                                                        backend=backend),
+                 lambda: model.prep(qkv, positions, out=(q_o, k_o, v_o, *gate))):
         with pytest.raises(ValueError, match=r"^q_out: .*shared with k_out"):
             call()
 
     # An out= view into qkv other than its own slice: k_out over qkv's V columns.
     work = qkv.clone()
-    q_w, k_w, v_w = work.split(sizes, 1)
+    _, k_w, v_w = model.own_slices(work)[:3]
     with pytest.raises(ValueError, match=r"^k_out: .*shared with qkv"):
-        model.prep(work, positions, out=(q_w, v_w, torch.empty_like(v_w)))
+        model.prep(work, positions, out=(torch.empty(case.T, sizes[0], dtype=qkv.dtype), v_w, torch.empty_like(v_w),
+                                         *gate))
     with pytest.raises(ValueError, match=r"^q_out: .*shared with qkv"):
         qkvfuse.split_qkv_rmsnorm_rope(work, positions, **kw, backend=backend,
-                                       out=(work[:, 1 : 1 + sizes[0]], torch.empty_like(k_w), torch.empty_like(v_w)))
+                                       out=(work[:, 1 : 1 + sizes[0]], torch.empty_like(k_w), torch.empty_like(v_w),
+                                            *gate))
     assert_bitwise((work,), (qkv,))  # nothing written
