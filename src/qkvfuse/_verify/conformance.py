@@ -13,7 +13,7 @@ import torch
 from ..backends import available_backends
 from ..presets import PRESETS
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
-from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
+from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .sections import Options, Section, triton_interpreter
 
@@ -27,7 +27,8 @@ def _triton_extra(backend: str, dtype: torch.dtype) -> float:
 def _mode(preset) -> str:
     mode = "rope" if preset.mrope_section is None else "mrope-" + ("interleaved" if preset.mrope_interleaved
                                                                    else "contiguous")
-    return mode + ("" if preset.qk_norm else ", no qk-norm")
+    mode += "" if preset.qk_norm else ", no qk-norm"
+    return mode + (", gated" if preset.q_gate else "") + (", gemma" if preset.gemma_norm else "")
 
 
 def ops_section(opts: Options) -> Section:
@@ -47,13 +48,14 @@ def ops_section(opts: Options) -> Section:
         for preset in PRESETS.values():
             for T in ((3,) if interp else token_counts):
                 for dtype in (torch.bfloat16, torch.float32):
-                    if interp and dtype == torch.float32 and preset.name not in ("Qwen3-8B", "GLM-4.7"):
+                    if interp and dtype == torch.float32 and preset.name not in ("Qwen3-8B", "GLM-4.7",
+                                                                                 "Qwen3.5-27B"):
                         continue
                     case = SplitCase.from_preset(preset, T, dtype=dtype, max_position=min(preset.max_position, 8192))
                     kwargs = make_split_inputs(case, seed=T)
                     qkv = kwargs["qkv"]
                     hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
-                    out = tuple(poisoned_like(torch.empty(T, n * D, dtype=dtype)) for n in (hq, hkv, hkv))
+                    out = poisoned_split_outputs(kwargs)
                     t0 = time.perf_counter()
                     got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
                     report = check_split_outputs(got, oracle_split(**kwargs), unfused_split(**kwargs), qkv, hq, hkv,
@@ -62,16 +64,17 @@ def ops_section(opts: Options) -> Section:
                                  "dtype": str(dtype)[6:], "mode": _mode(preset), "max err": report.max_err,
                                  "unfused err": report.unfused_err, "pass": report.ok, "detail": report.detail,
                                  "s": round(time.perf_counter() - t0, 2)})
-        for H in (4096, 5120):
+        for H, gemma in ((4096, False), (5120, False), (2048, True)):  # 2048 Gemma: Qwen3-Next's decoder norms
             for dtype in (torch.bfloat16, torch.float32):
                 T = 3 if interp else 33
-                kw = make_norm_inputs(T, H, dtype, residual=True, bias=H == 5120, seed=H)
+                kw = make_norm_inputs(T, H, dtype, residual=True, bias=H == 5120, seed=H, gemma_norm=gemma)
                 x = kw["x"]
                 got = qkvfuse.add_rmsnorm(**kw, out=(poisoned_like(x), poisoned_like(x)), backend=backend)
                 report = check_norm_outputs(got, oracle_add_rmsnorm(**kw), unfused_add_rmsnorm(**kw), x, kw["residual"],
                                             _triton_extra(backend, dtype))
                 rows.append({"op": "add_rmsnorm", "preset": f"hidden {H}", "backend": backend, "T": T,
-                             "dtype": str(dtype)[6:], "mode": "residual" + (" + bias" if "bias" in kw else ""),
+                             "dtype": str(dtype)[6:],
+                             "mode": "residual" + (" + bias" if "bias" in kw else "") + (", gemma" if gemma else ""),
                              "max err": report.max_err, "unfused err": report.unfused_err, "pass": report.ok,
                              "detail": report.detail})
     note = ("rule (qkvfuse._verify.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every "

@@ -106,10 +106,10 @@ def split_case(preset_name: str, T: int, dtype: torch.dtype, **changes) -> Split
 
 
 def poisoned_outputs(case: SplitCase, device):
-    """NaN-filled ``(q, k, v)`` outputs for ``case`` on ``device``."""
+    """NaN-filled ``(q, k, v)`` (gated: ``(q, k, v, gate)``) outputs for ``case`` on ``device``."""
     D = case.head_dim
-    return tuple(poisoned_like(torch.empty(case.T, n * D, dtype=case.dtype, device=device))
-                 for n in (case.num_q_heads, case.num_kv_heads, case.num_kv_heads))
+    heads = (case.num_q_heads, case.num_kv_heads, case.num_kv_heads) + ((case.num_q_heads,) if case.q_gate else ())
+    return tuple(poisoned_like(torch.empty(case.T, n * D, dtype=case.dtype, device=device)) for n in heads)
 
 
 def check_split(kwargs, out, case):
