@@ -91,3 +91,61 @@ def test_triton_interpreter_refuses_once_triton_is_imported_without_it():
     early = subprocess.run([sys.executable, "-c", code], env=dict(env, TRITON_INTERPRET="1"), capture_output=True,
                            text=True, timeout=300)
     assert early.stdout.strip() == "''", early.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The unfused baseline of the gated Gemma models is their own transformers path, bit for bit.
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_gated_unfused_baseline_is_the_transformers_path(family):
+    """``unfused_split`` of a gated Gemma case equals, in bf16, what transformers' attention does before attending:
+    ``torch.chunk`` of ``q_proj``'s ``[q_h | gate_h]`` pairs, ``Qwen3NextRMSNorm`` / ``Qwen3_5RMSNorm`` (bf16 weights
+    centred at 0), the model's rotary module (cos/sin cast to bf16; Qwen3.5: interleaved mRoPE from [3, T] image
+    positions) and ``apply_rotary_pos_emb``; the gate is the chunk's second half."""
+    transformers = pytest.importorskip("transformers")
+    from qkvfuse._verify import SplitCase, make_split_inputs, unfused_split
+
+    T, hq, hkv, D, max_pos = 6, 4, 2, 64, 256
+    if family == "qwen3_next":
+        from transformers.models.qwen3_next import modeling_qwen3_next as m
+
+        cfg = transformers.Qwen3NextConfig(head_dim=D, hidden_size=256, num_attention_heads=hq, num_key_value_heads=hkv,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                            "partial_rotary_factor": 0.25})
+        rotary, norm_cls, sections = m.Qwen3NextRotaryEmbedding(cfg), m.Qwen3NextRMSNorm, None
+    else:
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+        cfg = transformers.Qwen3_5TextConfig(head_dim=D, hidden_size=256, num_attention_heads=hq,
+                                             num_key_value_heads=hkv,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                              "partial_rotary_factor": 0.25,
+                                                              "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+        rotary, norm_cls, sections = m.Qwen3_5TextRotaryEmbedding(cfg), m.Qwen3_5RMSNorm, (3, 3, 2)
+    R = int(D * 0.25)
+    case = SplitCase(T=T, num_q_heads=hq, num_kv_heads=hkv, head_dim=D, rotary_dim=R, dtype=torch.bfloat16,
+                     weight_dtype=torch.bfloat16, q_gate=True, gemma_norm=True, mrope_section=sections,
+                     mrope_interleaved=sections is not None, image=True, max_position=max_pos)
+    kw = make_split_inputs(case, seed=7)
+    # The table from the model's rotary module (fp32, 1-D positions): row p = [cos(p f) | sin(p f)].
+    table_pos = torch.arange(max_pos)[None]
+    cos, sin = rotary(torch.zeros(1, dtype=torch.float32), table_pos[None].expand(3, 1, -1) if sections else table_pos)
+    kw["cos_sin_cache"] = torch.cat([cos[0, :, : R // 2], sin[0, :, : R // 2]], dim=-1)
+    q_norm, k_norm = norm_cls(D, eps=kw["eps"]), norm_cls(D, eps=kw["eps"])
+    with torch.no_grad():
+        q_norm.weight.copy_(kw["q_weight"].float())
+        k_norm.weight.copy_(kw["k_weight"].float())
+    q_norm, k_norm = q_norm.to(torch.bfloat16), k_norm.to(torch.bfloat16)
+
+    qkv, positions = kw["qkv"], kw["positions"]
+    with torch.no_grad():
+        q, gate = torch.chunk(qkv[None, :, : 2 * hq * D].view(1, T, hq, 2 * D), 2, dim=-1)
+        k = qkv[None, :, 2 * hq * D : (2 * hq + hkv) * D].view(1, T, hkv, D)
+        q, k = q_norm(q).transpose(1, 2), k_norm(k).transpose(1, 2)
+        cos, sin = rotary(qkv[None], positions[:, None] if sections else positions[None])
+        q, k = m.apply_rotary_pos_emb(q, k, cos, sin)
+    want = (q.transpose(1, 2).reshape(T, -1), k.transpose(1, 2).reshape(T, -1), qkv[:, (2 * hq + hkv) * D :],
+            gate.reshape(T, -1))
+    got = unfused_split(**kw)
+    for name, a, b in zip(("q", "k", "v", "gate"), got, want):
+        assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
