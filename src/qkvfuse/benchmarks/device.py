@@ -103,8 +103,8 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
             call = (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
                     kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
                     kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
-                    list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"], False, False,
-                    *poisoned_outputs(case, device), None)
+                    list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"], case.q_gate, case.gemma_norm,
+                    *poisoned_outputs(case, device), *(() if case.q_gate else (None,)))  # gated: 4 outputs
             measure("split_qkv_rmsnorm_rope", preset_name, T, launch.split_qkv_rmsnorm_rope_out,
                     reference.split_qkv_rmsnorm_rope_out, call, _split_bytes(case), kwargs["qkv"])
             del kwargs, call
