@@ -81,3 +81,15 @@ def test_gated_presets_match_the_transformers_config_classes():
         if p.is_moe:
             assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (
                 p.num_experts, p.num_experts_per_tok, p.moe_intermediate_size), name
+
+
+def test_qwen3_5_text_rotary_is_always_interleaved_mrope():
+    """Why every Qwen3.5 preset has mRoPE: transformers' Qwen3.5 text rotary modules default to sections
+    [11, 11, 10] and always interleave them (``mrope_interleaved`` is not read)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    for rotary, cfg in ((modeling_qwen3_5.Qwen3_5TextRotaryEmbedding, transformers.Qwen3_5TextConfig()),
+                        (modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding, transformers.Qwen3_5MoeTextConfig())):
+        assert tuple(rotary(cfg).mrope_section) == get_preset("Qwen3.5-27B").mrope_section

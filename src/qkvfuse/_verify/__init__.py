@@ -19,7 +19,7 @@ numpy is needed only here (the optional ``verify`` extra), never by the ops.
 """
 
 from .accuracy import AccuracyReport, check_norm_outputs, check_split_outputs
-from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
+from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "make_split_inputs",
     "make_norm_inputs",
     "poisoned_like",
+    "poisoned_split_outputs",
     "oracle_split",
     "oracle_add_rmsnorm",
     "unfused_split",

@@ -659,6 +659,19 @@ def _gated_with_out(backend: str, kind: str):
     return qkvfuse.split_qkv_rmsnorm_rope(**kw, out=out, backend=backend)
 
 
+def _raw_split(backend: str, qkv: torch.Tensor, inplace: bool = False):
+    """The raw functional (or in-place) split op, gated layout, on ``qkv``: the kernel's own width rule (the
+    public layer checks the width first, so only a raw call -- a loaded program -- reaches it)."""
+    from ..ops import _split_call
+
+    kw = _gated_kwargs()
+    ops, static, _ = _split_call(kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw["num_q_heads"],
+                                 kw["num_kv_heads"], kw["head_dim"], kw.get("q_weight"), kw.get("k_weight"),
+                                 kw.get("q_bias"), kw.get("k_bias"), kw["eps"], kw["is_neox"], kw["mrope_section"],
+                                 kw["mrope_interleaved"], True, True, backend)
+    return (ops.split_inplace if inplace else ops.split)(qkv, kw["positions"], *static)
+
+
 def _raw_split_out(backend: str, gated: bool):
     """The raw out op (as a loaded ``torch.export`` program calls it) with ``gate_out`` given exactly when the
     layout is not gated: the kernel's own rule (its C++ copy on the native CPU backend)."""
@@ -774,6 +787,12 @@ BAD_CALLS: List[BadCall] = [
     _B("gate_out overlapping qkv", "gate_out", lambda b: _gated_with_out(b, "gate_overlaps_qkv")),
     _B("gate_out overlapping q_out", "q_out", lambda b: _gated_with_out(b, "gate_overlaps_q")),
     _B("gated q_out over qkv's first Hq*D columns", "q_out", lambda b: _gated_with_out(b, "q_over_q_slots")),
+    _B("raw op: gated width not a multiple of 2Hq+2Hkv", "qkv",
+       lambda b: _raw_split(b, torch.zeros(3, 700, dtype=torch.bfloat16))),
+    _B("raw op: gated width with an odd head_dim", "qkv",
+       lambda b: _raw_split(b, torch.zeros(3, 12 * 63, dtype=torch.bfloat16))),
+    _B("raw in-place op: gated width of the ungated layout", "qkv",
+       lambda b: _raw_split(b, torch.zeros(3, 512, dtype=torch.bfloat16), inplace=True)),
     _B("raw out op: gate_out without the gated layout", "gate_out", lambda b: _raw_split_out(b, False)),
     _B("raw out op: no gate_out with the gated layout", "gate_out", lambda b: _raw_split_out(b, True)),
     # add_rmsnorm
