@@ -118,6 +118,8 @@ class GuardedSplit:
     cache_dtype: torch.dtype = torch.float32
     max_position: int = 64
     inplace: bool = False
+    q_gate: bool = False  # the gated layout (Qwen3-Next / Qwen3.5): four outputs, the in-place row rewritten
+    gemma_norm: bool = False
 
 
 SPLIT_CASES: Tuple[GuardedSplit, ...] = (
@@ -135,6 +137,12 @@ SPLIT_CASES: Tuple[GuardedSplit, ...] = (
     GuardedSplit("in place, odd heads, partial", 5, 3, 1, 80, 40, inplace=True, row_pad=16),
     GuardedSplit("in place mRoPE, T=1", 1, 2, 1, 128, 64, mrope="contiguous", inplace=True),
     GuardedSplit("T=33 many tokens, max_position 1", 33, 2, 1, 64, 64, max_position=1),
+    GuardedSplit("gated Qwen3.5-like 4/1 x 256, R=64, mRoPE interleaved, Gemma, strided rows", 3, 4, 1, 256, 64,
+                 mrope="interleaved", row_pad=8, q_gate=True, gemma_norm=True),
+    GuardedSplit("gated T=1, 1/1 x 64, full rotary, fp32", 1, 1, 1, 64, 64, torch.float32, q_gate=True),
+    GuardedSplit("gated in place 3/1 x 256, R=64, Gemma", 5, 3, 1, 256, 64, inplace=True, row_pad=16, q_gate=True,
+                 gemma_norm=True),
+    GuardedSplit("Gemma norms alone, 2/1 x 128, R=64", 4, 2, 1, 128, 64, gemma_norm=True),
 )
 
 
@@ -148,6 +156,7 @@ class GuardedNorm:
     bias: bool = False
     row_pad: int = 0
     inplace: bool = False
+    gemma_norm: bool = False
 
 
 NORM_CASES: Tuple[GuardedNorm, ...] = (
@@ -159,6 +168,8 @@ NORM_CASES: Tuple[GuardedNorm, ...] = (
     GuardedNorm("H=17 fp32, strided, no residual", 2, 17, torch.float32, residual=False, row_pad=3),
     GuardedNorm("in place, H=96", 4, 96, bias=True, inplace=True, row_pad=8),
     GuardedNorm("in place, no residual, H=33", 3, 33, torch.float16, residual=False, inplace=True),
+    GuardedNorm("Gemma H=2048, strided rows", 3, 2048, row_pad=8, gemma_norm=True),
+    GuardedNorm("Gemma in place, H=96", 4, 96, inplace=True, gemma_norm=True),
 )
 
 
@@ -174,7 +185,8 @@ def _split_inputs(case: GuardedSplit):
     sc = SplitCase(T=case.T, num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                    rotary_dim=case.rotary_dim, dtype=case.dtype, norm=case.norm, bias=case.bias, is_neox=case.is_neox,
                    mrope_section=sections, mrope_interleaved=case.mrope == "interleaved", image=not case.decode,
-                   pos_dtype=case.pos_dtype, cache_dtype=case.cache_dtype, max_position=max(case.max_position, 2))
+                   pos_dtype=case.pos_dtype, cache_dtype=case.cache_dtype, max_position=max(case.max_position, 2),
+                   q_gate=case.q_gate, gemma_norm=case.gemma_norm)
     kw = make_split_inputs(sc, seed=case.T)
     last = case.max_position - 1
     kw["cos_sin_cache"] = kw["cos_sin_cache"][: case.max_position]
@@ -208,10 +220,12 @@ def _run_split(case: GuardedSplit, backend: str, align: str) -> None:
         qkv = guarded.pop("qkv")
         got = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **guarded, backend=backend)
     else:
+        heads = (hq, hkv, hkv) + ((hq,) if case.q_gate else ())
         outs = tuple(guarded_empty((case.T, n * D), case.dtype, (n * D + case.row_pad, 1), align).fill_(float("nan"))
-                     for n in (hq, hkv, hkv))
+                     for n in heads)
         got = qkvfuse.split_qkv_rmsnorm_rope(**guarded, out=outs, backend=backend)
-    for name, a, b in zip("qkv", got, expected):
+    assert len(got) == len(expected)
+    for name, a, b in zip(("q", "k", "v", "gate"), got, expected):
         assert torch.equal(a, b), f"{name}: guarded result differs from the same call on ordinary memory"
 
 
@@ -220,7 +234,8 @@ def _run_norm(case: GuardedNorm, backend: str, align: str) -> None:
 
     from .inputs import make_norm_inputs
 
-    kw = make_norm_inputs(case.T, case.H, case.dtype, residual=case.residual, bias=case.bias, seed=case.H)
+    kw = make_norm_inputs(case.T, case.H, case.dtype, residual=case.residual, bias=case.bias, seed=case.H,
+                          gemma_norm=case.gemma_norm)
     expected = qkvfuse.add_rmsnorm(**kw, backend=backend)
     x = guarded_copy(kw["x"], align, case.row_pad)
     residual = guarded_copy(kw["residual"], align, case.row_pad) if case.residual else None
@@ -231,7 +246,8 @@ def _run_norm(case: GuardedNorm, backend: str, align: str) -> None:
     else:
         out = tuple(guarded_empty((case.T, case.H), case.dtype, (case.H + case.row_pad, 1), align).fill_(float("nan"))
                     for _ in range(2))
-    y, r = qkvfuse.add_rmsnorm(x, residual, weight, kw["eps"], bias=bias, out=out, backend=backend)
+    y, r = qkvfuse.add_rmsnorm(x, residual, weight, kw["eps"], bias=bias, out=out, gemma_norm=case.gemma_norm,
+                               backend=backend)
     assert torch.equal(y, expected[0]), "y: guarded result differs from the same call on ordinary memory"
     if case.residual:
         assert torch.equal(r, expected[1]), "residual_out: guarded result differs from ordinary memory"
