@@ -6,6 +6,7 @@ catches; ``tests/test_mutations.py`` applies each mutation and shows that the te
 """
 
 import pytest
+import torch
 
 import qkvfuse._verify.failure_modes as fm
 
@@ -85,11 +86,9 @@ def test_gate_and_q_not_mixed_up(backend):
 
 # Mutations "pass_through_unnormalised" (dims R..D of Q and K heads copied from the input, unnormalised) and
 # "pass_through_rotated" (the head rotated in R-wide chunks, all with the cache's frequencies).
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_pass_through_dims_normalised_and_unrotated(backend, dtype):
-    import torch
-
-    fm.check_pass_through_dims(backend, getattr(torch, dtype))
+    fm.check_pass_through_dims(backend, dtype)
 
 
 # Mutations "gated_kv_ungated_offsets" (K and V read at the ungated layout's offsets, Hq*D on, inside the Q/gate
