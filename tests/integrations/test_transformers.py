@@ -29,8 +29,8 @@ pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
 from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
-from qkvfuse._verify.tiny_models import (TINY_MODELS, build_tiny_model, image_token_count, tiny_config,
-                                         tiny_image_prompt, tiny_prompt)
+from qkvfuse._verify.tiny_models import (TINY_MODELS, attention_layers, build_tiny_model, image_token_count,
+                                         tiny_config, tiny_image_prompt, tiny_prompt)
 from qkvfuse.integrations import transformers as hf
 from qkvfuse.presets import get_preset
 
@@ -74,7 +74,7 @@ def test_prefill_fp32_matches_unpatched(name, op_calls):
     report = vm.check_prefill(name, model=model)
     assert report, report.detail
     # One fused prepare and one fused add+norm per decoder layer, for the one patched forward.
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -163,7 +163,7 @@ def test_image_positions_reach_the_fused_op(name, position_spy):
     hf.apply_qkvfuse(model)
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-    layers = _layers(model)
+    layers = attention_layers(model)
     assert len(position_spy) == 3 * layers  # prefill + 2 decode steps (the last token is never fed back)
 
     # Prefill: the image tokens' temporal, height and width rows differ, as transformers' get_rope_index made them.
@@ -482,4 +482,4 @@ def test_grad_mode_runs_the_unfused_layers_with_gradients_of_the_unpatched_model
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
     with torch.no_grad():
         model(ids)
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}
