@@ -36,6 +36,7 @@ from qkvfuse.presets import get_preset
 
 FAMILIES = list(TINY_MODELS)
 IMAGE_FAMILIES = [name for name, spec in TINY_MODELS.items() if spec.image]
+GATED_FAMILIES = [name for name, spec in TINY_MODELS.items() if spec.gated]
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -208,6 +209,18 @@ def test_mutation_wrong_mrope_layout_is_caught(monkeypatch):
     assert not report.ok and report.max_err > 10 * MODEL_FP32_LOGIT_RTOL
 
 
+@pytest.mark.parametrize("name", GATED_FAMILIES)
+def test_mutation_plain_norm_weights_are_caught(name, monkeypatch):
+    """The gated families' QK and decoder norm weights read as plain RMSNorm weights (w instead of 1 + w) must
+    fail the logits check: the tiny models' Gemma weights are centred at 0, so the flag is visible."""
+    assert vm.check_prefill(name)
+    model_type = tiny_config(name).model_type
+    monkeypatch.setitem(hf.SUPPORTED_MODELS, model_type,
+                        dataclasses.replace(hf.SUPPORTED_MODELS[model_type], gemma_norm=False))
+    report = vm.check_prefill(name)
+    assert not report.ok and report.max_err > 10 * MODEL_FP32_LOGIT_RTOL
+
+
 def test_qwen3_vl_config_mrope_interleaved_is_ignored():
     """transformers never reads mrope_interleaved for Qwen3-VL; neither does the patch."""
     config = tiny_config("Qwen3-VL")
@@ -284,21 +297,36 @@ def test_qkv_weights_are_views_not_copies():
         assert proj.weight.is_contiguous() and proj.weight.untyped_storage().nbytes() == proj.weight.nbytes
 
 
-def test_weight_changes_after_patching_are_used():
-    """load_state_dict writes through the views; a replaced tensor breaks them and is re-fused."""
-    model = build_tiny_model("GLM-4.7")
-    donor = build_tiny_model("GLM-4.7", seed=5)
-    ids = {"input_ids": tiny_prompt(2, 6)}
+@pytest.mark.parametrize("name", ["GLM-4.7"] + GATED_FAMILIES)
+def test_weight_changes_after_patching_are_used(name):
+    """After a first patched forward (bound ops built): load_state_dict writes through the views; a replaced
+    tensor breaks them and is re-fused; in-place ``param.data.copy_`` of q_proj and of the norm weights (the
+    Gemma-style weights, centred at 0, of the gated families: the kernel adds 1 per call, nothing derived is
+    cached) are read by the next forward."""
+    model = build_tiny_model(name)
+    donor = build_tiny_model(name, seed=5)
+    inputs = vm.model_inputs(model, name, batch=2, length=6)
     hf.apply_qkvfuse(model)
-    model.load_state_dict(donor.state_dict())
-    attn = model.model.layers[1].self_attn
-    attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
-    attn.v_proj.bias.data = attn.v_proj.bias.data + 0.25
     with torch.no_grad():
-        patched = model(**ids).logits
+        before = model(**inputs).logits
+    model.load_state_dict(donor.state_dict())
+    layer = [m for m in model.modules() if "self_attn" in m._modules][-1]
+    attn = layer.self_attn
+    attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        if attn.v_proj.bias is not None:
+            attn.v_proj.bias.data = attn.v_proj.bias.data + 0.25
+        attn.q_proj.weight.data.copy_(attn.q_proj.weight * 0.5 + 0.02 * torch.randn(attn.q_proj.weight.shape,
+                                                                                      generator=g))
+        norms = [layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [])
+        for norm in norms:
+            norm.weight.data.copy_(norm.weight + 0.3 * torch.randn(norm.weight.shape, generator=g))
+        patched = model(**inputs).logits
+    assert vm.relative_error(patched, before) > 1e-3  # the edits matter
     hf.remove_qkvfuse(model)
     with torch.no_grad():
-        unpatched = model(**ids).logits
+        unpatched = model(**inputs).logits
     assert vm.relative_error(patched, unpatched) <= MODEL_FP32_LOGIT_RTOL
 
 

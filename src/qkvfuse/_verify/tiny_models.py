@@ -25,7 +25,7 @@ import torch
 from ..presets import ModelPreset, get_preset
 
 __all__ = ["TinyModelSpec", "TINY_MODELS", "tiny_config", "build_tiny_model", "clone_model", "tiny_prompt",
-           "tiny_image_prompt", "image_token_count", "attention_layers"]
+           "tiny_image_prompt", "image_token_count", "attention_layers", "copy_routing_pins"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,10 +274,16 @@ def clone_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     twin = type(model)._from_config(config, dtype=dtype, **extra)
     twin.load_state_dict(model.state_dict())
-    for (_, src), (_, dst) in zip(model.named_modules(), twin.named_modules()):
-        if type(src).__name__ in _SOFTMAX_ROUTERS:
-            dst.top_k = src.top_k
+    copy_routing_pins(model, twin)
     return twin.eval()
+
+
+def copy_routing_pins(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Carry :func:`build_tiny_model`'s ``top_k`` pins of ``src``'s softmax routers over to ``dst`` (a copy with the
+    same module tree; the pins are not part of a state dict or checkpoint)."""
+    for a, b in zip(src.modules(), dst.modules()):
+        if type(a).__name__ in _SOFTMAX_ROUTERS:
+            b.top_k = a.top_k
 
 
 def tiny_prompt(batch: int, length: int, seed: int = 0) -> torch.Tensor:

@@ -4,6 +4,14 @@
 :func:`qkvfuse.split_qkv_rmsnorm_rope_` call, and every decoder layer to fuse the residual add after attention
 with the post-attention RMSNorm (:func:`qkvfuse.add_rmsnorm`). :func:`remove_qkvfuse` undoes it exactly.
 
+Gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ``_Family.q_gate`` / ``gemma_norm``). The full-attention
+layers' q_proj emits ``[q_h | gate_h]`` per head, so the concatenated q/k/v weight gives the gated row
+``[q_gate | k | v]`` directly; the fused op (``q_gate=True, gemma_norm=True``, the module's own centred norm
+weights: the kernel multiplies by ``1 + w`` in fp32 per call) returns the gate as a column view, and the model's
+``attn_output * sigmoid(gate)`` and o_proj run as the model has them. The Gated DeltaNet layers (no
+``self_attn``) are left alone; their decoder layers' residual add + Gemma post-attention norm are fused like the
+others'.
+
 Where the positions come from. transformers computes the positions once per forward and hands them to the text
 model's rotary-embedding module; the attention layers only receive the resulting cos/sin. For Qwen3-VL and
 GLM-4.5V the decoder layers are passed *text* positions (row 0 of a ``[4, B, T]`` tensor) or None, while the
@@ -854,8 +862,10 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     ----------
     model : transformers.PreTrainedModel
         One of :data:`SUPPORTED_MODELS` (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
-        ``Qwen3VLForConditionalGeneration``, ``Glm4MoeForCausalLM``, ``Glm4vMoeForConditionalGeneration``, or
-        their bare ``*Model`` classes), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
+        ``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``, ``Glm4MoeForCausalLM``,
+        ``Glm4vMoeForConditionalGeneration``, ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` /
+        ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForConditionalGeneration`` / ``Qwen3_5MoeForCausalLM``, or their bare
+        ``*Model`` classes), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
         models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also downcasts GLM's
         fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
     backend : str, optional
@@ -872,7 +882,8 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     -------
     model
         The same object, patched. What changes: each attention layer does one GEMM into a packed
-        ``[B*T, (Hq + 2*Hkv) * head_dim]`` buffer and one fused split + QK-RMSNorm + RoPE/mRoPE over it, at the
+        ``[B*T, (Hq + 2*Hkv) * head_dim]`` buffer (gated: ``(2*Hq + 2*Hkv) * head_dim``) and one fused split +
+        QK-RMSNorm + RoPE/mRoPE over it, at the
         positions the model's rotary module receives, with an fp32 cos/sin table of ``max_position_embeddings``
         rows (positions must stay below it). q/k/v weights become views into one concatenated tensor.
         Calling it again with the same options does nothing but re-derive the fused weight if a projection's
