@@ -131,14 +131,13 @@ def test_torch_compile_of_a_patched_model(name):
         torch._dynamo.reset()
         compiled_model = torch.compile(model, fullgraph=True)
         compiled = compiled_model(ids).logits
-        text_model = model.model.language_model if name == "Qwen3-VL" else model.model
-        attn = text_model.layers[0].self_attn
+        attn = next(m for m in model.modules() if "self_attn" in m._modules).self_attn
         attn.v_proj.weight = nn.Parameter(attn.v_proj.weight * 1.5)  # V: no QK-norm to undo the scale
         changed_eager = model(ids).logits
         changed_compiled = compiled_model(ids).logits
         torch._dynamo.reset()
     assert len(graphs) == 1, f"{len(graphs)} graphs"
-    assert sum("qkvfuse.split_qkv_rmsnorm_rope" in t for t in graphs[0]) == _layers(model), graphs[0]
+    assert sum("qkvfuse.split_qkv_rmsnorm_rope" in t for t in graphs[0]) == attention_layers(model), graphs[0]
     assert sum("qkvfuse.add_rmsnorm" in t for t in graphs[0]) == _layers(model), graphs[0]
     scale = unpatched.abs().max().item()
     assert (eager - unpatched).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
@@ -398,6 +397,19 @@ def test_unknown_model_class_raises_listing_supported():
         assert supported in str(err.value)
     with pytest.raises(TypeError, match=r"LlamaForCausalLM \(config.model_type=.llama.\) is not supported"):
         hf.apply_qkvfuse(model)
+
+
+def test_glm46v_with_a_text_model_qkvfuse_does_not_fuse_raises():
+    """GLM-4.6V's text stack is AutoModel of its text_config: a glm4v_moe_text one is fused (the GLM-4.6V rows
+    of the tables above), a dense glm4v_text one (Glm4vTextModel) is refused naming the text model type."""
+    config = tiny_config("GLM-4.6V")
+    text = config.text_config.to_dict()
+    config.text_config = type(config)(text_config={**text, "model_type": "glm4v_text"}).text_config
+    model = build_tiny_model("GLM-4.6V", config=config)
+    assert type(model.model.language_model).__name__ == "Glm4vTextModel"
+    with pytest.raises(TypeError, match=r"text_config.model_type='glm4v_text' is not"):
+        hf.apply_qkvfuse(model)
+    assert not hf.is_patched(model)
 
 
 def test_quantised_projection_raises_and_leaves_model_untouched():

@@ -48,6 +48,7 @@ TINY_MODELS: Dict[str, TinyModelSpec] = {
         TinyModelSpec("GLM-4.7", "GLM-4.7", "Glm4MoeForCausalLM"),
         TinyModelSpec("GLM-4.5-Air", "GLM-4.5-Air", "Glm4MoeForCausalLM"),
         TinyModelSpec("GLM-4.5V", "GLM-4.5V", "Glm4vMoeForConditionalGeneration", image=True),
+        TinyModelSpec("GLM-4.6V", "GLM-4.5V", "Glm46VForConditionalGeneration", image=True),
         TinyModelSpec("Qwen3-VL-MoE", "Qwen3-30B-A3B", "Qwen3VLMoeForConditionalGeneration", image=True),
         TinyModelSpec("Qwen3-Next", "Qwen3-Next-80B-A3B", "Qwen3NextForCausalLM", gated=True),
         TinyModelSpec("Qwen3.5", "Qwen3.5-9B", "Qwen3_5ForConditionalGeneration", image=True, gated=True),
@@ -119,7 +120,7 @@ def tiny_config(name: str, *, num_layers: int = 2, hidden_size: int = 64, num_kv
     ----------
     name : str
         ``"Qwen3"``, ``"Qwen3-MoE"``, ``"Qwen3-VL"``, ``"GLM-4.7"``, ``"GLM-4.5-Air"``, ``"GLM-4.5V"``,
-        ``"Qwen3-VL-MoE"``, ``"Qwen3-Next"``, ``"Qwen3.5"`` or ``"Qwen3.5-MoE"``.
+        ``"GLM-4.6V"``, ``"Qwen3-VL-MoE"``, ``"Qwen3-Next"``, ``"Qwen3.5"`` or ``"Qwen3.5-MoE"``.
     num_layers, hidden_size, num_kv_heads : int
         Shrunk sizes; the number of query heads is ``num_kv_heads`` times the preset's Hq/Hkv ratio. The gated
         families (Qwen3-Next, Qwen3.5) get 4 layers for the default 2: three Gated DeltaNet layers, then one
@@ -150,12 +151,15 @@ def tiny_config(name: str, *, num_layers: int = 2, hidden_size: int = 64, num_kv
         moe = dict(n_routed_experts=num_experts, num_experts_per_tok=experts_per_tok, n_shared_experts=1,
                    moe_intermediate_size=hidden_size // 2, routed_scaling_factor=preset.routed_scaling_factor,
                    n_group=1, topk_group=1, first_k_dense_replace=min(1, num_layers - 1), norm_topk_prob=True)
-        if spec.name == "GLM-4.5V":
+        if spec.name in ("GLM-4.5V", "GLM-4.6V"):
             vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=_PATCH,
                           image_size=_PATCH * 4, spatial_merge_size=_MERGE, temporal_patch_size=_TEMPORAL_PATCH,
                           out_hidden_size=hidden_size, in_channels=_CHANNELS, initializer_range=initializer_range)
-            return transformers.Glm4vMoeConfig(text_config={**text, **moe}, vision_config=vision,
-                                               **_mm_token_ids("image_start_token_id", "image_end_token_id"))
+            ids = _mm_token_ids("image_start_token_id", "image_end_token_id")
+            if spec.name == "GLM-4.6V":  # GLM-4.5V's text model (glm4v_moe_text) and GLM-4.1V's vision tower
+                return transformers.Glm46VConfig(text_config={**text, **moe, "model_type": "glm4v_moe_text"},
+                                                 vision_config={**vision, "model_type": "glm4v_vision"}, **ids)
+            return transformers.Glm4vMoeConfig(text_config={**text, **moe}, vision_config=vision, **ids)
         return transformers.Glm4MoeConfig(**text, **moe, use_qk_norm=preset.qk_norm)
     if spec.name in ("Qwen3-Next", "Qwen3.5-MoE"):
         moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_tok, moe_intermediate_size=hidden_size // 2,

@@ -146,6 +146,9 @@ SUPPORTED_MODELS: Dict[str, _Family] = {
     "qwen3_5": _QWEN3_5, "qwen3_5_text": _QWEN3_5,
     "qwen3_5_moe": _QWEN3_5_MOE, "qwen3_5_moe_text": _QWEN3_5_MOE,
 }
+# Wrappers whose text stack is whatever their ``text_config`` names (GLM-4.6V: ``AutoModel.from_config``, a dense
+# ``glm4v_text`` or an MoE ``glm4v_moe_text`` model): supported when the text config's model type is.
+BY_TEXT_CONFIG: Tuple[str, ...] = ("glm46v",)
 _OVERLAP_ENV = "QKVFUSE_SHARED_EXPERT_OVERLAP"
 _FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -739,11 +742,21 @@ def _supported_list() -> str:
     by_family: Dict[_Family, List[str]] = {}
     for model_type, family in SUPPORTED_MODELS.items():
         by_family.setdefault(family, []).append(model_type)
-    return "; ".join(f"{'/'.join(types_)} ({', '.join(f.classes)})" for f, types_ in by_family.items())
+    return "; ".join([f"{'/'.join(types_)} ({', '.join(f.classes)})" for f, types_ in by_family.items()]
+                     + [f"{t} (with a text_config of one of these)" for t in BY_TEXT_CONFIG])
 
 
 def _family_of(model: nn.Module) -> _Family:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in BY_TEXT_CONFIG:
+        text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+        family = SUPPORTED_MODELS.get(text_type) if isinstance(text_type, str) else None
+        if family is None:
+            raise TypeError(f"apply_qkvfuse: {type(model).__name__} (config.model_type={model_type!r}) is supported "
+                            f"when its text model is, and text_config.model_type={text_type!r} is not; supported "
+                            f"config.model_type values: {_supported_list()}")
+        return family
     family = SUPPORTED_MODELS.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise TypeError(f"apply_qkvfuse: {type(model).__name__} (config.model_type={model_type!r}) is not supported; "
@@ -865,7 +878,8 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         ``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``, ``Glm4MoeForCausalLM``,
         ``Glm4vMoeForConditionalGeneration``, ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` /
         ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForConditionalGeneration`` / ``Qwen3_5MoeForCausalLM``, or their bare
-        ``*Model`` classes), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
+        ``*Model`` classes; ``Glm46VForConditionalGeneration`` whose ``text_config`` is one of them, e.g.
+        ``glm4v_moe_text``: :data:`BY_TEXT_CONFIG`), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
         models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also downcasts GLM's
         fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
     backend : str, optional
