@@ -146,7 +146,7 @@ def test_torch_compile_of_a_patched_model(name):
     assert (changed_compiled - changed_eager).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
 
 
-@pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7"])
+@pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7", "Qwen3.5"])
 def test_fast_backends_on_models(name, fast_backend):
     report = vm.check_prefill(name, backend=fast_backend)
     assert report, report.detail

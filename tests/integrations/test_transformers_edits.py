@@ -1,8 +1,10 @@
 """A patched model behaves like the unpatched one in what users do with it besides a forward, or refuses clearly.
 
 Each row of issue 15 is one test, run on every family (tiny random Qwen3, Qwen3-MoE, Qwen3-VL, GLM-4.7,
-GLM-4.5-Air, GLM-4.5V; fp32) with the reference and native CPU backends, and with Triton (interpreted: about
-20x slower) on Qwen3 and GLM-4.5V (plain RoPE with QK-norm; mRoPE without QK-norm). Two models with the same
+GLM-4.5-Air, GLM-4.5V, GLM-4.6V, Qwen3-VL-MoE, and the gated-attention Qwen3-Next, Qwen3.5, Qwen3.5-MoE; fp32)
+with the reference and native CPU backends, and with Triton (interpreted: about 20x slower) on Qwen3, GLM-4.5V
+and Qwen3.5 (plain RoPE with QK-norm; mRoPE without QK-norm; gated, Gemma norms and interleaved mRoPE). The
+gated families skip on a backend whose gated kernel has not landed (``conftest.py``). Two models with the same
 seed are edited alike, one patched by ``apply_qkvfuse``; the unpatched one is the reference:
 
 * logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched|, and greedy tokens identical;
@@ -44,7 +46,7 @@ from qkvfuse.integrations import transformers as hf
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 FAMILIES = list(TINY_MODELS)
-INTERPRETED = ("Qwen3", "GLM-4.5V")  # the Triton interpreter only on these
+INTERPRETED = ("Qwen3", "GLM-4.5V", "Qwen3.5")  # the Triton interpreter only on these
 CASES = [pytest.param(n, b, id=f"{n}-{b}") for n in FAMILIES for b in BACKEND_NAMES
          if b != "triton" or n in INTERPRETED]
 

@@ -1,8 +1,9 @@
 """Tiny random-weight transformers models with the published attention geometry (no downloads).
 
 Tests, ``python -m qkvfuse verify`` and examples build their models here, from :mod:`qkvfuse.presets` (the
-gated-attention families from ``_GATED_PRESETS`` below): head_dim (128; 256 gated), the Hq/Hkv ratio, rotary dim, rope theta, mRoPE sections, QK-norm, q/k/v bias, eps and routed scaling
-come from the preset; depth, hidden size, vocabulary, expert counts and the number of KV heads are shrunk.
+gated-attention families from ``_GATED_PRESETS`` below): head_dim (128; 256 gated), the Hq/Hkv ratio, rotary
+dim, rope theta, mRoPE sections, QK-norm, q/k/v bias, eps and routed scaling come from the preset; depth,
+hidden size, vocabulary, expert counts and the number of KV heads are shrunk.
 ``head_dim``, the rope parameters and ``partial_rotary_factor`` are always passed explicitly because the
 transformers config classes' defaults differ from the published models.
 

@@ -382,8 +382,8 @@ class _FusedAttention:
         self.head_dim = int(attn.head_dim)
         self.q_gate, self.gemma_norm = family.q_gate, family.gemma_norm
         # Gated: q_proj's rows are [q_0 | g_0 | q_1 | g_1 | ...], so the fused row is the op's [q_gate | k | v].
-        self.widths = ((2 if self.q_gate else 1) * self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                       self.num_kv_heads * self.head_dim)
+        q_width = (2 if self.q_gate else 1) * self.num_q_heads * self.head_dim
+        self.widths = (q_width, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         self.in_features = attn.q_proj.in_features
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         reason = self._unfusable(projections)
@@ -879,9 +879,9 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         ``Glm4vMoeForConditionalGeneration``, ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` /
         ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForConditionalGeneration`` / ``Qwen3_5MoeForCausalLM``, or their bare
         ``*Model`` classes; ``Glm46VForConditionalGeneration`` whose ``text_config`` is one of them, e.g.
-        ``glm4v_moe_text``: :data:`BY_TEXT_CONFIG`), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
-        models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also downcasts GLM's
-        fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
+        ``glm4v_moe_text``: :data:`BY_TEXT_CONFIG`), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections.
+        Build bf16 models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also
+        downcasts GLM's fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
     backend : str, optional
         qkvfuse backend for both ops (``"reference"``, ``"cpu"``, ``"triton"``, ``"auto"``); default: what the
         public ops pick for the tensors' device (``QKVFUSE_BACKEND`` honoured).
