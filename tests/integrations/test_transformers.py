@@ -1,8 +1,10 @@
 """apply_qkvfuse on transformers' own modeling code: tiny random-weight models, patched vs unpatched.
 
 Every family of issue 5 (Qwen3, Qwen3-MoE, Qwen3-VL with an image, GLM-4.7, GLM-4.5-Air, GLM-4.5V with an
-image) is checked with the harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the
-tolerances of ``qkvfuse._verify.accuracy``:
+image), GLM-4.6V and Qwen3-VL-MoE (with an image), and the gated-attention families of issue 22 (Qwen3-Next,
+Qwen3.5 with an image, Qwen3.5-MoE: 3 Gated DeltaNet layers + 1 full-attention layer) is checked with the
+harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the tolerances of
+``qkvfuse._verify.accuracy``:
 
 * fp32 prefill logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched logits|;
 * fp32 greedy generation of 24 tokens with the KV cache: identical tokens, every step's logits within 1e-4
@@ -13,9 +15,10 @@ tolerances of ``qkvfuse._verify.accuracy``:
 * remove_qkvfuse restores bit-identical logits.
 
 MoE routing is pinned by the builders (GLM: correction-bias ladder; Qwen3-MoE: top-k = all experts) so a
-near-tie cannot flip an expert between two correct runs. Models run on one thread (5-20x less CPU here).
-The backend is whatever the public ops pick (the native CPU kernel when it builds), plus one pass over every
-fast backend for the two trickiest layouts.
+near-tie cannot flip an expert between two correct runs (the other softmax routers alike). Models run on one
+thread (5-20x less CPU here). The backend is whatever the public ops pick (the native CPU kernel when it builds;
+QKVFUSE_BACKEND honoured), plus one pass over every fast backend for the trickiest layouts; a gated family on a
+backend whose gated kernel has not landed yet is skipped with that backend's message (``conftest.py``).
 """
 
 import dataclasses
