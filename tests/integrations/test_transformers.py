@@ -223,6 +223,34 @@ def test_mutation_plain_norm_weights_are_caught(name, monkeypatch):
     assert not report.ok and report.max_err > 10 * MODEL_FP32_LOGIT_RTOL
 
 
+def _qwen3_5_variant(name):
+    """The Qwen3.5 classes the tiny specs do not build: the text-only Qwen3_5ForCausalLM (model_type
+    qwen3_5_text), and Qwen3_5MoeForConditionalGeneration (the MoE text model under Qwen3.5's vision tower)."""
+    import transformers
+
+    if name == "Qwen3.5":
+        return build_tiny_model(name, config=tiny_config(name).text_config, model_class="Qwen3_5ForCausalLM"), False
+    vl = tiny_config("Qwen3.5")
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=tiny_config(name).to_dict(), vision_config=vl.vision_config.to_dict(),
+        **{k: getattr(vl, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                        "vision_end_token_id")})
+    return build_tiny_model(name, config=config, model_class="Qwen3_5MoeForConditionalGeneration"), True
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5", "Qwen3.5-MoE"], ids=["Qwen3_5ForCausalLM",
+                                                                 "Qwen3_5MoeForConditionalGeneration"])
+def test_other_qwen3_5_classes(name):
+    """Prefill and greedy generation with the KV cache, patched vs unpatched (an image for the MoE VL model)."""
+    model, image = _qwen3_5_variant(name)
+    inputs = tiny_image_prompt(model) if image else {"input_ids": tiny_prompt(2, 9)}
+    report = vm.check_prefill(name, model=model, inputs=inputs)
+    assert report, report.detail
+    one_prompt = inputs if image else {"input_ids": inputs["input_ids"][:1]}
+    report = vm.check_generation(name, model=model, new_tokens=6, inputs=one_prompt)
+    assert report.tokens_identical and report, report.detail
+
+
 def test_qwen3_vl_config_mrope_interleaved_is_ignored():
     """transformers never reads mrope_interleaved for Qwen3-VL; neither does the patch."""
     config = tiny_config("Qwen3-VL")

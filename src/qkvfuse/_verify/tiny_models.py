@@ -232,7 +232,8 @@ def _perturb_and_pin(model: torch.nn.Module, seed: int, pin_routing: bool) -> No
 
 
 def build_tiny_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0, pin_routing: bool = True,
-                     attn_implementation: str = "sdpa", config=None, **config_changes) -> torch.nn.Module:
+                     attn_implementation: str = "sdpa", config=None, model_class: Optional[str] = None,
+                     **config_changes) -> torch.nn.Module:
     """Build the tiny random-weight model ``name`` in eval mode (see :func:`tiny_config` for the sizes).
 
     Parameters
@@ -250,13 +251,16 @@ def build_tiny_model(name: str, *, dtype: torch.dtype = torch.float32, seed: int
         ``"sdpa"`` (default; causal without an explicit mask) or ``"eager"``.
     config : transformers config, optional
         A ready config (``config_changes`` are then passed to :func:`tiny_config` only when it is None).
+    model_class : str, optional
+        Another transformers class for the config (e.g. ``"Qwen3_5ForCausalLM"`` on the text config of
+        ``"Qwen3.5"``); default: the spec's.
     """
     import transformers
 
     spec = _spec(name)
     config = config if config is not None else tiny_config(name, **config_changes)
     config._attn_implementation = attn_implementation
-    model_cls = getattr(transformers, spec.model_class)
+    model_cls = getattr(transformers, model_class or spec.model_class)
     torch.manual_seed(seed)
     model = model_cls._from_config(config, dtype=torch.float32)
     _perturb_and_pin(model, seed, pin_routing)
