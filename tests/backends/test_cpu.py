@@ -507,3 +507,47 @@ def test_gated_out_may_alias_k_and_v_slices():
     for a, b in zip((q_out, k_out, v_out, gate_out), want):
         assert torch.equal(_bits(a), _bits(b))
     assert torch.equal(_bits(qkv[:, :2048]), _bits(before))
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(256, 64), (128, 128)])
+def test_gated_nonfinite_heads_every_form(head_dim, rotary_dim):
+    """Gated heads whose sum of squares overflows or holds a NaN leave the AVX2 batch for the generic head; in
+    place that head's input must still be there (the region is read whole first): every form gives the same
+    bits, NaNs at the same places, the gate copied bit-exact."""
+    case = SplitCase(T=6, num_q_heads=5, num_kv_heads=1, head_dim=head_dim, rotary_dim=rotary_dim,
+                     dtype=torch.bfloat16)
+    gated, _, gate = _gated_inputs(case, seed=7, gemma=True)
+    qkv = gated["qkv"].clone()
+    D = head_dim
+    qkv[0, 2 * D + 3] = float("inf")  # Q head 1 of token 0
+    qkv[2, 6 * D + 1] = float("nan")  # Q head 3 of token 2
+    qkv[3, 3 * D + 5] = float("nan")  # gate head 1 of token 3
+    qkv[4, 10 * D] = 3e38  # K head of token 4: its square overflows
+    gated = dict(gated, qkv=qkv)
+    functional = qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu")
+    work = qkv.clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, **{k: v for k, v in gated.items() if k != "qkv"}, backend="cpu")
+    reference = qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="reference")
+    for f, view, r in zip(functional, views, reference):
+        assert torch.equal(torch.isnan(f), torch.isnan(r))
+        assert torch.equal(_bits(f), _bits(view.contiguous()))
+    gate_in = qkv[:, : 10 * D].reshape(6, 5, 2, D)[:, :, 1].reshape(6, 5 * D)
+    assert torch.equal(_bits(functional[3]), _bits(gate_in))
+    assert torch.isnan(functional[0][0, D : 2 * D]).any() and torch.isnan(functional[0][2, 3 * D : 4 * D]).all()
+
+
+def test_gated_streaming_store_path_at_large_t():
+    """Gated outputs of 16 MB or more stream (non-temporal stores, the gate heads too): Qwen3.5-35B-A3B's full
+    attention heads (16/2, head_dim 256, rotary 64, Gemma QK-norm) at T=1024, the same bits as the plain layout
+    on the de-interleaved heads (below the streaming size), in place and with 1 thread."""
+    case = SplitCase(T=1024, num_q_heads=16, num_kv_heads=2, head_dim=256, rotary_dim=64, dtype=torch.bfloat16)
+    gated, plain, gate = _gated_inputs(case, seed=4, gemma=True)
+    got = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu"))
+    want = qkvfuse.split_qkv_rmsnorm_rope(**plain, backend="cpu")
+    for a, b in zip(got, (*want, gate)):
+        assert torch.equal(_bits(a), _bits(b))
+    one = _with_threads(1, lambda: qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu"))
+    work = gated["qkv"].clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, **{k: v for k, v in gated.items() if k != "qkv"}, backend="cpu")
+    for a, b, c in zip(got, one, views):
+        assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(a), _bits(c.contiguous()))
