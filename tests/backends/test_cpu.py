@@ -6,6 +6,8 @@
 * the kernel's own position range check raises ``ValueError`` naming ``positions`` before writing anything;
 * the dispatcher reaches the C++ kernels for all five ops;
 * the vector-body / scalar-tail split of odd head and rotary dims;
+* the gated layout (``q_gate``, Gemma weights) in every form: the oracle's rule on the de-interleaved heads, the
+  plain layout's bits, gate and v bit-exact, the in-place de-interleaving, non-finite heads, streaming stores;
 * a machine without a compiler falls back to the reference backend with one warning.
 """
 

@@ -6,8 +6,10 @@ an AVX-512 build (``AVX512`` or ``AVX512_BF16``) their outputs are compared with
 specialised paths off), NaN positions included (a NaN's payload may differ): bit for bit for fp16 and wherever
 no norm is taken; the bf16 heads and rows in lane order sum their squares in another fp32 order, so a normed
 bf16 output is within one ulp of the generic one (and the rounded residual sum stays bit-exact with torch's add). Inputs include denormals (which the
-AVX512-BF16 conversion would flush), infinities, NaNs and values that round to infinity. Other builds (AVX2's
-specialised heads use another, equally accurate, formula) are covered by the shared suite against the oracle.
+AVX512-BF16 conversion would flush), infinities, NaNs and values that round to infinity. The gated layout
+(``q_gate``: Q heads 2 * D apart, gate heads copied) is compared the same way, and with the plain layout's bits.
+Other builds (AVX2's specialised heads use another, equally accurate, formula) are covered by the shared suite
+against the oracle, the gated layout by tests/backends/test_cpu.py.
 The suite as a whole runs once per capability this CPU supports (``make test``).
 """
 

@@ -4,13 +4,13 @@
 // form one more item (a row memcpy), and so do its gate heads in the gated layout (q_gate: Q heads interleaved
 // with gate heads, [q_0 | g_0 | q_1 | g_1 | ... | k | v]; the gate heads are copied bit-exact). The gated
 // in-place form de-interleaves the row's Q/gate region into [Q heads | gate heads]: a token's whole region is
-// then one item, copied to a per-thread buffer before it is rewritten. A Q/K item reads its head once into an fp32 stack buffer (summing
-// squares on the way), then normalises, rotates and rounds it straight into the output. Each item's bits
-// depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
-// threads or on the other tokens in the batch.
+// then one item, copied to a per-thread buffer before it is rewritten. A Q/K item reads its head once into an
+// fp32 stack buffer (summing squares on the way), then normalises, rotates and rounds it straight into the
+// output. Each item's bits depend only on its own head, the token's cos/sin row and the weights, never on how
+// items are split over threads or on the other tokens in the batch.
 // bf16 heads of the published shapes (128 or 256 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
 // specialised path on AVX2 (fast_heads); AVX-512 builds specialise bf16/fp16 heads of D % 32 == 0 (avx512.h).
-// Both read a batch of heads `ss` values apart, so the gated layout's Q heads (2 * D apart) take them too.
+// Both read a batch of heads a given stride apart, so the gated layout's Q heads (2 * D apart) take them too.
 #include "avx512.h"
 #include "checks.h"
 #include "optional_ref.h"
@@ -262,9 +262,9 @@ HeadFn<T> pick_style(bool neox) {
 #if defined(CPU_CAPABILITY_AVX2)
 // bf16, head_dim 128 or 256, rotary half 64 or 32, QK-norm with a weight and no bias or no QK-norm (the
 // published models: Qwen3, GLM, Llama-style at 128; Qwen3-Next / Qwen3.5 at 256): a head specialised at compile
-// time. A 16-value bf16 block is read as two fp32 vectors without a
-// lane shuffle -- even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back with one
-// word blend, so every table is kept in that lane order. Per token the weights are folded into cos/sin:
+// time. A 16-value bf16 block is read as two fp32 vectors without a lane shuffle -- even elements (bits << 16)
+// and odd elements (bits & 0xffff0000) -- and written back with one word blend, so every table is kept in that
+// lane order. Per token the weights are folded into cos/sin:
 //   out_a = inv * (x_a * (w_a c) - x_b * (w_b s)),  out_b = inv * (x_b * (w_b c) + x_a * (w_a s)),
 // pass-through dims: out = (x * w) * inv. Every element of a head takes the same sequence whatever its
 // position, and the choice of this path depends only on the head's shape, its token's cos/sin and the
@@ -409,8 +409,8 @@ inline void fast_body(const c10::BFloat16* src, const float* staged, c10::BFloat
 
 // Up to kFastBatch consecutive heads at once (n >= 1; src holds them src_stride values apart -- kD, or 2 * kD
 // for the gated layout's Q heads -- and dst kD values apart, all with the tables t; unused slots repeat head 0
-// and are not written): their sums of squares are reduced and scaled
-// together so that the per-head reduction, square root and division overlap.
+// and are not written): their sums of squares are reduced and scaled together so that the per-head reduction,
+// square root and division overlap.
 // Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
 // not finite (bit k for slot k), left unwritten for the generic path. Without QK-norm there is no sum and
 // every head is written: the rounding of Bf16Block::store is exact for any value a rotation computes (its
@@ -492,7 +492,8 @@ bool stream_outputs(const SplitPlan& p) {
   const int64_t gate_heads = p.gate != nullptr ? p.hq : 0;
   return p.v != nullptr && p.T * (p.hq + gate_heads + 2 * p.hkv) * p.D * e >= kStreamBytes &&
          aligned32(p.q, p.q_rs * e) && aligned32(p.k, p.k_rs * e) && aligned32(p.v, p.v_rs * e) &&
-         (p.hkv * p.D * e) % 32 == 0 && (p.gate == nullptr || (aligned32(p.gate, p.gate_rs * e) && (p.D * e) % 32 == 0));
+         (p.hkv * p.D * e) % 32 == 0 &&
+         (p.gate == nullptr || (aligned32(p.gate, p.gate_rs * e) && (p.D * e) % 32 == 0));
 }
 
 // V rows and gate heads under the same policy (a V row is hkv * D values, a gate head D values: multiples of 32
@@ -561,7 +562,7 @@ void run_split(const SplitPlan& p) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;
-    std::vector<T> region(p.gated_inplace ? 2 * p.hq * p.D : 0);  // the gated in-place form's copy of a Q/gate region
+    std::vector<T> region(p.gated_inplace ? 2 * p.hq * p.D : 0);  // gated in place: a token's Q/gate region
 #if defined(CPU_CAPABILITY_AVX2)
     FastTables tables[2];
     tables[0].pass = fast_w[0].pass;
@@ -655,7 +656,9 @@ void run_split(const SplitPlan& p) {
       } else if (h == v_item) {
         copy(v + t * p.v_rs, row + p.k_col + p.hkv * p.D, v_bytes);
       } else {  // the gate heads, bit-exact
-        for (int64_t hh = 0; hh < p.hq; ++hh) copy(gate + t * p.gate_rs + hh * p.D, row + hh * p.q_hs + p.D, head_bytes);
+        for (int64_t hh = 0; hh < p.hq; ++hh) {
+          copy(gate + t * p.gate_rs + hh * p.D, row + hh * p.q_hs + p.D, head_bytes);
+        }
       }
       if (++h == per_token) {
         h = 0;
