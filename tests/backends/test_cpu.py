@@ -6,6 +6,8 @@
 * the kernel's own position range check raises ``ValueError`` naming ``positions`` before writing anything;
 * the dispatcher reaches the C++ kernels for all five ops;
 * the vector-body / scalar-tail split of odd head and rotary dims;
+* the gated layout (``q_gate``, Gemma weights) in every form: the oracle's rule on the de-interleaved heads, the
+  plain layout's bits, gate and v bit-exact, the in-place de-interleaving, non-finite heads, streaming stores;
 * a machine without a compiler falls back to the reference backend with one warning.
 """
 
@@ -410,3 +412,144 @@ def test_capability_beyond_the_cpu_is_a_clear_error_not_sigill(tmp_path):
     assert len(result["warnings"]) == 1 and "this CPU supports up to" in result["warnings"][0]
     assert f"QKVFUSE_CPU_CAPABILITY={beyond}: this CPU supports up to" in result["reason"]
     assert "requested but is unavailable" in result["explicit"]
+
+
+def _gated_inputs(case: SplitCase, seed: int, gemma: bool):
+    """``(gated, plain)``: keyword arguments of a gated call (``q_gate=True``, a ``[T, (2Hq + 2Hkv) * D]`` row
+    ``[q_0 | g_0 | ... | k | v]``, ``case.row_pad`` extra elements per row) and of the plain call on the same
+    heads de-interleaved (the oracle's input; Gemma weights there as their fp32 ``1 + w``), plus the gate."""
+    plain = make_split_inputs(case, seed=seed)
+    T, hq, D = case.T, case.num_q_heads, case.head_dim
+    q, kv = plain["qkv"][:, : hq * D], plain["qkv"][:, hq * D :]
+    g = torch.Generator().manual_seed(seed + 1)
+    gate = (torch.randn(T, hq * D, generator=g) * 3).to(case.dtype)
+    width = 2 * hq * D + kv.shape[1]
+    buf = torch.full((T, width + case.row_pad), float("nan"), dtype=case.dtype)
+    buf[:, : 2 * hq * D] = torch.stack([q.reshape(T, hq, D), gate.reshape(T, hq, D)], 2).reshape(T, 2 * hq * D)
+    buf[:, 2 * hq * D : width] = kv
+    gated = dict(plain, qkv=buf[:, :width], q_gate=True, gemma_norm=gemma)
+    if gemma and case.norm:  # weights stored centred at 0; the plain call takes 1 + w (fp32), the same values
+        for name in ("q_weight", "k_weight"):
+            gated[name] = plain[name] - 1.0
+            plain[name] = 1.0 + gated[name]
+    return gated, plain, gate
+
+
+GATED_CASES = [  # Qwen3.5 full attention per rank: head_dim 256, rotary 64 NeoX, Gemma QK-norm
+    SplitCase(T=7, num_q_heads=4, num_kv_heads=1, head_dim=256, rotary_dim=64, dtype=torch.bfloat16, row_pad=16),
+    SplitCase(T=1, num_q_heads=3, num_kv_heads=1, head_dim=256, rotary_dim=64, dtype=torch.bfloat16),
+    SplitCase(T=0, num_q_heads=2, num_kv_heads=2, head_dim=256, rotary_dim=64, dtype=torch.bfloat16),
+    SplitCase(T=9, num_q_heads=3, num_kv_heads=1, head_dim=256, rotary_dim=64, dtype=torch.bfloat16,
+              mrope_section=(11, 11, 10), mrope_interleaved=True, pos_dtype=torch.int32, row_pad=2),
+    SplitCase(T=5, num_q_heads=2, num_kv_heads=2, head_dim=256, rotary_dim=64, dtype=torch.float16,
+              mrope_section=(11, 11, 10), mrope_interleaved=True, row_pad=8),
+    SplitCase(T=6, num_q_heads=4, num_kv_heads=2, head_dim=128, rotary_dim=128, dtype=torch.float32,
+              pos_dtype=torch.int32),
+    SplitCase(T=4, num_q_heads=5, num_kv_heads=1, head_dim=128, rotary_dim=64, dtype=torch.bfloat16, norm=False),
+    SplitCase(T=3, num_q_heads=3, num_kv_heads=1, head_dim=18, rotary_dim=6, dtype=torch.bfloat16, is_neox=False),
+]
+
+
+@pytest.mark.parametrize("gemma", [True, False], ids=["gemma", "plain-weights"])
+@pytest.mark.parametrize("case", GATED_CASES, ids=["bf16-4x1", "bf16-T1-3x1", "bf16-T0-2x2", "bf16-mropeI-int32",
+                                                   "fp16-mropeI-strided", "fp32-128", "bf16-nonorm", "bf16-gptj-18"])
+def test_gated_layout_matches_reference(case, gemma):
+    """The gated layout (``q_gate``) through the native kernel, every form: q and k within the accuracy rule of
+    the oracle (run on the de-interleaved heads) and bit for bit the plain layout's result on those heads (the
+    layout only moves the Q source), v and gate bit-exact, the same as the reference backend's v and gate; out=
+    (NaN-poisoned, strided), functional and in-place agree bit for bit, the in-place views being the out=
+    results; 1 and 2 threads agree."""
+    if gemma and not case.norm:
+        pytest.skip("gemma_norm changes nothing without QK-norm")
+    gated, plain, gate = _gated_inputs(case, seed=case.T + case.head_dim, gemma=gemma)
+    T, hq, hkv, D = case.T, case.num_q_heads, case.num_kv_heads, case.head_dim
+    functional = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu"))
+    assert len(functional) == 4
+    report = check_split_outputs(functional[:3], oracle_split(**plain), unfused_split(**plain), plain["qkv"], hq, hkv,
+                                 D)
+    assert report.ok, report.detail
+    assert torch.equal(_bits(functional[3]), _bits(gate))
+    reference = qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="reference")
+    for i in (2, 3):  # v and gate: bit-exact copies on both backends
+        assert torch.equal(_bits(functional[i]), _bits(reference[i]))
+    unfused_ref = check_split_outputs(reference[:3], oracle_split(**plain), unfused_split(**plain), plain["qkv"], hq,
+                                      hkv, D)
+    assert unfused_ref.ok, unfused_ref.detail
+    # The layout only moves where the Q heads are read from: the plain layout's bits.
+    for a, b in zip(functional[:3], qkvfuse.split_qkv_rmsnorm_rope(**plain, backend="cpu")):
+        assert torch.equal(_bits(a), _bits(b))
+    one = _with_threads(1, lambda: qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu"))
+    widths = (hq * D, hkv * D, hkv * D, hq * D)
+    outs = tuple(poisoned_like(torch.empty(T, w + 4, dtype=case.dtype), 4)[:, :w] for w in widths)
+    got = qkvfuse.split_qkv_rmsnorm_rope(**gated, out=outs, backend="cpu")
+    assert all(g is o for g, o in zip(got, outs))
+    work = gated["qkv"].clone() if case.row_pad == 0 else gated["qkv"]._base.clone()[:, : gated["qkv"].shape[1]]
+    views = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope_(
+        work, **{k: v for k, v in gated.items() if k != "qkv"}, backend="cpu"))
+    assert len(views) == 4 and all(view.stride(0) == work.stride(0) for view in views)
+    for f, o, a, view in zip(functional, one, outs, views):
+        assert torch.equal(_bits(f), _bits(o)) and torch.equal(_bits(f), _bits(a))
+        assert torch.equal(_bits(f), _bits(view.contiguous()))
+    if case.row_pad:  # the in-place form wrote nothing past the row
+        assert torch.isnan(work._base[:, work.shape[1] :].float()).all()
+
+
+def test_gated_out_may_alias_k_and_v_slices():
+    """Gated out= with k_out and v_out exactly their own slices of qkv (k rewritten in place, V not copied):
+    the same bits as fresh outputs, the Q/gate region left as it was."""
+    case = SplitCase(T=5, num_q_heads=4, num_kv_heads=1, head_dim=256, rotary_dim=64, dtype=torch.bfloat16,
+                     row_pad=32)
+    gated, _, _ = _gated_inputs(case, seed=2, gemma=True)
+    want = qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu")
+    qkv = gated["qkv"].clone()
+    before = qkv[:, : 8 * 256].clone()
+    q_out, gate_out = torch.empty(5, 1024, dtype=torch.bfloat16), torch.empty(5, 1024, dtype=torch.bfloat16)
+    k_out, v_out = qkv[:, 2048:2304], qkv[:, 2304:]
+    qkvfuse.split_qkv_rmsnorm_rope(**dict(gated, qkv=qkv), out=(q_out, k_out, v_out, gate_out), backend="cpu")
+    for a, b in zip((q_out, k_out, v_out, gate_out), want):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(qkv[:, :2048]), _bits(before))
+
+
+@pytest.mark.parametrize("head_dim,rotary_dim", [(256, 64), (128, 128)])
+def test_gated_nonfinite_heads_every_form(head_dim, rotary_dim):
+    """Gated heads whose sum of squares overflows or holds a NaN leave the AVX2 batch for the generic head; in
+    place that head's input must still be there (the region is read whole first): every form gives the same
+    bits, NaNs at the same places, the gate copied bit-exact."""
+    case = SplitCase(T=6, num_q_heads=5, num_kv_heads=1, head_dim=head_dim, rotary_dim=rotary_dim,
+                     dtype=torch.bfloat16)
+    gated, _, gate = _gated_inputs(case, seed=7, gemma=True)
+    qkv = gated["qkv"].clone()
+    D = head_dim
+    qkv[0, 2 * D + 3] = float("inf")  # Q head 1 of token 0
+    qkv[2, 6 * D + 1] = float("nan")  # Q head 3 of token 2
+    qkv[3, 3 * D + 5] = float("nan")  # gate head 1 of token 3
+    qkv[4, 10 * D] = 3e38  # K head of token 4: its square overflows
+    gated = dict(gated, qkv=qkv)
+    functional = qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu")
+    work = qkv.clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, **{k: v for k, v in gated.items() if k != "qkv"}, backend="cpu")
+    reference = qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="reference")
+    for f, view, r in zip(functional, views, reference):
+        assert torch.equal(torch.isnan(f), torch.isnan(r))
+        assert torch.equal(_bits(f), _bits(view.contiguous()))
+    gate_in = qkv[:, : 10 * D].reshape(6, 5, 2, D)[:, :, 1].reshape(6, 5 * D)
+    assert torch.equal(_bits(functional[3]), _bits(gate_in))
+    assert torch.isnan(functional[0][0, D : 2 * D]).any() and torch.isnan(functional[0][2, 3 * D : 4 * D]).all()
+
+
+def test_gated_streaming_store_path_at_large_t():
+    """Gated outputs of 16 MB or more stream (non-temporal stores, the gate heads too): Qwen3.5-35B-A3B's full
+    attention heads (16/2, head_dim 256, rotary 64, Gemma QK-norm) at T=1024, the same bits as the plain layout
+    on the de-interleaved heads (below the streaming size), in place and with 1 thread."""
+    case = SplitCase(T=1024, num_q_heads=16, num_kv_heads=2, head_dim=256, rotary_dim=64, dtype=torch.bfloat16)
+    gated, plain, gate = _gated_inputs(case, seed=4, gemma=True)
+    got = _with_threads(2, lambda: qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu"))
+    want = qkvfuse.split_qkv_rmsnorm_rope(**plain, backend="cpu")
+    for a, b in zip(got, (*want, gate)):
+        assert torch.equal(_bits(a), _bits(b))
+    one = _with_threads(1, lambda: qkvfuse.split_qkv_rmsnorm_rope(**gated, backend="cpu"))
+    work = gated["qkv"].clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, **{k: v for k, v in gated.items() if k != "qkv"}, backend="cpu")
+    for a, b, c in zip(got, one, views):
+        assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(a), _bits(c.contiguous()))

@@ -6,8 +6,10 @@ an AVX-512 build (``AVX512`` or ``AVX512_BF16``) their outputs are compared with
 specialised paths off), NaN positions included (a NaN's payload may differ): bit for bit for fp16 and wherever
 no norm is taken; the bf16 heads and rows in lane order sum their squares in another fp32 order, so a normed
 bf16 output is within one ulp of the generic one (and the rounded residual sum stays bit-exact with torch's add). Inputs include denormals (which the
-AVX512-BF16 conversion would flush), infinities, NaNs and values that round to infinity. Other builds (AVX2's
-specialised heads use another, equally accurate, formula) are covered by the shared suite against the oracle.
+AVX512-BF16 conversion would flush), infinities, NaNs and values that round to infinity. The gated layout
+(``q_gate``: Q heads 2 * D apart, gate heads copied) is compared the same way, and with the plain layout's bits.
+Other builds (AVX2's specialised heads use another, equally accurate, formula) are covered by the shared suite
+against the oracle, the gated layout by tests/backends/test_cpu.py.
 The suite as a whole runs once per capability this CPU supports (``make test``).
 """
 
@@ -71,12 +73,32 @@ GEOMETRIES = [  # (num_q_heads, num_kv_heads, head_dim, rotary_dim)
 @pytest.mark.parametrize("norm", ["none", "weight", "weight+bias", "bf16-weight"])
 @pytest.mark.parametrize("rope", ["neox", "gptj", "mrope-interleaved", "mrope-sections"])
 def test_split_specialised_heads_against_the_generic_heads(dtype, geometry, norm, rope):
-    hq, hkv, D, R = geometry
     if norm == "bf16-weight" and dtype != torch.bfloat16:
         pytest.skip("a 16-bit weight serves its own dtype only")
+    _check_split(dtype, geometry, norm, rope, gated=False)
+
+
+GATED_GEOMETRIES = [  # Qwen3.5 / Qwen3-Next full attention per TP rank (head_dim 256, rotary 64), and head_dim 128
+    (4, 1, 256, 64), (3, 1, 256, 64), (2, 2, 256, 64), (16, 2, 256, 64), (5, 1, 128, 128),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("geometry", GATED_GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
+@pytest.mark.parametrize("norm", ["none", "gemma", "weight+bias"])
+@pytest.mark.parametrize("rope", ["neox", "gptj", "mrope-interleaved"])
+def test_split_specialised_heads_gated_layout(dtype, geometry, norm, rope):
+    """The gated layout (q_gate): the specialised heads read Q heads 2 * D apart; the same comparison as the plain
+    layout, gate heads bit-exact, and bit for bit the plain layout's outputs on the de-interleaved heads."""
+    _check_split(dtype, geometry, norm, rope, gated=True)
+
+
+def _check_split(dtype, geometry, norm, rope, gated):
+    hq, hkv, D, R = geometry
     gen = torch.Generator().manual_seed(D * 1000 + R + hq)
     T = 19
-    finite = (torch.randn(T, (hq + 2 * hkv) * D, generator=gen) * 3).to(dtype)
+    q_heads = 2 * hq if gated else hq
+    finite = (torch.randn(T, (q_heads + 2 * hkv) * D, generator=gen) * 3).to(dtype)
     special = _specials(finite.clone(), gen)
     cache = qkvfuse.build_cos_sin_cache(R, 4096, 1e6)
     sections = ()
@@ -87,17 +109,20 @@ def test_split_specialised_heads_against_the_generic_heads(dtype, geometry, norm
     else:
         positions = torch.randint(0, 4096, (T,), generator=gen)
     w = b = None
-    if norm != "none":
+    if norm == "gemma":  # centred at 0: the kernel multiplies by 1 + w
+        w = [torch.randn(D, generator=gen) * 0.2 for _ in range(2)]
+    elif norm != "none":
         w = [torch.randn(D, generator=gen) * 0.2 + 1 for _ in range(2)]
         if norm == "bf16-weight":
             w = [t.to(torch.bfloat16) for t in w]
     if norm == "weight+bias":
         b = [torch.randn(D, generator=gen) * 0.1 for _ in range(2)]
-    args = (positions, cache, *(w or (None, None)), *(b or (None, None)), hq, hkv, 1e-6,
-            encode_rope(rope != "gptj", sections, rope == "mrope-interleaved"))
+    rope_code = encode_rope(rope != "gptj", sections, rope == "mrope-interleaved", gated, norm == "gemma")
+    args = (positions, cache, *(w or (None, None)), *(b or (None, None)), hq, hkv, 1e-6, rope_code)
+    widths = (hq, hkv, hkv, hq) if gated else (hq, hkv, hkv)
 
     def outputs():
-        return [torch.full((T, n * D), float("nan"), dtype=dtype) for n in (hq, hkv, hkv)]
+        return [torch.full((T, n * D), float("nan"), dtype=dtype) for n in widths]
 
     for qkv in (finite, special):
         fast, generic = outputs(), outputs()
@@ -107,7 +132,24 @@ def test_split_specialised_heads_against_the_generic_heads(dtype, geometry, norm
         _assert_same(fast, generic, ulps)
         inplace = qkv.clone()
         torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default(inplace, *args)
-        _assert_same(inplace.split([hq * D, hkv * D, hkv * D], 1), fast)
+        if not gated:
+            _assert_same(inplace.split([hq * D, hkv * D, hkv * D], 1), fast)
+            continue
+        q, gate, k, v = inplace.split([hq * D, hq * D, hkv * D, hkv * D], 1)
+        _assert_same([q, k, v, gate], fast)
+        heads = qkv[:, : 2 * hq * D].reshape(T, hq, 2, D)
+        gate_in = heads[:, :, 1].reshape(T, hq * D)
+        for got in (fast[3], generic[3], gate):  # bit-exact copies, NaN payloads included
+            assert torch.equal(got.view(_INT[dtype]), gate_in.view(_INT[dtype]))
+        # The plain layout on the same heads (Gemma weights as their fp32 1 + w): the same bits.
+        plain = torch.cat([heads[:, :, 0].reshape(T, hq * D), qkv[:, 2 * hq * D :]], 1)
+        plain_w = [1.0 + t for t in w] if norm == "gemma" else w
+        plain_args = (positions, cache, *(plain_w or (None, None)), *(b or (None, None)), hq, hkv, 1e-6,
+                      encode_rope(rope != "gptj", sections, rope == "mrope-interleaved"))
+        want = outputs()[:3]
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(plain, *plain_args, *want)
+        for a, c in zip(fast[:3], want):
+            assert torch.equal(a.view(_INT[dtype]), c.view(_INT[dtype]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -112,7 +112,8 @@ inline void to_lanes(const float* src, float* dst, int64_t n) {
 }
 
 // ------------------------------------------------------------------------------------------------------
-// split: up to kMaxBatch consecutive Q (or K) heads of one token.
+// split: up to kMaxBatch consecutive Q (or K) heads of one token, src_stride values apart in src (D; 2 * D for
+// the gated layout's Q heads) and D apart in dst.
 // ------------------------------------------------------------------------------------------------------
 struct HeadTables {  // one token's, for one weight set
   const float* w;     // norm weight (fp32, D values) or nullptr
@@ -134,7 +135,7 @@ inline bool takes_heads(int64_t D, int64_t half) { return D % 32 == 0 && half % 
 
 // kNorm: 0 no QK-norm, 1 weight, 2 weight and bias (the generic qk_head's template argument).
 template <typename T, int kNorm, bool kNeox>
-QKVFUSE_FLATTEN void heads(const T* src, T* dst, int64_t n, int64_t D, int64_t half, float eps,
+QKVFUSE_FLATTEN void heads(const T* src, int64_t src_stride, T* dst, int64_t n, int64_t D, int64_t half, float eps,
                            const HeadTables& t, bool stream) {
   alignas(64) float staged[2048];
   __m512 inv = _mm512_set1_ps(1.f);
@@ -142,7 +143,7 @@ QKVFUSE_FLATTEN void heads(const T* src, T* dst, int64_t n, int64_t D, int64_t h
     __m512 ss = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; ++k) {
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-      const T* x = src + k * D;
+      const T* x = src + k * src_stride;
       float* s = staged + k * D;
       for (int64_t d = 0; d < D; d += 32) {
         const __m512 a = Block<T>::load(x + d), c = Block<T>::load(x + d + 16);
@@ -159,7 +160,7 @@ QKVFUSE_FLATTEN void heads(const T* src, T* dst, int64_t n, int64_t D, int64_t h
   _mm512_store_ps(inv_k, inv);
   for (int64_t k = 0; k < n; ++k) {
     const float* s = staged + k * D;
-    const T* x = src + k * D;
+    const T* x = src + k * src_stride;
     T* y = dst + k * D;
     const __m512 vinv = _mm512_set1_ps(inv_k[k]);
     auto norm = [&](int64_t i) {
@@ -193,7 +194,7 @@ QKVFUSE_FLATTEN void heads(const T* src, T* dst, int64_t n, int64_t D, int64_t h
 }
 
 template <typename T>
-using HeadsFn = void (*)(const T*, T*, int64_t, int64_t, int64_t, float, const HeadTables&, bool);
+using HeadsFn = void (*)(const T*, int64_t, T*, int64_t, int64_t, int64_t, float, const HeadTables&, bool);
 
 template <typename T, int kNorm>
 HeadsFn<T> pick_style(bool neox) {
@@ -240,8 +241,8 @@ inline void store_lanes(c10::BFloat16* p, __m512 even, __m512 odd, bool stream) 
 }
 
 template <int kNorm, bool kNeox>
-QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, c10::BFloat16* dst, int64_t n, int64_t D, int64_t half,
-                                float eps, const HeadTables& t, bool stream) {
+QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst, int64_t n, int64_t D,
+                                int64_t half, float eps, const HeadTables& t, bool stream) {
   using bf16 = c10::BFloat16;
   __m512 inv = _mm512_set1_ps(1.f);
   if constexpr (kNorm > 0) {
@@ -249,7 +250,7 @@ QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, c10::BFloat16* dst, in
     for (int64_t k = 0; k < n; ++k) {
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 32) {
-        const Lanes x = Lanes::load(src + k * D + d);
+        const Lanes x = Lanes::load(src + k * src_stride + d);
         acc0 = _mm512_fmadd_ps(x.even, x.even, acc0);
         acc1 = _mm512_fmadd_ps(x.odd, x.odd, acc1);
       }
@@ -260,7 +261,7 @@ QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, c10::BFloat16* dst, in
   alignas(64) float inv_k[kMaxBatch];
   _mm512_store_ps(inv_k, inv);
   for (int64_t k = 0; k < n; ++k) {
-    const bf16* x = src + k * D;
+    const bf16* x = src + k * src_stride;
     bf16* y = dst + k * D;
     const __m512 vinv = _mm512_set1_ps(inv_k[k]);
     auto norm = [&](int64_t i) {

@@ -1,12 +1,16 @@
 // split_qkv_rmsnorm_rope on CPU: one pass over packed QKV (semantics: qkvfuse/reference.py).
 //
 // Work items are (token, head) pairs, token-major, split over threads by parallel_chunks; a token's V heads
-// form one more item (a row memcpy). A Q/K item reads its head once into an fp32 stack buffer (summing
-// squares on the way), then normalises, rotates and rounds it straight into the output. Each item's bits
-// depend only on its own head, the token's cos/sin row and the weights, never on how items are split over
-// threads or on the other tokens in the batch.
-// bf16 heads of the published shapes (128 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
-// specialised path (fast_heads).
+// form one more item (a row memcpy), and so do its gate heads in the gated layout (q_gate: Q heads interleaved
+// with gate heads, [q_0 | g_0 | q_1 | g_1 | ... | k | v]; the gate heads are copied bit-exact). The gated
+// in-place form de-interleaves the row's Q/gate region into [Q heads | gate heads]: a token's whole region is
+// then one item, copied to a per-thread buffer before it is rewritten. A Q/K item reads its head once into an
+// fp32 stack buffer (summing squares on the way), then normalises, rotates and rounds it straight into the
+// output. Each item's bits depend only on its own head, the token's cos/sin row and the weights, never on how
+// items are split over threads or on the other tokens in the batch.
+// bf16 heads of the published shapes (128 or 256 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
+// specialised path on AVX2 (fast_heads); AVX-512 builds specialise bf16/fp16 heads of D % 32 == 0 (avx512.h).
+// Both read a batch of heads a given stride apart, so the gated layout's Q heads (2 * D apart) take them too.
 #include "avx512.h"
 #include "checks.h"
 #include "optional_ref.h"
@@ -51,12 +55,22 @@ struct SplitPlan {
   int64_t T, hq, hkv, D, R, half, max_pos;
   const void* qkv;
   int64_t qkv_rs;  // row strides in elements
+  // The row's layout: Q head h at column h * q_hs, K head j at k_col + j * D, V at k_col + hkv * D. Plain:
+  // q_hs = D, k_col = hq * D; gated (q_gate): [q_0 | g_0 | q_1 | g_1 | ...], q_hs = 2 * D (gate head h at
+  // column h * q_hs + D), k_col = 2 * hq * D.
+  int64_t q_hs, k_col;
   void* q;
   int64_t q_rs;
   void* k;
   int64_t k_rs;
   void* v;  // nullptr when v_out already is qkv's own V slice
   int64_t v_rs;
+  void* gate;  // the gated out= forms' gate_out (gate heads copied), nullptr otherwise
+  int64_t gate_rs;
+  // The gated in-place form: each token's Q/gate region is one work item, read whole (into a per-thread copy)
+  // before its Q heads and then its gate heads are written back over it; q is qkv itself (Q heads from column
+  // 0, gate heads from column hq * D after them).
+  bool gated_inplace;
   const void* pos;
   bool pos64;
   int64_t pos_s_axis, pos_s_t;
@@ -246,20 +260,21 @@ HeadFn<T> pick_style(bool neox) {
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
-// bf16, head_dim 128, rotary half 64 or 32, QK-norm with a weight and no bias or no QK-norm (the published
-// models): a head specialised at compile time. A 16-value bf16 block is read as two fp32 vectors without a
-// lane shuffle -- even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back with one
-// word blend, so every table is kept in that lane order. Per token the weights are folded into cos/sin:
+// bf16, head_dim 128 or 256, rotary half 64 or 32, QK-norm with a weight and no bias or no QK-norm (the
+// published models: Qwen3, GLM, Llama-style at 128; Qwen3-Next / Qwen3.5 at 256): a head specialised at compile
+// time. A 16-value bf16 block is read as two fp32 vectors without a lane shuffle -- even elements (bits << 16)
+// and odd elements (bits & 0xffff0000) -- and written back with one word blend, so every table is kept in that
+// lane order. Per token the weights are folded into cos/sin:
 //   out_a = inv * (x_a * (w_a c) - x_b * (w_b s)),  out_b = inv * (x_b * (w_b c) + x_a * (w_a s)),
 // pass-through dims: out = (x * w) * inv. Every element of a head takes the same sequence whatever its
 // position, and the choice of this path depends only on the head's shape, its token's cos/sin and the
 // weights, so results stay independent of threads and batch.
-constexpr int kFastD = 128;
+constexpr int kFastMaxD = 256;
 constexpr int kFastMaxHalf = 64;
 
 struct FastWeights {  // one per weight set (Q, K), per call, shared by the threads; lane order
   alignas(32) float wa[kFastMaxHalf], wb[kFastMaxHalf];  // the pairs' weights
-  alignas(32) float pass[kFastD];                         // pass-through weights (from index 2 * half)
+  alignas(32) float pass[kFastMaxD];                      // pass-through weights (from index 2 * half)
 };
 
 struct FastTables {  // one per weight set (Q, K), per token, per thread; lane order
@@ -267,7 +282,7 @@ struct FastTables {  // one per weight set (Q, K), per token, per thread; lane o
   const float* pass;  // FastWeights::pass
 };
 
-inline void fast_weights(const float* w, int64_t half, bool neox, FastWeights& t) {
+inline void fast_weights(const float* w, int64_t D, int64_t half, bool neox, FastWeights& t) {
   if (neox) {  // NeoX pair j = (j, half + j): its tables in lane order
     to_lane_order(w, t.wa, half);
     to_lane_order(w + half, t.wb, half);
@@ -278,7 +293,7 @@ inline void fast_weights(const float* w, int64_t half, bool neox, FastWeights& t
       odd.store(t.wb + j);
     }
   }
-  to_lane_order(w + 2 * half, t.pass + 2 * half, kFastD - 2 * half);
+  to_lane_order(w + 2 * half, t.pass + 2 * half, D - 2 * half);
 }
 
 // This token's tables for both weight sets (Q, K); half is a multiple of 16. Without weights (no QK-norm)
@@ -318,9 +333,10 @@ inline void fast_token(const float* cos, const float* sin, int64_t half, bool ne
 constexpr int kFastBatch = 8;
 
 // The head's sum of squares (per lane); its widened values are kept in `staged` (lane order) for fast_body.
+template <int kD>
 inline __m256 fast_sum_squares(const c10::BFloat16* src, float* staged) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int c = 0; c < kFastD / 16; ++c) {
+  for (int c = 0; c < kD / 16; ++c) {
     const Bf16Block x = Bf16Block::load(src + 16 * c);
     _mm256_store_ps(staged + 16 * c, x.even);
     _mm256_store_ps(staged + 16 * c + 8, x.odd);
@@ -340,10 +356,10 @@ inline __m256 sum_lanes8(const __m256* v) {
 // kNorm false (no QK-norm): the tables are cos/sin themselves and inv is not applied, so a rotated element is
 // fmsub(x_a, c, x_b * s) -- the generic path's own sequence, bit for bit -- and pass-through dims are copied.
 // With QK-norm the head is read from `staged` (fast_sum_squares widened it already), without from src.
-template <int kHalf, bool kNeox, bool kStream, bool kNorm>
+template <int kD, int kHalf, bool kNeox, bool kStream, bool kNorm>
 inline void fast_body(const c10::BFloat16* src, const float* staged, c10::BFloat16* dst, const FastTables& t,
                       float inv_scalar) {
-  constexpr int kBlocks = kFastD / 16;
+  constexpr int kBlocks = kD / 16;
   auto load = [&](int off) {
     if constexpr (kNorm) {
       return Bf16Block{_mm256_load_ps(staged + off), _mm256_load_ps(staged + off + 8)};
@@ -391,29 +407,32 @@ inline void fast_body(const c10::BFloat16* src, const float* staged, c10::BFloat
   }
 }
 
-// Up to kFastBatch consecutive heads at once (n >= 1; src and dst hold them kFastD values apart, all with the
-// tables t; unused slots repeat head 0 and are not written): their sums of squares are reduced and scaled
-// together so that the per-head reduction, square root and division overlap.
+// Up to kFastBatch consecutive heads at once (n >= 1; src holds them src_stride values apart -- kD, or 2 * kD
+// for the gated layout's Q heads -- and dst kD values apart, all with the tables t; unused slots repeat head 0
+// and are not written): their sums of squares are reduced and scaled together so that the per-head reduction,
+// square root and division overlap.
 // Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
 // not finite (bit k for slot k), left unwritten for the generic path. Without QK-norm there is no sum and
 // every head is written: the rounding of Bf16Block::store is exact for any value a rotation computes (its
 // NaNs are quiet, so none rounds into an infinity).
-template <int kHalf, bool kNeox, bool kStream, bool kNorm>
-QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t, int n,
-                               float eps) {
+template <int kD, int kHalf, bool kNeox, bool kStream, bool kNorm>
+QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst,
+                               const FastTables& t, int n, float eps) {
   if constexpr (!kNorm) {
     for (int k = 0; k < n; ++k) {
-      fast_body<kHalf, kNeox, kStream, false>(src + k * kFastD, nullptr, dst + k * kFastD, t, 1.f);
+      fast_body<kD, kHalf, kNeox, kStream, false>(src + k * src_stride, nullptr, dst + k * kD, t, 1.f);
     }
     return 0;
   }
   __m256 sums[kFastBatch];
-  alignas(32) float staged[kFastBatch][kFastD];
-  for (int k = 0; k < kFastBatch; ++k) sums[k] = fast_sum_squares(src + (k < n ? k : 0) * kFastD, staged[k]);
+  alignas(32) float staged[kFastBatch][kD];
+  for (int k = 0; k < kFastBatch; ++k) {
+    sums[k] = fast_sum_squares<kD>(src + (k < n ? k : 0) * src_stride, staged[k]);
+  }
   const __m256 ss = sum_lanes8(sums);
   const __m256 inv = _mm256_div_ps(
       _mm256_set1_ps(1.f),
-      _mm256_sqrt_ps(_mm256_add_ps(_mm256_div_ps(ss, _mm256_set1_ps(static_cast<float>(kFastD))),
+      _mm256_sqrt_ps(_mm256_add_ps(_mm256_div_ps(ss, _mm256_set1_ps(static_cast<float>(kD))),
                                    _mm256_set1_ps(eps))));
   // |ss| < inf, NaN compares false
   const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), ss), _mm256_set1_ps(INFINITY),
@@ -423,22 +442,22 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, c10::BFloat16* dst, con
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
     if (bad >> k & 1) continue;
-    fast_body<kHalf, kNeox, kStream, true>(src + k * kFastD, staged[k], dst + k * kFastD, t, inv_k[k]);
+    fast_body<kD, kHalf, kNeox, kStream, true>(src + k * src_stride, staged[k], dst + k * kD, t, inv_k[k]);
   }
   return bad;
 }
 
-using FastFn = int (*)(const c10::BFloat16*, c10::BFloat16*, const FastTables&, int, float);
+using FastFn = int (*)(const c10::BFloat16*, int64_t, c10::BFloat16*, const FastTables&, int, float);
 
-template <bool kNorm>
+template <int kD, bool kNorm>
 FastFn pick_fast_variant(const SplitPlan& p, bool stream) {
   const bool h64 = p.half == 64;
   if (stream) {
-    return h64 ? (p.neox ? &fast_heads<64, true, true, kNorm> : &fast_heads<64, false, true, kNorm>)
-               : (p.neox ? &fast_heads<32, true, true, kNorm> : &fast_heads<32, false, true, kNorm>);
+    return h64 ? (p.neox ? &fast_heads<kD, 64, true, true, kNorm> : &fast_heads<kD, 64, false, true, kNorm>)
+               : (p.neox ? &fast_heads<kD, 32, true, true, kNorm> : &fast_heads<kD, 32, false, true, kNorm>);
   }
-  return h64 ? (p.neox ? &fast_heads<64, true, false, kNorm> : &fast_heads<64, false, false, kNorm>)
-             : (p.neox ? &fast_heads<32, true, false, kNorm> : &fast_heads<32, false, false, kNorm>);
+  return h64 ? (p.neox ? &fast_heads<kD, 64, true, false, kNorm> : &fast_heads<kD, 64, false, false, kNorm>)
+             : (p.neox ? &fast_heads<kD, 32, true, false, kNorm> : &fast_heads<kD, 32, false, false, kNorm>);
 }
 
 // The specialised head for this call, or nullptr.
@@ -447,8 +466,11 @@ FastFn pick_fast(const SplitPlan& p, int norm_mode, bool stream) {
   if constexpr (!std::is_same_v<T, c10::BFloat16>) {
     return nullptr;
   } else {
-    if (norm_mode > 1 || p.D != kFastD || (p.half != 64 && p.half != 32)) return nullptr;
-    return norm_mode == 1 ? pick_fast_variant<true>(p, stream) : pick_fast_variant<false>(p, stream);
+    if (norm_mode > 1 || (p.D != 128 && p.D != 256) || (p.half != 64 && p.half != 32)) return nullptr;
+    if (p.D == 256) {
+      return norm_mode == 1 ? pick_fast_variant<256, true>(p, stream) : pick_fast_variant<256, false>(p, stream);
+    }
+    return norm_mode == 1 ? pick_fast_variant<128, true>(p, stream) : pick_fast_variant<128, false>(p, stream);
   }
 }
 
@@ -467,11 +489,15 @@ bool aligned32(const void* ptr, int64_t row_stride_bytes) {
 template <typename T>
 bool stream_outputs(const SplitPlan& p) {
   const int64_t e = sizeof(T);
-  return p.v != nullptr && p.T * (p.hq + 2 * p.hkv) * p.D * e >= kStreamBytes && aligned32(p.q, p.q_rs * e) &&
-         aligned32(p.k, p.k_rs * e) && aligned32(p.v, p.v_rs * e) && (p.hkv * p.D * e) % 32 == 0;
+  const int64_t gate_heads = p.gate != nullptr ? p.hq : 0;
+  return p.v != nullptr && p.T * (p.hq + gate_heads + 2 * p.hkv) * p.D * e >= kStreamBytes &&
+         aligned32(p.q, p.q_rs * e) && aligned32(p.k, p.k_rs * e) && aligned32(p.v, p.v_rs * e) &&
+         (p.hkv * p.D * e) % 32 == 0 &&
+         (p.gate == nullptr || (aligned32(p.gate, p.gate_rs * e) && (p.D * e) % 32 == 0));
 }
 
-// V rows under the same policy (a row is hkv * D values, a multiple of 32 bytes when streaming).
+// V rows and gate heads under the same policy (a V row is hkv * D values, a gate head D values: multiples of 32
+// bytes when streaming).
 inline void stream_copy(void* dst, const void* src, size_t bytes) {
   auto* d = static_cast<__m256i*>(dst);
   const auto* s = static_cast<const __m256i*>(src);
@@ -489,9 +515,15 @@ void run_split(const SplitPlan& p) {
   T* q = static_cast<T*>(p.q);
   T* k = static_cast<T*>(p.k);
   T* v = static_cast<T*>(p.v);
-  const int64_t qk_heads = p.hq + p.hkv;
-  const int64_t per_token = qk_heads + (v != nullptr ? 1 : 0);
+  T* gate = static_cast<T*>(p.gate);
+  // A token's work items: its Q heads (the gated in-place form: one item, the whole Q/gate region), its K heads,
+  // then one item copying V (unless aliased) and one copying the gate heads (the gated out= forms).
+  const int64_t q_items = p.gated_inplace ? 1 : p.hq;
+  const int64_t qk_items = q_items + p.hkv;
+  const int64_t v_item = v != nullptr ? qk_items : -1;
+  const int64_t per_token = qk_items + (v != nullptr ? 1 : 0) + (gate != nullptr ? 1 : 0);
   const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
+  const size_t head_bytes = static_cast<size_t>(p.D) * sizeof(T);
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   const bool stream = stream_outputs<T>(p);
 #endif
@@ -522,14 +554,15 @@ void run_split(const SplitPlan& p) {
   const FastFn fast = p.generic_only ? nullptr : pick_fast<T>(p, norm_mode, stream);
   FastWeights fast_w[2];
   if (fast != nullptr && norm_mode == 1) {
-    fast_weights(p.wq, p.half, p.neox, fast_w[0]);
-    fast_weights(p.wk, p.half, p.neox, fast_w[1]);
+    fast_weights(p.wq, p.D, p.half, p.neox, fast_w[0]);
+    fast_weights(p.wk, p.D, p.half, p.neox, fast_w[1]);
   }
 #endif
   parallel_chunks(p.T * per_token, grain_items(p.D), per_token, [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;
+    std::vector<T> region(p.gated_inplace ? 2 * p.hq * p.D : 0);  // gated in place: a token's Q/gate region
 #if defined(CPU_CAPABILITY_AVX2)
     FastTables tables[2];
     tables[0].pass = fast_w[0].pass;
@@ -543,9 +576,45 @@ void run_split(const SplitPlan& p) {
     const avx512::HeadTables tables[2] = {{head_w[0], head_w[2], head_cos, head_sin, cos2, sin2},
                                           {head_w[1], head_w[3], head_cos, head_sin, cos2, sin2}};
 #endif
+    // n consecutive heads of one weight set (Q when is_q, else K) of this token: from src, ss values apart,
+    // to dst, D values apart; the specialised heads a batch at a time where they apply.
+    auto heads = [&](const T* src, int64_t ss, T* dst, int64_t n, bool is_q) {
+      const float* w = is_q ? p.wq : p.wk;
+      const float* b = is_q ? p.bq : p.bk;
+      for (int64_t j = 0; j < n;) {
+#if defined(CPU_CAPABILITY_AVX2)
+        if (fast != nullptr && finite) {
+          const int m = static_cast<int>(std::min<int64_t>(kFastBatch, n - j));
+          const int bad = fast(reinterpret_cast<const c10::BFloat16*>(src + j * ss), ss,
+                               reinterpret_cast<c10::BFloat16*>(dst + j * p.D), tables[is_q ? 0 : 1], m, p.eps);
+          for (int l = 0; l < m; ++l) {  // left unwritten by the batch: src is intact (a head never writes another's)
+            if (bad >> l & 1) head(src + (j + l) * ss, dst + (j + l) * p.D, w, b, p.eps, p.D, p.half, cos, sin, finite);
+          }
+          j += m;
+          continue;
+        }
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+        if (fast != nullptr) {
+          const int64_t m = std::min<int64_t>(batch, n - j);
+          fast(src + j * ss, ss, dst + j * p.D, m, p.D, p.half, p.eps, tables[is_q ? 0 : 1], stream);
+          j += m;
+          continue;
+        }
+#endif
+        head(src + j * ss, dst + j * p.D, w, b, p.eps, p.D, p.half, cos, sin, finite);
+        ++j;
+      }
+    };
+    auto copy = [&](T* dst, const T* src, size_t bytes) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+      if (stream && fast != nullptr) return stream_copy(dst, src, bytes);
+#endif
+      std::memcpy(dst, src, bytes);
+    };
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
-      if (h < qk_heads) {
+      if (h < qk_items) {
         if (cos_sin_token != t) {  // once per token per thread: each thread gathers its own copy
           if (t + 1 < p.T) prefetch_cos_sin(p, t + 1);
           finite = token_cos_sin(p, t, cos, sin) && p.weights_finite;
@@ -564,43 +633,32 @@ void run_split(const SplitPlan& p) {
           }
 #endif
         }
-        auto dst_of = [&](int64_t hh) {
-          return hh < p.hq ? q + t * p.q_rs + hh * p.D : k + t * p.k_rs + (hh - p.hq) * p.D;
-        };
-        auto generic = [&](int64_t hh) {
-          head(row + hh * p.D, dst_of(hh), hh < p.hq ? p.wq : p.wk, hh < p.hq ? p.bq : p.bk, p.eps, p.D, p.half,
-               cos, sin, finite);
-        };
-#if defined(CPU_CAPABILITY_AVX2)
-        if (fast != nullptr && finite) {
-          // This token's next Q heads, or next K heads, within the range: one batch of consecutive heads.
-          const int n = static_cast<int>(std::min<int64_t>({kFastBatch, (h < p.hq ? p.hq : qk_heads) - h, end - i}));
-          const int bad = fast(reinterpret_cast<const c10::BFloat16*>(row + h * p.D),
-                               reinterpret_cast<c10::BFloat16*>(dst_of(h)), tables[h < p.hq ? 0 : 1], n, p.eps);
-          for (int j = 0; j < n; ++j) {
-            if (bad >> j & 1) generic(h + j);
+        if (p.gated_inplace && h == 0) {
+          // [q_0 | g_0 | q_1 | g_1 | ...] -> [Q heads | gate heads]: each write lands on other heads' inputs, so
+          // the region is read whole first.
+          std::memcpy(region.data(), row, region.size() * sizeof(T));
+          T* out = q + t * p.q_rs;
+          heads(region.data(), 2 * p.D, out, p.hq, true);
+          for (int64_t hh = 0; hh < p.hq; ++hh) {
+            std::memcpy(out + (p.hq + hh) * p.D, region.data() + hh * 2 * p.D + p.D, head_bytes);
           }
+        } else if (h < q_items) {  // this token's next Q heads within the range
+          const int64_t n = std::min(p.hq - h, end - i);
+          heads(row + h * p.q_hs, p.q_hs, q + t * p.q_rs + h * p.D, n, true);
           i += n - 1;
           h += n - 1;
-        } else
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-        if (fast != nullptr) {
-          // This token's next Q heads, or next K heads, within the range: one batch of consecutive heads.
-          const int64_t n = std::min<int64_t>({batch, (h < p.hq ? p.hq : qk_heads) - h, end - i});
-          fast(row + h * p.D, dst_of(h), n, p.D, p.half, p.eps, tables[h < p.hq ? 0 : 1], stream);
+        } else {  // this token's next K heads within the range
+          const int64_t j = h - q_items, n = std::min(p.hkv - j, end - i);
+          heads(row + p.k_col + j * p.D, p.D, k + t * p.k_rs + j * p.D, n, false);
           i += n - 1;
           h += n - 1;
-        } else
-#endif
-        generic(h);
-      } else {
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-        if (stream && fast != nullptr) {
-          stream_copy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
-        } else
-#endif
-        std::memcpy(v + t * p.v_rs, row + qk_heads * p.D, v_bytes);
+        }
+      } else if (h == v_item) {
+        copy(v + t * p.v_rs, row + p.k_col + p.hkv * p.D, v_bytes);
+      } else {  // the gate heads, bit-exact
+        for (int64_t hh = 0; hh < p.hq; ++hh) {
+          copy(gate + t * p.gate_rs + hh * p.D, row + hh * p.q_hs + p.D, head_bytes);
+        }
       }
       if (++h == per_token) {
         h = 0;
@@ -640,8 +698,8 @@ void check_out(const Tensor& out, const Tensor& qkv, int64_t width) {
 SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
                     int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
                     const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
-                    bool mrope_interleaved, float* weight_buffers, bool gemma = false) {
-  const int64_t width = (hq + 2 * hkv) * D;
+                    bool mrope_interleaved, float* weight_buffers, bool gemma = false, bool q_gate = false) {
+  const int64_t width = ((q_gate ? 2 : 1) * hq + 2 * hkv) * D;
   TORCH_CHECK(hq >= 1 && hkv >= 1 && D >= 2 && D % 2 == 0 && D <= kMaxHeadDim,
               "qkvfuse cpu kernel: bad head geometry");
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && is_float_type(qkv.scalar_type()) &&
@@ -672,6 +730,8 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
   p.max_pos = cache.size(0);
   p.qkv = qkv.const_data_ptr();
   p.qkv_rs = qkv.stride(0);
+  p.q_hs = q_gate ? 2 * D : D;
+  p.k_col = hq * p.q_hs;
   p.pos = positions.const_data_ptr();
   p.pos64 = positions.scalar_type() == at::kLong;
   p.pos_s_axis = mrope ? positions.stride(0) : 0;
@@ -702,8 +762,11 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
   return p;
 }
 
-void set_outputs(SplitPlan& p, const Tensor& qkv, const Tensor& q_out, const Tensor& k_out, const Tensor& v_out) {
+// The out= forms' outputs (gate_out: the gated layout's, nullptr otherwise).
+void set_outputs(SplitPlan& p, const Tensor& qkv, const Tensor& q_out, const Tensor& k_out, const Tensor& v_out,
+                 const Tensor* gate_out) {
   const int64_t kv = p.hkv * p.D;
+  TORCH_CHECK((gate_out != nullptr) == (p.q_hs != p.D), "qkvfuse cpu kernel: gate_out is given exactly when gated");
   check_out(q_out, qkv, p.hq * p.D);
   check_out(k_out, qkv, kv);
   check_out(v_out, qkv, kv);
@@ -711,7 +774,12 @@ void set_outputs(SplitPlan& p, const Tensor& qkv, const Tensor& q_out, const Ten
   p.q_rs = q_out.stride(0);
   p.k = k_out.data_ptr();
   p.k_rs = k_out.stride(0);
-  const char* v_in = static_cast<const char*>(p.qkv) + (p.hq + p.hkv) * p.D * qkv.element_size();
+  if (gate_out != nullptr) {
+    check_out(*gate_out, qkv, p.hq * p.D);
+    p.gate = gate_out->data_ptr();
+    p.gate_rs = gate_out->stride(0);
+  }
+  const char* v_in = static_cast<const char*>(p.qkv) + (p.k_col + kv) * qkv.element_size();
   // Exactly aliasing V (the in-place form) needs no copy; ops.py rejects any other overlap.
   const bool v_aliased = v_out.const_data_ptr() == v_in && (p.T <= 1 || v_out.stride(0) == p.qkv_rs);
   p.v = v_aliased ? nullptr : v_out.data_ptr();
@@ -749,9 +817,8 @@ Rope decode_rope(int64_t code) {
 SplitPlan plan_for(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
                    const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
                    int64_t hkv, int64_t D, double eps, const Rope& r, float* weights) {
-  TORCH_CHECK(!r.q_gate, "qkvfuse cpu kernel: the gated Q layout (q_gate) is not implemented by this build yet");
   return make_plan(qkv, positions, cache, hq, hkv, D, borrow(q_weight), borrow(k_weight), borrow(q_bias),
-                   borrow(k_bias), eps, r.neox, r.section_list(), r.interleaved, weights, r.gemma);
+                   borrow(k_bias), eps, r.neox, r.section_list(), r.interleaved, weights, r.gemma, r.q_gate);
 }
 
 // The per-call rules of qkvfuse/_checks.py check_split, in its order and with its messages (checks.h); returns
@@ -890,7 +957,7 @@ void split_qkv_rmsnorm_rope_out(const Tensor& qkv, const Tensor& positions, cons
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
                          decode_rope(rope), weights);
-  set_outputs(p, qkv, q_out, k_out, v_out);
+  set_outputs(p, qkv, q_out, k_out, v_out, outs[3]);
   run(p, qkv.scalar_type());
 }
 
@@ -907,7 +974,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
   Tensor k = at::empty({T, hkv * D}, qkv.options());
   Tensor v = at::empty({T, hkv * D}, qkv.options());
   Tensor gate = r.q_gate ? at::empty({T, hq * D}, qkv.options()) : at::empty({0}, qkv.options());
-  set_outputs(p, qkv, q, k, v);
+  set_outputs(p, qkv, q, k, v, r.q_gate ? &gate : nullptr);
   run(p, qkv.scalar_type());
   return {q, k, v, gate};
 }
@@ -920,11 +987,12 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
   SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
                          decode_rope(rope), weights);
   char* base = static_cast<char*>(qkv.data_ptr());
-  p.q = base;
+  p.q = base;  // gated: the Q heads from column 0, the gate heads after them (SplitPlan::gated_inplace)
   p.q_rs = p.qkv_rs;
-  p.k = base + hq * D * qkv.element_size();
+  p.k = base + p.k_col * qkv.element_size();
   p.k_rs = p.qkv_rs;
   p.v = nullptr;  // V stays where it is
+  p.gated_inplace = p.q_hs != D;
   run(p, qkv.scalar_type());
 }
 
@@ -938,7 +1006,7 @@ void split_generic_out(const Tensor& qkv, const Tensor& positions, const Tensor&
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
                          decode_rope(rope), weights);
-  set_outputs(p, qkv, q_out, k_out, v_out);
+  set_outputs(p, qkv, q_out, k_out, v_out, outs[3]);
   p.generic_only = true;
   run(p, qkv.scalar_type());
 }
