@@ -1,7 +1,7 @@
 """Tiny random-weight transformers models with the published attention geometry (no downloads).
 
-Tests, ``python -m qkvfuse verify`` and examples build their models here, from :mod:`qkvfuse.presets` (the
-gated-attention families from ``_GATED_PRESETS`` below): head_dim (128; 256 gated), the Hq/Hkv ratio, rotary
+Tests, ``python -m qkvfuse verify`` and examples build their models here, from :mod:`qkvfuse.presets`: head_dim
+(128; 256 gated), the Hq/Hkv ratio, rotary
 dim, rope theta, mRoPE sections, QK-norm, q/k/v bias, eps and routed scaling come from the preset; depth,
 hidden size, vocabulary, expert counts and the number of KV heads are shrunk.
 ``head_dim``, the rope parameters and ``partial_rotary_factor`` are always passed explicitly because the
@@ -37,7 +37,11 @@ class TinyModelSpec:
     preset: str
     model_class: str
     image: bool = False  # a vision tower (Qwen3-VL, GLM-4.5V): prompts may carry an image
-    gated: bool = False  # gated full attention + Gated DeltaNet layers (Qwen3-Next, Qwen3.5): q_gate, gemma_norm
+
+    @property
+    def gated(self) -> bool:
+        """Gated full attention + Gated DeltaNet layers (Qwen3-Next, Qwen3.5): the preset's q_gate."""
+        return get_preset(self.preset).q_gate
 
 
 TINY_MODELS: Dict[str, TinyModelSpec] = {
@@ -51,33 +55,13 @@ TINY_MODELS: Dict[str, TinyModelSpec] = {
         TinyModelSpec("GLM-4.5V", "GLM-4.5V", "Glm4vMoeForConditionalGeneration", image=True),
         TinyModelSpec("GLM-4.6V", "GLM-4.5V", "Glm46VForConditionalGeneration", image=True),
         TinyModelSpec("Qwen3-VL-MoE", "Qwen3-30B-A3B", "Qwen3VLMoeForConditionalGeneration", image=True),
-        TinyModelSpec("Qwen3-Next", "Qwen3-Next-80B-A3B", "Qwen3NextForCausalLM", gated=True),
-        TinyModelSpec("Qwen3.5", "Qwen3.5-9B", "Qwen3_5ForConditionalGeneration", image=True, gated=True),
-        TinyModelSpec("Qwen3.5-MoE", "Qwen3.5-35B-A3B", "Qwen3_5MoeForCausalLM", gated=True),
+        TinyModelSpec("Qwen3-Next", "Qwen3-Next-80B-A3B", "Qwen3NextForCausalLM"),
+        TinyModelSpec("Qwen3.5", "Qwen3.5-9B", "Qwen3_5ForConditionalGeneration", image=True),
+        TinyModelSpec("Qwen3.5-MoE", "Qwen3.5-35B-A3B", "Qwen3_5MoeForCausalLM"),
     )
 }
 
 
-def _gated(name, hidden, layers, hq, hkv, experts=0, experts_per_tok=0, **kw) -> ModelPreset:
-    return ModelPreset(name=name, hidden_size=hidden, num_layers=layers, num_q_heads=hq, num_kv_heads=hkv,
-                       head_dim=256, rotary_dim=64, rope_theta=1e7, qk_norm=True, qkv_bias=False,
-                       rms_norm_eps=1e-6, max_position=262144, num_experts=experts,
-                       num_shared_experts=1 if experts else 0, num_experts_per_tok=experts_per_tok,
-                       moe_intermediate_size=512 if experts else 0, **kw)
-
-
-# The full-attention geometry of the gated-attention models (Qwen3-Next, Qwen3.5; issue 22, shared/README.md):
-# head_dim 256, rotary 64, theta 1e7. Kept here, not in qkvfuse.presets, until the presets describe the gated
-# layout (the op suites iterate every preset as an ungated layout).
-_GATED_PRESETS: Dict[str, ModelPreset] = {
-    p.name: p
-    for p in (
-        _gated("Qwen3-Next-80B-A3B", 2048, 48, 16, 2, experts=512, experts_per_tok=10),
-        _gated("Qwen3.5-9B", 4096, 32, 16, 4, mrope_section=(11, 11, 10), mrope_interleaved=True),
-        _gated("Qwen3.5-35B-A3B", 2048, 40, 16, 2, experts=256, experts_per_tok=8, mrope_section=(11, 11, 10),
-               mrope_interleaved=True),
-    )
-}
 # Gated DeltaNet (linear-attention) layers of the tiny gated models: small heads that transformers' torch
 # fallback (no flash-linear-attention, no causal-conv1d) runs on CPU. Three linear layers, then one full.
 _LINEAR_ATTENTION = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -138,7 +122,7 @@ def tiny_config(name: str, *, num_layers: int = 2, hidden_size: int = 64, num_kv
     import transformers
 
     spec = _spec(name)
-    preset = preset or _GATED_PRESETS.get(spec.preset) or get_preset(spec.preset)
+    preset = preset or get_preset(spec.preset)
     if spec.gated and num_layers == 2:
         num_layers = 4  # three Gated DeltaNet layers and one full-attention layer
     text = _text_fields(preset, num_layers, hidden_size, num_kv_heads, initializer_range)
