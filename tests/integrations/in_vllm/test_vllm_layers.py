@@ -516,3 +516,15 @@ def test_gemma_decoder_norm_matches_vllms(vllm_config, dtype):
     torch.testing.assert_close(got[0], want[0], **tol)
     assert torch.equal(got[1], want[1])
     assert fused._qkvfuse.bound.config.gemma_norm
+
+
+def test_tested_sources_are_this_vllms():
+    """Every hash in TESTED_SOURCES is the installed vLLM's (0.32.0). qwen3_5.py cannot be imported here (it
+    imports torchvision): its decoder layer's forward is Qwen3NextDecoderLayer's, inherited."""
+    found = {}
+    for module in ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_next"):
+        found.update(plugin._vllm_sources(module))
+    assert set(plugin.TESTED_SOURCES) - set(found) == {"Qwen3_5DecoderLayer.forward"}
+    assert plugin.TESTED_SOURCES["Qwen3_5DecoderLayer.forward"] == plugin.TESTED_SOURCES["Qwen3NextDecoderLayer.forward"]
+    for name, fn in found.items():
+        assert plugin.source_hash(fn) in plugin.TESTED_SOURCES[name], name
