@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -67,6 +68,13 @@ def save_tiny_qwen3_next(path: str, seed: int = 0) -> str:
                 if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
                     module.weight.add_(torch.randn(module.weight.shape, generator=g) * 0.1)
         model.eval().save_pretrained(path)
+        # The published config.json's field that transformers 5.19's class no longer keeps (layer_types replaced
+        # it) and SGLang's own Qwen3-Next config reads.
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["full_attention_interval"] = 4
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     return path
 
 
