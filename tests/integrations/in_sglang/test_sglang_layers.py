@@ -331,8 +331,9 @@ def test_gated_fused_prepare_matches_sglangs_prepare(sglang_dist, monkeypatch, n
     with torch.inference_mode():
         sources = [layer.qkv_proj(h)[0] for h in hidden]
         want = [tuple(t.clone() for t in layer.forward_prepare_native(p, h)) for p, h in zip(cases, hidden)]
-        report = plugin.fuse_attention(layer, plugin.Options(attention=True, backend=GATED_BACKEND),
-                                       context_len=MAX_POS)
+        # bf16: the verify option too (the accuracy rule on every fused call, inside the plugin)
+        report = plugin.fuse_attention(layer, plugin.Options(attention=True, backend=GATED_BACKEND,
+                                                             verify=dtype == torch.bfloat16), context_len=MAX_POS)
         got = [layer.forward_prepare_native(p, h) for p, h in zip(cases, hidden)]
     assert report.fused == {GATED[name]: 1}, report.lines()
     assert report.details[GATED[name]].endswith(
