@@ -37,8 +37,9 @@ table that covers the engine's context length (a shorter one SGLang may grow: le
 plain ``RMSNorm(head_dim)`` or both ``GemmaRMSNorm(head_dim)``; none of SGLang's own fused QK-norm+RoPE kernels
 is active for the layer (aiter, sgl-kernel CPU/XPU/CUDA, NPU; Qwen3-Next's gfx950 aiter prologue; for Qwen3.5 its
 CUDA ``fused_qk_gemma_rmsnorm_rope_gate`` and its HIP/XPU/CPU fused norm+gate kernels, so Qwen3.5 is fused where
-SGLang's native prepare runs, e.g. its base platform on CPU); a fast qkvfuse backend runs on the device. One log line per process says what it
-fused or why not, e.g. ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary 128, neox)``.
+SGLang's native prepare runs, e.g. its base platform on CPU); a fast qkvfuse backend runs on the device. One
+log line per process says what it fused or why not, e.g. ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary
+128, neox)``.
 
 A bound object follows the layer: it is rebuilt when SGLang replaces the rotary module, the table or a norm
 weight, or gives one new storage (identity and ``data_ptr``; SGLang's weight updates and cache growth do both).

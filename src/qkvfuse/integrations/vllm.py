@@ -26,9 +26,9 @@ of a supported class (``Qwen3Attention``, ``Qwen3MoeAttention``, ``Glm4MoeAttent
 of Qwen3-VL and GLM-4.5V; ``Qwen3NextAttention``, the full-attention layers of Qwen3-Next and Qwen3.5 /
 Qwen3.5-MoE, gated: ``QKNormRope(..., q_gate=True, gemma_norm=True)``, the output times ``sigmoid(gate)`` before
 ``o_proj``), replaces that *instance's* ``forward`` with one that calls the fused op -- the class and every other
-layer (the Gated DeltaNet layers included) keep vLLM's code. One bound object per layer; eager calls rewrite Q and K inside the
-packed projection output (no copies); under ``torch.compile`` the functional op on the module's own parameters (a
-graph with no mutation of intermediates, no host syncs, shapes from the trace).
+layer (the Gated DeltaNet layers included) keep vLLM's code. One bound object per layer; eager calls rewrite Q
+and K inside the packed projection output (no copies); under ``torch.compile`` the functional op on the module's
+own parameters (a graph with no mutation of intermediates, no host syncs, shapes from the trace).
 
 The fused forwards follow the running model (weight syncs, sleep/offload, swapped tables and modules): each eager
 call reads what vLLM's own forward would read -- the layer's current ``rotary_emb``, its ``cos_sin_cache`` (cast

@@ -525,6 +525,7 @@ def test_tested_sources_are_this_vllms():
     for module in ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_next"):
         found.update(plugin._vllm_sources(module))
     assert set(plugin.TESTED_SOURCES) - set(found) == {"Qwen3_5DecoderLayer.forward"}
-    assert plugin.TESTED_SOURCES["Qwen3_5DecoderLayer.forward"] == plugin.TESTED_SOURCES["Qwen3NextDecoderLayer.forward"]
+    tested = plugin.TESTED_SOURCES
+    assert tested["Qwen3_5DecoderLayer.forward"] == tested["Qwen3NextDecoderLayer.forward"]
     for name, fn in found.items():
         assert plugin.source_hash(fn) in plugin.TESTED_SOURCES[name], name
