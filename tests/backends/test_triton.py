@@ -20,6 +20,7 @@ import qkvfuse
 from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
                              make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
                              unfused_add_rmsnorm, unfused_split)
+from qkvfuse._verify.accuracy import ulp
 from qkvfuse.backends import available_backends
 from qkvfuse.rope import mrope_axis_map
 
@@ -44,6 +45,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(launch, "INTERPRET", False)
         monkeypatch.setattr(launch, "GPU_TILE", 256)
         monkeypatch.setattr(launch, "GPU_MAX_ROW", 256)
+        monkeypatch.setattr(launch, "GPU_MAX_GATED_Q", 256)
     return request.param
 
 
@@ -186,6 +188,156 @@ def test_any_even_head_dim(blocks, head_dim, partial):
                      bias=True, dtype=torch.bfloat16)
     kwargs, result = run_split_case("triton", case)
     assert not torch.equal(result[0], kwargs["qkv"][:, : 3 * head_dim])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gated attention (Qwen3-Next / Qwen3.5): the gated Q layout and Gemma norm weights.
+# ---------------------------------------------------------------------------------------------------------
+QWEN35_SECTIONS = (11, 11, 10)  # interleaved mRoPE over rotary 64 (Qwen3.5 VL)
+
+
+def _gated_inputs(num_q_heads, num_kv_heads, head_dim, mode, T=5, dtype=torch.bfloat16, row_pad=8, seed=0):
+    """``(gated, plain)`` keyword arguments of one Qwen3.5-style call (rotary 64, theta 1e7).
+
+    ``gated``: qkv rows ``[q_0 | g_0 | ... | K | V]`` (strided by ``row_pad``), Gemma weights centred at 0,
+    ``q_gate=True, gemma_norm=True``; ``plain``: the same values in the ungated layout ``[Q | K | V]`` with the
+    fp32 weights ``1 + w`` -- what the oracle takes, and (the public contract) the same Q/K/V bits.
+    """
+    sections = QWEN35_SECTIONS if mode == "mrope" else None
+    case = SplitCase(T=T, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, rotary_dim=64,
+                     dtype=dtype, mrope_section=sections, mrope_interleaved=mode == "mrope", image=True,
+                     max_position=256)
+    plain = make_split_inputs(case, seed=seed)
+    plain["cos_sin_cache"] = qkvfuse.rope.build_cos_sin_cache(64, 256, 1e7)
+    g = torch.Generator().manual_seed(seed + 1)
+    centred = {name: 0.2 * torch.randn(head_dim, generator=g) for name in ("q_weight", "k_weight")}
+    plain.update({name: 1.0 + w for name, w in centred.items()})
+    q_width = num_q_heads * head_dim
+    q = plain["qkv"][:, :q_width].reshape(T, num_q_heads, head_dim)
+    gate = (torch.randn(T, num_q_heads, head_dim, generator=g) * 4).to(dtype)
+    width = plain["qkv"].shape[1] + q_width
+    buf = torch.full((T, width + row_pad), float("nan"), dtype=dtype)
+    buf[:, :2 * q_width] = torch.stack([q, gate], 2).reshape(T, 2 * q_width)
+    buf[:, 2 * q_width:width] = plain["qkv"][:, q_width:]
+    gated = dict(plain, qkv=buf[:, :width], q_gate=True, gemma_norm=True, **centred)
+    del gated["head_dim"]
+    if sections:
+        rows = plain["positions"]
+        assert not torch.equal(rows[0], rows[1]) and not torch.equal(rows[1], rows[2])
+    return gated, plain, gate.reshape(T, q_width)
+
+
+def _split_args(kwargs):
+    """``(positional, keyword)`` arguments of the public split functions for ``_gated_inputs`` kwargs."""
+    kw = dict(kwargs)
+    args = [kw.pop(name) for name in ("qkv", "positions", "cos_sin_cache", "num_q_heads", "num_kv_heads")]
+    D = args[0].shape[1] // (2 * args[3] + 2 * args[4])
+    return args + [D], kw
+
+
+def _within_one_ulp(got, want):
+    """Triton vs the reference backend: both compute in fp32 and round once, to nearest even (the kernel rounds
+    explicitly, see ``kernels._round_for_store``), but their fp32 sums of squares may add in another order, so
+    one ulp of the output dtype is allowed."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    diff = (got.double() - want.double()).abs()
+    assert bool((diff <= ulp(want.double(), want.dtype)).all()), float(diff.max())
+
+
+GATED_GEOMETRIES = [(4, 1, 256), (3, 1, 64)]  # Qwen3.5 full-attention layers per TP rank; head_dim 256 and 64
+
+
+@pytest.mark.parametrize("mode", ["mrope", "rope"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", GATED_GEOMETRIES, ids=lambda v: str(v))
+def test_gated_gemma_split_out_functional_and_in_place(blocks, num_q_heads, num_kv_heads, head_dim, mode):
+    """q_gate + gemma_norm through out= (poisoned, strided), the functional form and the in-place form: Q/K within
+    the accuracy rule of the float64 oracle and within 1 ulp of the reference backend, V and the gate bit-exact,
+    and the same Q/K/V bits as the ungated call with fp32 ``1 + w`` weights. The in-place row becomes
+    ``[Q | gate | K | V]`` (device blocks: straddling Q blocks, in place through the scratch buffer for D 256)."""
+    gated, plain, gate_in = _gated_inputs(num_q_heads, num_kv_heads, head_dim, mode)
+    args, kw = _split_args(gated)
+    qkv, T = args[0], args[0].shape[0]
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    reference = qkvfuse.split_qkv_rmsnorm_rope(*args, **kw, backend="reference")
+    out = tuple(poisoned_like(torch.empty(T, w, dtype=qkv.dtype), 8) for w in (q_width, kv_width, kv_width, q_width))
+    snapshot = qkv.clone()
+    got = qkvfuse.split_qkv_rmsnorm_rope(*args, **kw, out=out, backend="triton")
+    assert torch.equal(qkv.view(torch.int16), snapshot.view(torch.int16))  # the input is left alone
+    q, k, v, gate = got
+    report = check_split_outputs((q, k, v), oracle_split(**plain), unfused_split(**plain), plain["qkv"],
+                                 num_q_heads, num_kv_heads, head_dim)
+    assert report.ok, report.detail
+    _within_one_ulp(q, reference[0])
+    _within_one_ulp(k, reference[1])
+    assert torch.equal(v, reference[2]) and torch.equal(v, qkv[:, -kv_width:])
+    assert torch.equal(gate.view(torch.int16), gate_in.view(torch.int16))
+    ungated = qkvfuse.split_qkv_rmsnorm_rope(**plain, backend="triton")
+    for a, b in zip(got[:3], ungated):
+        assert torch.equal(a, b)
+
+    fresh = qkvfuse.split_qkv_rmsnorm_rope(*args, **kw, backend="triton")
+    for a, b in zip(fresh, got):
+        assert torch.equal(a, b)
+
+    work = qkv.clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, *args[1:], **kw, backend="triton")
+    for a, b in zip(views, got):
+        assert torch.equal(a, b)
+    assert torch.equal(work, torch.cat([q, gate, k, v], 1))
+
+    # k_out / v_out may be qkv's own K / V slices (q_out and gate_out may not overlap qkv).
+    aliased = qkv.clone()
+    k_own, v_own = aliased[:, 2 * q_width:2 * q_width + kv_width], aliased[:, 2 * q_width + kv_width:]
+    out = (poisoned_like(q), k_own, v_own, poisoned_like(gate))
+    for a, b in zip(qkvfuse.split_qkv_rmsnorm_rope(*args, **kw, out=out, backend="triton"), got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scheme", ["whole-q-region", "scratch"])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", GATED_GEOMETRIES + [(6, 2, 64)], ids=lambda v: str(v))
+def test_gated_in_place_schemes(monkeypatch, scheme, num_q_heads, num_kv_heads, head_dim):
+    """The gated in-place form writes over other Q programs' input; both safe schemes give the out= bits: one
+    program per token block holding the whole Q/gate region, or (region wider than GPU_MAX_GATED_Q) a scratch
+    buffer copied back. The interpreter runs programs one after another, so a program overwriting another's
+    unread input shows here. Device blocks with a small tile: several Q blocks per token."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "GPU_TILE", 128)
+    monkeypatch.setattr(launch, "GPU_MAX_GATED_Q", 1 << 12 if scheme == "whole-q-region" else 1)
+    gated, _, _ = _gated_inputs(num_q_heads, num_kv_heads, head_dim, "mrope", T=3, row_pad=0)
+    args, kw = _split_args(gated)
+    cfg = launch.split_config(3, num_q_heads, num_kv_heads, head_dim, whole_q_region=True)
+    assert (cfg["Q_HEADS"] >= num_q_heads) == (scheme == "whole-q-region")
+    assert launch.split_config(3, num_q_heads, num_kv_heads, head_dim)["Q_HEADS"] < num_q_heads
+    expected = qkvfuse.split_qkv_rmsnorm_rope(*args, **kw, backend="triton")
+    work = args[0].clone()
+    views = qkvfuse.split_qkv_rmsnorm_rope_(work, *args[1:], **kw, backend="triton")
+    for a, b in zip(views, expected):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("H", [80, 300])
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "plain"])
+def test_add_rmsnorm_gemma(blocks, H, residual):
+    """Gemma decoder norms (``1 + w`` in fp32): the bits of the plain call with fp32 ``1 + w`` weights, within
+    1 ulp of the reference backend, residual_out bit-exact; out= and in place (device blocks: two passes at 300)."""
+    kwargs = make_norm_inputs(6, H, torch.bfloat16, residual=residual, row_pad=4, seed=H)
+    centred = kwargs["weight"] - 1.0
+    x = kwargs["x"]
+    gemma = dict(kwargs, weight=centred, gemma_norm=True)
+    plain = dict(kwargs, weight=1.0 + centred)
+    y, res_out = qkvfuse.add_rmsnorm(**gemma, out=(poisoned_like(x, 4), poisoned_like(x, 4)), backend="triton")
+    want = qkvfuse.add_rmsnorm(**plain, backend="triton")
+    assert torch.equal(y, want[0]) and (not residual or torch.equal(res_out, want[1]))
+    report = check_norm_outputs((y, res_out), oracle_add_rmsnorm(**plain), unfused_add_rmsnorm(**plain), x,
+                                kwargs["residual"])
+    assert report.ok, report.detail
+    reference = qkvfuse.add_rmsnorm(**gemma, backend="reference")
+    _within_one_ulp(y, reference[0])
+    if residual:
+        assert torch.equal(res_out, reference[1])
+        x2, r2 = x.clone(), kwargs["residual"].clone()
+        qkvfuse.add_rmsnorm_(x2, r2, centred, kwargs["eps"], gemma_norm=True, backend="triton")
+        assert torch.equal(x2, y) and torch.equal(r2, res_out)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -36,24 +36,26 @@ def _compile(fn, pointers, constexprs, num_warps):
 
 
 def split_variant(hq, hkv, head_dim, rotary_dim, dtype="bf16", mrope=False, interleaved=False, norm=True,
-                  bias=False, neox=True, pos="i64", cache="fp32", in_place=False):
-    cfg = launch.split_config(1, hq, hkv, head_dim, interpret=False)
+                  bias=False, neox=True, pos="i64", cache="fp32", in_place=False, q_gate=False, gemma=False):
+    # The gated in-place form widens the Q block to all heads (launch.split_qkv_rmsnorm_rope_out).
+    cfg = launch.split_config(1, hq, hkv, head_dim, interpret=False, whole_q_region=q_gate and in_place)
     num_warps = cfg.pop("num_warps")
     pointers = dict(qkv_ptr=f"*{dtype}", pos_ptr=f"*{pos}", cache_ptr=f"*{cache}", q_w_ptr="*fp32",
                     k_w_ptr="*fp32", q_b_ptr="*fp32", k_b_ptr="*fp32", q_out_ptr=f"*{dtype}",
-                    k_out_ptr=f"*{dtype}", v_out_ptr=f"*{dtype}")
-    constexprs = dict(HEAD_DIM=head_dim, ROT_DIM=rotary_dim, NORM=norm, Q_BIAS=bias, K_BIAS=bias, IS_NEOX=neox,
-                      MROPE=mrope, MROPE_INTERLEAVED=interleaved, IN_PLACE=in_place, **cfg)
+                    k_out_ptr=f"*{dtype}", v_out_ptr=f"*{dtype}", gate_out_ptr=f"*{dtype}")
+    constexprs = dict(HEAD_DIM=head_dim, ROT_DIM=rotary_dim, NORM=norm, Q_BIAS=bias, K_BIAS=bias, GEMMA=gemma,
+                      IS_NEOX=neox, MROPE=mrope, MROPE_INTERLEAVED=interleaved, Q_GATE=q_gate, IN_PLACE=in_place,
+                      **cfg)
     return _compile(kernels.split_qkv_rmsnorm_rope_kernel, pointers, constexprs, num_warps)
 
 
-def norm_variant(H, dtype="bf16", residual=True, bias=True):
+def norm_variant(H, dtype="bf16", residual=True, bias=True, gemma=False):
     cfg = launch.norm_config(1, H, interpret=False)
     num_warps = cfg.pop("num_warps")
     pointers = dict(x_ptr=f"*{dtype}", res_ptr=f"*{dtype}", w_ptr="*fp32", b_ptr="*fp32", y_ptr=f"*{dtype}",
                     res_out_ptr=f"*{dtype}")
-    return _compile(kernels.add_rmsnorm_kernel, pointers, dict(HAS_RESIDUAL=residual, HAS_BIAS=bias, **cfg),
-                    num_warps)
+    return _compile(kernels.add_rmsnorm_kernel, pointers,
+                    dict(HAS_RESIDUAL=residual, HAS_BIAS=bias, GEMMA=gemma, **cfg), num_warps)
 
 
 VARIANTS = {
@@ -65,7 +67,14 @@ VARIANTS = {
                                                                   cache="bf16"),
     "fp32 512": lambda: split_variant(2, 1, 512, 512, "fp32"),
     "GLM in place (barrier)": lambda: split_variant(96, 8, 128, 64, bias=True, in_place=True),
+    "Qwen3.5 gated 4/1x256 rotary 64, gemma, mRoPE interleaved": lambda: split_variant(
+        4, 1, 256, 64, mrope=True, interleaved=True, q_gate=True, gemma=True),
+    "Qwen3.5 gated 16/4x256 in place (whole Q region)": lambda: split_variant(16, 4, 256, 64, q_gate=True,
+                                                                              gemma=True, in_place=True),
+    "Qwen3.5-397B gated 32/2x256 in place (whole Q region)": lambda: split_variant(32, 2, 256, 64, q_gate=True,
+                                                                                   gemma=True, in_place=True),
     "add_rmsnorm 5120": lambda: norm_variant(5120),
+    "add_rmsnorm 4096 gemma": lambda: norm_variant(4096, bias=False, gemma=True),
     "add_rmsnorm 20000 (two passes)": lambda: norm_variant(20000, residual=True, bias=False),
 }
 

@@ -1,8 +1,10 @@
 """apply_qkvfuse on transformers' own modeling code: tiny random-weight models, patched vs unpatched.
 
 Every family of issue 5 (Qwen3, Qwen3-MoE, Qwen3-VL with an image, GLM-4.7, GLM-4.5-Air, GLM-4.5V with an
-image) is checked with the harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the
-tolerances of ``qkvfuse._verify.accuracy``:
+image), GLM-4.6V and Qwen3-VL-MoE (with an image), and the gated-attention families of issue 22 (Qwen3-Next,
+Qwen3.5 with an image, Qwen3.5-MoE: 3 Gated DeltaNet layers + 1 full-attention layer) is checked with the
+harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the tolerances of
+``qkvfuse._verify.accuracy``:
 
 * fp32 prefill logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched logits|;
 * fp32 greedy generation of 24 tokens with the KV cache: identical tokens, every step's logits within 1e-4
@@ -13,9 +15,10 @@ tolerances of ``qkvfuse._verify.accuracy``:
 * remove_qkvfuse restores bit-identical logits.
 
 MoE routing is pinned by the builders (GLM: correction-bias ladder; Qwen3-MoE: top-k = all experts) so a
-near-tie cannot flip an expert between two correct runs. Models run on one thread (5-20x less CPU here).
-The backend is whatever the public ops pick (the native CPU kernel when it builds), plus one pass over every
-fast backend for the two trickiest layouts.
+near-tie cannot flip an expert between two correct runs (the other softmax routers alike). Models run on one
+thread (5-20x less CPU here). The backend is whatever the public ops pick (the native CPU kernel when it builds;
+QKVFUSE_BACKEND honoured), plus one pass over every fast backend for the trickiest layouts; a gated family on a
+backend whose gated kernel has not landed yet is skipped with that backend's message (``conftest.py``).
 """
 
 import dataclasses
@@ -29,13 +32,14 @@ pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
 from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
-from qkvfuse._verify.tiny_models import (TINY_MODELS, build_tiny_model, image_token_count, tiny_config,
-                                         tiny_image_prompt, tiny_prompt)
+from qkvfuse._verify.tiny_models import (TINY_MODELS, attention_layers, build_tiny_model, image_token_count,
+                                         tiny_config, tiny_image_prompt, tiny_prompt)
 from qkvfuse.integrations import transformers as hf
 from qkvfuse.presets import get_preset
 
 FAMILIES = list(TINY_MODELS)
 IMAGE_FAMILIES = [name for name, spec in TINY_MODELS.items() if spec.image]
+GATED_FAMILIES = [name for name, spec in TINY_MODELS.items() if spec.gated]
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -74,7 +78,7 @@ def test_prefill_fp32_matches_unpatched(name, op_calls):
     report = vm.check_prefill(name, model=model)
     assert report, report.detail
     # One fused prepare and one fused add+norm per decoder layer, for the one patched forward.
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -130,14 +134,13 @@ def test_torch_compile_of_a_patched_model(name):
         torch._dynamo.reset()
         compiled_model = torch.compile(model, fullgraph=True)
         compiled = compiled_model(ids).logits
-        text_model = model.model.language_model if name == "Qwen3-VL" else model.model
-        attn = text_model.layers[0].self_attn
+        attn = next(m for m in model.modules() if "self_attn" in m._modules).self_attn
         attn.v_proj.weight = nn.Parameter(attn.v_proj.weight * 1.5)  # V: no QK-norm to undo the scale
         changed_eager = model(ids).logits
         changed_compiled = compiled_model(ids).logits
         torch._dynamo.reset()
     assert len(graphs) == 1, f"{len(graphs)} graphs"
-    assert sum("qkvfuse.split_qkv_rmsnorm_rope" in t for t in graphs[0]) == _layers(model), graphs[0]
+    assert sum("qkvfuse.split_qkv_rmsnorm_rope" in t for t in graphs[0]) == attention_layers(model), graphs[0]
     assert sum("qkvfuse.add_rmsnorm" in t for t in graphs[0]) == _layers(model), graphs[0]
     scale = unpatched.abs().max().item()
     assert (eager - unpatched).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
@@ -146,7 +149,7 @@ def test_torch_compile_of_a_patched_model(name):
     assert (changed_compiled - changed_eager).abs().max().item() <= MODEL_FP32_LOGIT_RTOL * scale
 
 
-@pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7"])
+@pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7", "Qwen3.5"])
 def test_fast_backends_on_models(name, fast_backend):
     report = vm.check_prefill(name, backend=fast_backend)
     assert report, report.detail
@@ -163,7 +166,7 @@ def test_image_positions_reach_the_fused_op(name, position_spy):
     hf.apply_qkvfuse(model)
     with torch.no_grad():
         model.generate(**inputs, max_new_tokens=3, min_new_tokens=3, do_sample=False)
-    layers = _layers(model)
+    layers = attention_layers(model)
     assert len(position_spy) == 3 * layers  # prefill + 2 decode steps (the last token is never fed back)
 
     # Prefill: the image tokens' temporal, height and width rows differ, as transformers' get_rope_index made them.
@@ -206,6 +209,46 @@ def test_mutation_wrong_mrope_layout_is_caught(monkeypatch):
                         dataclasses.replace(family, mrope_interleaved=False))
     report = vm.check_prefill("Qwen3-VL")
     assert not report.ok and report.max_err > 10 * MODEL_FP32_LOGIT_RTOL
+
+
+@pytest.mark.parametrize("name", GATED_FAMILIES)
+def test_mutation_plain_norm_weights_are_caught(name, monkeypatch):
+    """The gated families' QK and decoder norm weights read as plain RMSNorm weights (w instead of 1 + w) must
+    fail the logits check: the tiny models' Gemma weights are centred at 0, so the flag is visible."""
+    assert vm.check_prefill(name)
+    model_type = tiny_config(name).model_type
+    monkeypatch.setitem(hf.SUPPORTED_MODELS, model_type,
+                        dataclasses.replace(hf.SUPPORTED_MODELS[model_type], gemma_norm=False))
+    report = vm.check_prefill(name)
+    assert not report.ok and report.max_err > 10 * MODEL_FP32_LOGIT_RTOL
+
+
+def _qwen3_5_variant(name):
+    """The Qwen3.5 classes the tiny specs do not build: the text-only Qwen3_5ForCausalLM (model_type
+    qwen3_5_text), and Qwen3_5MoeForConditionalGeneration (the MoE text model under Qwen3.5's vision tower)."""
+    import transformers
+
+    if name == "Qwen3.5":
+        return build_tiny_model(name, config=tiny_config(name).text_config, model_class="Qwen3_5ForCausalLM"), False
+    vl = tiny_config("Qwen3.5")
+    config = transformers.Qwen3_5MoeConfig(
+        text_config=tiny_config(name).to_dict(), vision_config=vl.vision_config.to_dict(),
+        **{k: getattr(vl, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                        "vision_end_token_id")})
+    return build_tiny_model(name, config=config, model_class="Qwen3_5MoeForConditionalGeneration"), True
+
+
+@pytest.mark.parametrize("name", ["Qwen3.5", "Qwen3.5-MoE"], ids=["Qwen3_5ForCausalLM",
+                                                                 "Qwen3_5MoeForConditionalGeneration"])
+def test_other_qwen3_5_classes(name):
+    """Prefill and greedy generation with the KV cache, patched vs unpatched (an image for the MoE VL model)."""
+    model, image = _qwen3_5_variant(name)
+    inputs = tiny_image_prompt(model) if image else {"input_ids": tiny_prompt(2, 9)}
+    report = vm.check_prefill(name, model=model, inputs=inputs)
+    assert report, report.detail
+    one_prompt = inputs if image else {"input_ids": inputs["input_ids"][:1]}
+    report = vm.check_generation(name, model=model, new_tokens=6, inputs=one_prompt)
+    assert report.tokens_identical and report, report.detail
 
 
 def test_qwen3_vl_config_mrope_interleaved_is_ignored():
@@ -284,21 +327,36 @@ def test_qkv_weights_are_views_not_copies():
         assert proj.weight.is_contiguous() and proj.weight.untyped_storage().nbytes() == proj.weight.nbytes
 
 
-def test_weight_changes_after_patching_are_used():
-    """load_state_dict writes through the views; a replaced tensor breaks them and is re-fused."""
-    model = build_tiny_model("GLM-4.7")
-    donor = build_tiny_model("GLM-4.7", seed=5)
-    ids = {"input_ids": tiny_prompt(2, 6)}
+@pytest.mark.parametrize("name", ["GLM-4.7"] + GATED_FAMILIES)
+def test_weight_changes_after_patching_are_used(name):
+    """After a first patched forward (bound ops built): load_state_dict writes through the views; a replaced
+    tensor breaks them and is re-fused; in-place ``param.data.copy_`` of q_proj and of the norm weights (the
+    Gemma-style weights, centred at 0, of the gated families: the kernel adds 1 per call, nothing derived is
+    cached) are read by the next forward."""
+    model = build_tiny_model(name)
+    donor = build_tiny_model(name, seed=5)
+    inputs = vm.model_inputs(model, name, batch=2, length=6)
     hf.apply_qkvfuse(model)
-    model.load_state_dict(donor.state_dict())
-    attn = model.model.layers[1].self_attn
-    attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
-    attn.v_proj.bias.data = attn.v_proj.bias.data + 0.25
     with torch.no_grad():
-        patched = model(**ids).logits
+        before = model(**inputs).logits
+    model.load_state_dict(donor.state_dict())
+    layer = [m for m in model.modules() if "self_attn" in m._modules][-1]
+    attn = layer.self_attn
+    attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        if attn.v_proj.bias is not None:
+            attn.v_proj.bias.data = attn.v_proj.bias.data + 0.25
+        attn.q_proj.weight.data.copy_(attn.q_proj.weight * 0.5 + 0.02 * torch.randn(attn.q_proj.weight.shape,
+                                                                                      generator=g))
+        norms = [layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if hasattr(attn, "q_norm") else [])
+        for norm in norms:
+            norm.weight.data.copy_(norm.weight + 0.3 * torch.randn(norm.weight.shape, generator=g))
+        patched = model(**inputs).logits
+    assert vm.relative_error(patched, before) > 1e-3  # the edits matter
     hf.remove_qkvfuse(model)
     with torch.no_grad():
-        unpatched = model(**ids).logits
+        unpatched = model(**inputs).logits
     assert vm.relative_error(patched, unpatched) <= MODEL_FP32_LOGIT_RTOL
 
 
@@ -370,6 +428,19 @@ def test_unknown_model_class_raises_listing_supported():
         assert supported in str(err.value)
     with pytest.raises(TypeError, match=r"LlamaForCausalLM \(config.model_type=.llama.\) is not supported"):
         hf.apply_qkvfuse(model)
+
+
+def test_glm46v_with_a_text_model_qkvfuse_does_not_fuse_raises():
+    """GLM-4.6V's text stack is AutoModel of its text_config: a glm4v_moe_text one is fused (the GLM-4.6V rows
+    of the tables above), a dense glm4v_text one (Glm4vTextModel) is refused naming the text model type."""
+    config = tiny_config("GLM-4.6V")
+    text = config.text_config.to_dict()
+    config.text_config = type(config)(text_config={**text, "model_type": "glm4v_text"}).text_config
+    model = build_tiny_model("GLM-4.6V", config=config)
+    assert type(model.model.language_model).__name__ == "Glm4vTextModel"
+    with pytest.raises(TypeError, match=r"text_config.model_type='glm4v_text' is not"):
+        hf.apply_qkvfuse(model)
+    assert not hf.is_patched(model)
 
 
 def test_quantised_projection_raises_and_leaves_model_untouched():
@@ -482,4 +553,4 @@ def test_grad_mode_runs_the_unfused_layers_with_gradients_of_the_unpatched_model
             torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
     with torch.no_grad():
         model(ids)
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}

@@ -1,8 +1,10 @@
 """A patched model behaves like the unpatched one in what users do with it besides a forward, or refuses clearly.
 
 Each row of issue 15 is one test, run on every family (tiny random Qwen3, Qwen3-MoE, Qwen3-VL, GLM-4.7,
-GLM-4.5-Air, GLM-4.5V; fp32) with the reference and native CPU backends, and with Triton (interpreted: about
-20x slower) on Qwen3 and GLM-4.5V (plain RoPE with QK-norm; mRoPE without QK-norm). Two models with the same
+GLM-4.5-Air, GLM-4.5V, GLM-4.6V, Qwen3-VL-MoE, and the gated-attention Qwen3-Next, Qwen3.5, Qwen3.5-MoE; fp32)
+with the reference and native CPU backends, and with Triton (interpreted: about 20x slower) on Qwen3, GLM-4.5V
+and Qwen3.5 (plain RoPE with QK-norm; mRoPE without QK-norm; gated, Gemma norms and interleaved mRoPE). The
+gated families skip on a backend whose gated kernel has not landed (``conftest.py``). Two models with the same
 seed are edited alike, one patched by ``apply_qkvfuse``; the unpatched one is the reference:
 
 * logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched|, and greedy tokens identical;
@@ -36,14 +38,15 @@ pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
 from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
-from qkvfuse._verify.tiny_models import TINY_MODELS, build_tiny_model, tiny_config
+from qkvfuse._verify.tiny_models import (TINY_MODELS, attention_layers, build_tiny_model, copy_routing_pins,
+                                         tiny_config)
 from qkvfuse.backends import BACKEND_NAMES
 from qkvfuse.integrations import transformers as hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 FAMILIES = list(TINY_MODELS)
-INTERPRETED = ("Qwen3", "GLM-4.5V")  # the Triton interpreter only on these
+INTERPRETED = ("Qwen3", "GLM-4.5V", "Qwen3.5")  # the Triton interpreter only on these
 CASES = [pytest.param(n, b, id=f"{n}-{b}") for n in FAMILIES for b in BACKEND_NAMES
          if b != "triton" or n in INTERPRETED]
 
@@ -78,7 +81,9 @@ def _text_model(model):
 
 
 def _attn(model, i=0):
-    return _text_model(model).layers[i].self_attn
+    """The ``i``-th attention module (Qwen3-Next / Qwen3.5: of the full-attention layers; the Gated DeltaNet
+    layers have none)."""
+    return [layer.self_attn for layer in _text_model(model).layers if "self_attn" in layer._modules][i]
 
 
 def _has_qk_norm(attn) -> bool:
@@ -137,7 +142,7 @@ def test_replaced_projection_is_adopted(name, backend, op_calls):
     the new modules, the fused path keeps running, no warning."""
     unpatched, patched, inputs = _twins(name, backend)
     for model in (unpatched, patched):
-        attn = _attn(model, _layers(model) - 1)
+        attn = _attn(model, -1)
         for proj_name in ("q_proj", "v_proj"):
             old = getattr(attn, proj_name)
             torch.manual_seed(7)
@@ -145,7 +150,7 @@ def test_replaced_projection_is_adopted(name, backend, op_calls):
             setattr(attn, proj_name, new)
     got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
     assert caught == []
-    assert op_calls["split"] == _layers(patched)
+    assert op_calls["split"] == attention_layers(patched)
     _assert_same(got, _logits(unpatched, inputs))
     _assert_same(_logits(unpatched, inputs), _logits(hf.remove_qkvfuse(patched), inputs), "removed")
 
@@ -171,7 +176,7 @@ def test_wrapped_projection_runs_unfused(name, backend, op_calls):
         attn.k_proj = _Wrapper(attn.k_proj, seed=3)
     got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
     assert len(caught) == 1 and "k_proj is a" in caught[0] and "_Wrapper, not a plain torch.nn.Linear" in caught[0]
-    assert op_calls["split"] == _layers(patched) - 1  # the other layers stay fused
+    assert op_calls["split"] == attention_layers(patched) - 1  # the other layers stay fused
     _assert_same(got, _logits(unpatched, inputs))
 
 
@@ -194,7 +199,7 @@ def test_hooks_fire_and_are_honoured(name, backend, op_calls):
     assert any("Attention runs" in w and "has forward hooks or pre-hooks" in w for w in caught), caught
     assert any("post_attention_layernorm has forward hooks" in w for w in caught), caught
     # Layer 0's attention and the last layer's add+norm ran unfused; everything else fused.
-    assert op_calls == {"split": _layers(patched) - 1, "norm": _layers(patched) - 1}
+    assert op_calls == {"split": attention_layers(patched) - 1, "norm": _layers(patched) - 1}
     _assert_same(got, want)
 
 
@@ -215,7 +220,7 @@ def test_global_module_hook_runs_unfused(name, backend, op_calls):
     assert any("global module forward hook" in w for w in caught), caught
     _assert_same(got, want)
     _logits(patched, inputs)  # hook removed: fused again
-    assert op_calls == {"split": _layers(patched), "norm": _layers(patched)}
+    assert op_calls == {"split": attention_layers(patched), "norm": _layers(patched)}
 
 
 def test_replaced_norm_of_another_class_runs_unfused(op_calls):
@@ -228,7 +233,7 @@ def test_replaced_norm_of_another_class_runs_unfused(op_calls):
         attn.q_norm = norm
     got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
     assert any("q_norm/k_norm were replaced by RMSNorm/Qwen3RMSNorm" in w for w in caught), caught
-    assert op_calls["split"] == _layers(patched) - 1
+    assert op_calls["split"] == attention_layers(patched) - 1
     _assert_same(got, _logits(unpatched, inputs))
 
 
@@ -280,7 +285,7 @@ def _check_training(name, backend, checkpointing, op_calls):
         torch.testing.assert_close(grads[key], ref, rtol=1e-4, atol=1e-6, msg=key)
     op_calls.update(split=0, norm=0)
     _logits(patched, inputs)  # train mode, no grad: fused
-    assert op_calls["split"] == _layers(patched)
+    assert op_calls["split"] == attention_layers(patched)
 
 
 def test_patching_in_train_mode_is_accepted(op_calls):
@@ -289,7 +294,7 @@ def test_patching_in_train_mode_is_accepted(op_calls):
     hf.apply_qkvfuse(model, backend="cpu")
     assert model.training and hf.is_patched(model)
     _assert_same(_logits(model, inputs), _logits(unpatched.train(), inputs))
-    assert op_calls["split"] == _layers(model)
+    assert op_calls["split"] == attention_layers(model)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -302,7 +307,7 @@ def test_prompt_longer_than_max_position_embeddings(name, backend, op_calls):
     rope = _text_model(patched)._qkvfuse_rope
     assert rope.rows == 6
     _assert_same(_logits(patched, inputs), _logits(unpatched, inputs))
-    assert op_calls["split"] == _layers(patched)
+    assert op_calls["split"] == attention_layers(patched)
     assert rope.rows > 6
     _assert_same_generation(patched, unpatched, inputs)
 
@@ -339,7 +344,7 @@ def test_copies_are_patched_and_equal(name, backend, how, op_calls):
     op_calls.update(split=0, norm=0)
     want = _logits(unpatched, inputs)
     _assert_same(_logits(twin, inputs), want, how)
-    assert op_calls["split"] == _layers(twin)
+    assert op_calls["split"] == attention_layers(twin)
     # The copy owns its weights (views into its own fused tensor), and the original still works.
     attn, twin_attn = _attn(patched), _attn(twin)
     assert twin_attn.q_proj.weight.data_ptr() == twin_attn._qkvfuse.weight.data_ptr()
@@ -352,16 +357,16 @@ def test_copies_are_patched_and_equal(name, backend, how, op_calls):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_save_pretrained_round_trip(name, tmp_path, op_calls):
-    unpatched, patched, inputs = _twins(name, "cpu")
+    """The checkpoint of a patched model loads plain and equal; patching the loaded model gives the same logits
+    (the public ops' default backend: the native CPU kernel when it builds, QKVFUSE_BACKEND honoured)."""
+    unpatched, patched, inputs = _twins(name, None)
     want = _logits(unpatched, inputs)
     patched.save_pretrained(tmp_path)
     loaded = type(patched).from_pretrained(tmp_path, dtype=torch.float32).eval()
-    for src, dst in zip(unpatched.modules(), loaded.modules()):  # the routing pin is not part of the checkpoint
-        if type(src).__name__ == "Qwen3MoeTopKRouter":
-            dst.top_k = src.top_k
+    copy_routing_pins(unpatched, loaded)  # the routing pin is not part of the checkpoint
     assert not hf.is_patched(loaded)
     assert torch.equal(_logits(loaded, inputs), want)
-    hf.apply_qkvfuse(loaded, backend="cpu")
+    hf.apply_qkvfuse(loaded)
     _assert_same(_logits(loaded, inputs), want)
 
 
@@ -381,7 +386,7 @@ def test_nested_patching_is_idempotent(name, backend, order, op_calls):
     assert hf.is_patched(model) and hf.is_patched(inner)
     assert [m for m in model.modules() if "_qkvfuse_patch" in vars(m)] == [first]  # one patch
     _assert_same(_logits(model, inputs), want)
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}
     hf.remove_qkvfuse(second)
     assert not hf.is_patched(model) and not hf.is_patched(inner)
     assert torch.equal(_logits(model, inputs), want)
@@ -394,7 +399,7 @@ def test_nested_patching_with_other_options_repatches(op_calls):
     hf.apply_qkvfuse(model.model, backend="reference", fuse_add_rmsnorm=False)
     assert [m for m in model.modules() if "_qkvfuse_patch" in vars(m)] == [model.model]
     _assert_same(_logits(model, inputs), _logits(unpatched, inputs))
-    assert op_calls == {"split": _layers(model), "norm": 0}
+    assert op_calls == {"split": attention_layers(model), "norm": 0}
 
 
 @cases
@@ -408,7 +413,7 @@ def test_user_subclasses_are_supported(name, backend, op_calls):
         layer.__class__ = type("MyLayer", (type(layer),), {})
     hf.apply_qkvfuse(model, backend=backend)
     _assert_same(_logits(model, inputs), _logits(unpatched, inputs))
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}
 
 
 def test_subclass_overriding_forward_is_refused():
@@ -464,7 +469,7 @@ def test_torch_compile_does_one_qkv_gemm_per_layer(name, backend):
     if TINY_MODELS[name].image:  # the vision tower graph-breaks in transformers itself: text prompts here
         inputs = {"input_ids": inputs["input_ids"][:, :8]}
     weights, got = _compiled_linear_weights(patched, inputs)
-    assert sum("qkvfuse_weight" in w for w in weights) == _layers(patched), weights  # one GEMM per layer
+    assert sum("qkvfuse_weight" in w for w in weights) == attention_layers(patched), weights  # one GEMM per layer
     assert not [w for w in weights if any(p in w for p in ("q_proj", "k_proj", "v_proj"))], weights
     _assert_same(got, _logits(unpatched, inputs))
 
@@ -521,7 +526,7 @@ def test_peft_lora_added_after_patching(name, backend, op_calls):
     merged_ref, merged = lora_ref.merge_and_unload(), lora.merge_and_unload()
     assert hf.is_patched(merged)
     _assert_same(_logits(merged, inputs), _logits(merged_ref, inputs), "merged")
-    assert op_calls["split"] == _layers(merged)
+    assert op_calls["split"] == attention_layers(merged)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -536,7 +541,7 @@ def _fresh(t, seed):
 def _swap_data(model, which):
     """``weight.data = new`` (same Parameter, new storage) on every layer's ``which`` norms."""
     for i, layer in enumerate(_text_model(model).layers):
-        attn = layer.self_attn
+        attn = layer._modules.get("self_attn")  # None in a Gated DeltaNet layer
         norms = {"qk_norm": [attn.q_norm, attn.k_norm] if _has_qk_norm(attn) else [],
                  "post_attention_layernorm": [layer.post_attention_layernorm],
                  "input_layernorm": [layer.input_layernorm]}[which]
@@ -550,7 +555,7 @@ def _apply_then_update(model, _which=None):
     model._apply(lambda t: t.clone())
     with torch.no_grad():
         for i, layer in enumerate(_text_model(model).layers):
-            attn = layer.self_attn
+            attn = layer._modules.get("self_attn")  # None in a Gated DeltaNet layer
             norms = [layer.post_attention_layernorm] + ([attn.q_norm, attn.k_norm] if _has_qk_norm(attn) else [])
             for j, norm in enumerate(norms):
                 norm.weight.mul_(_fresh(norm.weight, 7 + 100 * i + j))
@@ -602,7 +607,7 @@ def test_live_edits_are_followed(name, backend, edit, op_calls):
     op_calls["split"] = 0
     got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
     assert caught == []
-    assert op_calls["split"] == _layers(patched)
+    assert op_calls["split"] == attention_layers(patched)
     _assert_same(got, want, edit)
     _assert_spans_current(patched)
     _assert_same_generation(patched, unpatched, inputs)
@@ -626,7 +631,7 @@ def test_replaced_rotary_that_cannot_be_reproduced_runs_unfused(name, op_calls):
     _text_model(patched).rotary_emb = original
     _text_model(unpatched).rotary_emb = copy.deepcopy(original)
     got = _logits(patched, inputs)
-    assert op_calls["split"] == _layers(patched)
+    assert op_calls["split"] == attention_layers(patched)
     _assert_same(got, _logits(unpatched, inputs))
     assert _logits(hf.remove_qkvfuse(patched), inputs).shape == got.shape
     assert not any("forward" in m.__dict__ for m in patched.modules())

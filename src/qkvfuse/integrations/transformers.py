@@ -4,6 +4,14 @@
 :func:`qkvfuse.split_qkv_rmsnorm_rope_` call, and every decoder layer to fuse the residual add after attention
 with the post-attention RMSNorm (:func:`qkvfuse.add_rmsnorm`). :func:`remove_qkvfuse` undoes it exactly.
 
+Gated attention (Qwen3-Next, Qwen3.5, Qwen3.5-MoE: ``_Family.q_gate`` / ``gemma_norm``). The full-attention
+layers' q_proj emits ``[q_h | gate_h]`` per head, so the concatenated q/k/v weight gives the gated row
+``[q_gate | k | v]`` directly; the fused op (``q_gate=True, gemma_norm=True``, the module's own centred norm
+weights: the kernel multiplies by ``1 + w`` in fp32 per call) returns the gate as a column view, and the model's
+``attn_output * sigmoid(gate)`` and o_proj run as the model has them. The Gated DeltaNet layers (no
+``self_attn``) are left alone; their decoder layers' residual add + Gemma post-attention norm are fused like the
+others'.
+
 Where the positions come from. transformers computes the positions once per forward and hands them to the text
 model's rotary-embedding module; the attention layers only receive the resulting cos/sin. For Qwen3-VL and
 GLM-4.5V the decoder layers are passed *text* positions (row 0 of a ``[4, B, T]`` tensor) or None, while the
@@ -91,6 +99,13 @@ class _Family:
     decoder_layer: str
     attention: str
     mrope_interleaved: Optional[bool] = None  # None: plain RoPE; True: Qwen3-VL; False: contiguous sections
+    # Gated attention (Qwen3-Next, Qwen3.5): q_proj emits [q_h | gate_h] per head and the attention output is
+    # multiplied by sigmoid(gate) before o_proj (the model's own code, left as is).
+    q_gate: bool = False
+    gemma_norm: bool = False  # QK and decoder RMSNorm weights centred at 0 (x * (1 + w) in fp32)
+    # The linear-attention class of the layers that have no ``self_attn`` (Gated DeltaNet): left alone, their
+    # decoder layers' residual add + post-attention norm still fused.
+    linear_attention: Optional[str] = None
 
 
 _QWEN3 = _Family(("Qwen3ForCausalLM", "Qwen3Model"), "Qwen3Model", "Qwen3DecoderLayer", "Qwen3Attention")
@@ -103,6 +118,20 @@ _GLM4_MOE = _Family(("Glm4MoeForCausalLM", "Glm4MoeModel"), "Glm4MoeModel", "Glm
 _GLM4V_MOE = _Family(("Glm4vMoeForConditionalGeneration", "Glm4vMoeModel", "Glm4vMoeTextModel"),
                      "Glm4vMoeTextModel", "Glm4vMoeTextDecoderLayer", "Glm4vMoeTextAttention",
                      mrope_interleaved=False)
+# Qwen3-VL-MoE: transformers' own copies of the Qwen3-VL text classes (not subclasses), the same layout.
+_QWEN3_VL_MOE = _Family(("Qwen3VLMoeForConditionalGeneration", "Qwen3VLMoeModel", "Qwen3VLMoeTextModel"),
+                        "Qwen3VLMoeTextModel", "Qwen3VLMoeTextDecoderLayer", "Qwen3VLMoeTextAttention",
+                        mrope_interleaved=True)
+_QWEN3_NEXT = _Family(("Qwen3NextForCausalLM", "Qwen3NextModel"), "Qwen3NextModel", "Qwen3NextDecoderLayer",
+                      "Qwen3NextAttention", q_gate=True, gemma_norm=True, linear_attention="Qwen3NextGatedDeltaNet")
+# Qwen3.5: interleaved mRoPE for text-only prompts too (the rotary module always takes [3, B, T] positions).
+_QWEN3_5 = _Family(("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM", "Qwen3_5Model", "Qwen3_5TextModel"),
+                   "Qwen3_5TextModel", "Qwen3_5DecoderLayer", "Qwen3_5Attention", mrope_interleaved=True,
+                   q_gate=True, gemma_norm=True, linear_attention="Qwen3_5GatedDeltaNet")
+_QWEN3_5_MOE = _Family(("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeModel",
+                        "Qwen3_5MoeTextModel"), "Qwen3_5MoeTextModel", "Qwen3_5MoeDecoderLayer",
+                       "Qwen3_5MoeAttention", mrope_interleaved=True, q_gate=True, gemma_norm=True,
+                       linear_attention="Qwen3_5MoeGatedDeltaNet")
 
 # The one list of supported models: ``config.model_type`` -> family (Liger's dispatch: subclasses of the
 # transformers classes, and the bare text models of the multimodal families, are recognised by their config).
@@ -112,7 +141,14 @@ SUPPORTED_MODELS: Dict[str, _Family] = {
     "qwen3_vl": _QWEN3_VL, "qwen3_vl_text": _QWEN3_VL,
     "glm4_moe": _GLM4_MOE,
     "glm4v_moe": _GLM4V_MOE, "glm4v_moe_text": _GLM4V_MOE,
+    "qwen3_vl_moe": _QWEN3_VL_MOE, "qwen3_vl_moe_text": _QWEN3_VL_MOE,
+    "qwen3_next": _QWEN3_NEXT,
+    "qwen3_5": _QWEN3_5, "qwen3_5_text": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5_MOE, "qwen3_5_moe_text": _QWEN3_5_MOE,
 }
+# Wrappers whose text stack is whatever their ``text_config`` names (GLM-4.6V: ``AutoModel.from_config``, a dense
+# ``glm4v_text`` or an MoE ``glm4v_moe_text`` model): supported when the text config's model type is.
+BY_TEXT_CONFIG: Tuple[str, ...] = ("glm46v",)
 _OVERLAP_ENV = "QKVFUSE_SHARED_EXPERT_OVERLAP"
 _FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -284,6 +320,18 @@ def _follow_rotary(module, args) -> None:
 # --------------------------------------------------------------------------------------------------------
 # The patched attention.
 # --------------------------------------------------------------------------------------------------------
+def _norm_eps(norm: nn.Module) -> Optional[float]:
+    """An RMSNorm's epsilon: ``variance_epsilon`` (Qwen3, GLM) or ``eps`` (the Gemma-style norms of Qwen3-Next and
+    Qwen3.5); None for a module with neither."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return getattr(norm, "eps", None) if eps is None else eps
+
+
+def _attention_of(layer: nn.Module) -> Optional[nn.Module]:
+    """The decoder layer's ``self_attn`` (None for a linear-attention layer of Qwen3-Next / Qwen3.5)."""
+    return layer._modules.get("self_attn")
+
+
 def _is_plain_linear(module) -> bool:
     # Quantised layers often subclass nn.Linear and keep packed weights: only the exact class is safe to fuse.
     return type(module) is nn.Linear
@@ -325,15 +373,17 @@ class _FusedAttention:
     """Per-attention-layer state: geometry, the concatenated QKV parameters, and the modules the fused path
     stands in for (q/k/v projections, q/k norms), so that a replaced or hooked one is noticed per call."""
 
-    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str], eager):
+    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str], eager, family: _Family):
         config = attn.config
         self.rope = rope
         self.backend = backend
         self.num_q_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
-        self.widths = (self.num_q_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                       self.num_kv_heads * self.head_dim)
+        self.q_gate, self.gemma_norm = family.q_gate, family.gemma_norm
+        # Gated: q_proj's rows are [q_0 | g_0 | q_1 | g_1 | ...], so the fused row is the op's [q_gate | k | v].
+        q_width = (2 if self.q_gate else 1) * self.num_q_heads * self.head_dim
+        self.widths = (q_width, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         self.in_features = attn.q_proj.in_features
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         reason = self._unfusable(projections)
@@ -343,7 +393,7 @@ class _FusedAttention:
         # QK-norm: Qwen3 always, GLM-4.x when use_qk_norm (off for 4.5-Air), GLM-4.5V never.
         self.qk_norm = hasattr(attn, "q_norm") and getattr(attn, "use_qk_norm", True)
         self.norms = (attn.q_norm, attn.k_norm) if self.qk_norm else ()
-        self.eps = float(attn.q_norm.variance_epsilon) if self.qk_norm else 1e-6
+        self.eps = float(_norm_eps(attn.q_norm)) if self.qk_norm else 1e-6
         self.sliding_window = "sliding_window" in vars(attn)  # Qwen3 passes it to the attention interface
         self.eager = eager
         self.weight: Optional[torch.Tensor] = None
@@ -398,7 +448,7 @@ class _FusedAttention:
             qn, kn = self.norms
             if m.get("q_norm") is not qn or m.get("k_norm") is not kn:
                 new = (m.get("q_norm"), m.get("k_norm"))
-                if any(type(n) is not type(qn) or getattr(n, "variance_epsilon", None) != self.eps for n in new):
+                if any(type(n) is not type(qn) or _norm_eps(n) != self.eps for n in new):
                     return (f"because q_norm/k_norm were replaced by {type(new[0]).__name__}/"
                             f"{type(new[1]).__name__} modules that are not {type(qn).__name__}(eps={self.eps})")
                 self.norms = new
@@ -427,7 +477,8 @@ class _FusedAttention:
     def _build_split(self, table, q_w, k_w) -> ops.QKNormRope:
         return ops.QKNormRope(self.num_q_heads, self.num_kv_heads, self.head_dim, table, q_weight=q_w, k_weight=k_w,
                               eps=self.eps, is_neox=True, mrope_section=self.rope.mrope_section,
-                              mrope_interleaved=self.rope.mrope_interleaved, backend=self.backend)
+                              mrope_interleaved=self.rope.mrope_interleaved, q_gate=self.q_gate,
+                              gemma_norm=self.gemma_norm, backend=self.backend)
 
     def needs_autograd(self, attn: nn.Module, hidden_states: torch.Tensor) -> bool:
         """Whether this call must build an autograd graph (the fused ops are inference only)."""
@@ -528,9 +579,9 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
         # weight: each projection's own current parameters.
         qkv = torch.cat([F.linear(flat, p.weight, p.bias) for p in fused.projections], dim=-1)
     else:
-        qkv = F.linear(flat, *params)  # [B*T, (Hq + 2Hkv) * D]
+        qkv = F.linear(flat, *params)  # [B*T, (Hq + 2Hkv) * D], gated [B*T, (2Hq + 2Hkv) * D]
     positions = _flat_positions(rope.captured, batch, seq, rope.mrope_section is not None)
-    q, k, v = fused.bound(self, qkv.device).inplace(qkv, positions)
+    q, k, v, *gate = fused.bound(self, qkv.device).inplace(qkv, positions)  # gated: the gate's column view too
     # Views into qkv (row stride = its width) reshaped to transformers' [B, H, T, D].
     query_states = q.view(*input_shape, hq, d).transpose(-3, -2)
     key_states = k.view(*input_shape, hkv, d).transpose(-3, -2)
@@ -545,6 +596,8 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
         self, query_states, key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **extra, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    if gate:  # Qwen3-Next / Qwen3.5: the model's output gate, as its own forward applies it
+        attn_output = attn_output * torch.sigmoid(gate[0].view(*input_shape, -1))
     return self.o_proj(attn_output), attn_weights
 
 
@@ -554,11 +607,13 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
 class _FusedLayer:
     """Per-decoder-layer state: the post-attention norm the fused add+norm stands in for, and its bound op."""
 
-    def __init__(self, layer: nn.Module, backend: Optional[str]):
+    def __init__(self, layer: nn.Module, backend: Optional[str], gemma_norm: bool = False):
         names = tuple(inspect.signature(type(layer).forward).parameters)[2:]
         # The original forward's parameters after hidden_states, for positional calls.
         self.arg_names: Tuple[str, ...] = tuple(n for n in names if n not in ("args", "kwargs"))
         self.backend = backend
+        self.gemma_norm = gemma_norm
+        self.linear = _attention_of(layer) is None  # a Gated DeltaNet layer: its linear_attn mixes the tokens
         self.norm: nn.Module = layer.post_attention_layernorm
         self._bound: Optional[Rebinding] = None  # the norm's AddRMSNorm, rebuilt when its weight changes
 
@@ -586,13 +641,26 @@ class _FusedLayer:
         if self._bound is None:
             self._bound = Rebinding(self._build_norm)
         bound = self._bound.get(norm, norm.weight)
-        if bound.config.eps != norm.variance_epsilon:
+        if bound.config.eps != _norm_eps(norm):
             self._bound.clear()
             bound = self._bound.get(norm, norm.weight)
         return bound
 
     def _build_norm(self, norm, weight) -> ops.AddRMSNorm:
-        return ops.AddRMSNorm(weight, norm.variance_epsilon, backend=self.backend)
+        return ops.AddRMSNorm(weight, _norm_eps(norm), gemma_norm=self.gemma_norm, backend=self.backend)
+
+    def mix(self, layer: nn.Module, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """The layer's token mixer, called as the layer's own forward calls it: ``self_attn`` (patched or not), or
+        the Gated DeltaNet ``linear_attn`` of Qwen3-Next / Qwen3.5 (never patched), which takes the cache as
+        ``cache_params`` and no positions."""
+        if not self.linear:
+            return layer.self_attn(hidden_states=hidden_states, **kwargs)[0]
+        rest = {k: v for k, v in kwargs.items() if k not in _ATTENTION_ONLY}
+        return layer.linear_attn(hidden_states=hidden_states, cache_params=kwargs.get("past_key_values"),
+                                 attention_mask=kwargs.get("attention_mask"), **rest)
+
+
+_ATTENTION_ONLY = ("past_key_values", "attention_mask", "position_ids", "position_embeddings")
 
 
 _warned_unfused: set = set()
@@ -639,7 +707,7 @@ def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
     norm = fused.norm
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+    hidden_states = fused.mix(self, hidden_states, kwargs)
     if hidden_states.dtype != residual.dtype or (torch.is_grad_enabled() and hidden_states.requires_grad):
         # Exactly the unpatched layer's add (type promotion) and norm: mixed dtypes, or an attention output that
         # records autograd (e.g. a LoRA adapter on the projections of a frozen model).
@@ -674,11 +742,21 @@ def _supported_list() -> str:
     by_family: Dict[_Family, List[str]] = {}
     for model_type, family in SUPPORTED_MODELS.items():
         by_family.setdefault(family, []).append(model_type)
-    return "; ".join(f"{'/'.join(types_)} ({', '.join(f.classes)})" for f, types_ in by_family.items())
+    return "; ".join([f"{'/'.join(types_)} ({', '.join(f.classes)})" for f, types_ in by_family.items()]
+                     + [f"{t} (with a text_config of one of these)" for t in BY_TEXT_CONFIG])
 
 
 def _family_of(model: nn.Module) -> _Family:
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in BY_TEXT_CONFIG:
+        text_type = getattr(getattr(config, "text_config", None), "model_type", None)
+        family = SUPPORTED_MODELS.get(text_type) if isinstance(text_type, str) else None
+        if family is None:
+            raise TypeError(f"apply_qkvfuse: {type(model).__name__} (config.model_type={model_type!r}) is supported "
+                            f"when its text model is, and text_config.model_type={text_type!r} is not; supported "
+                            f"config.model_type values: {_supported_list()}")
+        return family
     family = SUPPORTED_MODELS.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise TypeError(f"apply_qkvfuse: {type(model).__name__} (config.model_type={model_type!r}) is not supported; "
@@ -721,12 +799,19 @@ def _check_layer(layer: nn.Module, family: _Family) -> None:
     if base_layer is None:
         raise TypeError(f"apply_qkvfuse: expected decoder layers of class {family.decoder_layer} (or a subclass), "
                         f"found {type(layer).__name__}")
-    base_attn = _base(type(layer.self_attn), family.attention)
+    _check_forward(layer, base_layer, "decoder layer")
+    attn = _attention_of(layer)
+    if attn is None and family.linear_attention is not None:
+        mixer = layer._modules.get("linear_attn")
+        if _base(type(mixer), family.linear_attention) is None:
+            raise TypeError(f"apply_qkvfuse: expected a self_attn of class {family.attention} or a linear_attn of "
+                            f"class {family.linear_attention} (or subclasses), found {type(mixer).__name__}")
+        return
+    base_attn = _base(type(attn), family.attention)
     if base_attn is None:
         raise TypeError(f"apply_qkvfuse: expected attention of class {family.attention} (or a subclass), found "
-                        f"{type(layer.self_attn).__name__}")
-    _check_forward(layer, base_layer, "decoder layer")
-    _check_forward(layer.self_attn, base_attn, "attention")
+                        f"{type(attn).__name__}")
+    _check_forward(attn, base_attn, "attention")
 
 
 def _overlap_requested(shared_expert_overlap: Optional[bool]) -> Optional[bool]:
@@ -790,10 +875,13 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     ----------
     model : transformers.PreTrainedModel
         One of :data:`SUPPORTED_MODELS` (``Qwen3ForCausalLM``, ``Qwen3MoeForCausalLM``,
-        ``Qwen3VLForConditionalGeneration``, ``Glm4MoeForCausalLM``, ``Glm4vMoeForConditionalGeneration``, or
-        their bare ``*Model`` classes), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections. Build bf16
-        models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also downcasts GLM's
-        fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
+        ``Qwen3VLForConditionalGeneration``, ``Qwen3VLMoeForConditionalGeneration``, ``Glm4MoeForCausalLM``,
+        ``Glm4vMoeForConditionalGeneration``, ``Qwen3NextForCausalLM``, ``Qwen3_5ForConditionalGeneration`` /
+        ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForConditionalGeneration`` / ``Qwen3_5MoeForCausalLM``, or their bare
+        ``*Model`` classes; ``Glm46VForConditionalGeneration`` whose ``text_config`` is one of them, e.g.
+        ``glm4v_moe_text``: :data:`BY_TEXT_CONFIG`), fp32/bf16/fp16, with plain ``nn.Linear`` q/k/v projections.
+        Build bf16 models with ``dtype=torch.bfloat16`` at load time: ``model.to(torch.bfloat16)`` also
+        downcasts GLM's fp32 router bias (a transformers behaviour; qkvfuse does not touch the router).
     backend : str, optional
         qkvfuse backend for both ops (``"reference"``, ``"cpu"``, ``"triton"``, ``"auto"``); default: what the
         public ops pick for the tensors' device (``QKVFUSE_BACKEND`` honoured).
@@ -808,7 +896,8 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     -------
     model
         The same object, patched. What changes: each attention layer does one GEMM into a packed
-        ``[B*T, (Hq + 2*Hkv) * head_dim]`` buffer and one fused split + QK-RMSNorm + RoPE/mRoPE over it, at the
+        ``[B*T, (Hq + 2*Hkv) * head_dim]`` buffer (gated: ``(2*Hq + 2*Hkv) * head_dim``) and one fused split +
+        QK-RMSNorm + RoPE/mRoPE over it, at the
         positions the model's rotary module receives, with an fp32 cos/sin table of ``max_position_embeddings``
         rows (positions must stay below it). q/k/v weights become views into one concatenated tensor.
         Calling it again with the same options does nothing but re-derive the fused weight if a projection's
@@ -861,14 +950,15 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
                             f"instance (patched by another tool?), which qkvfuse would replace")
         for layer in text_model.layers:
             _check_layer(layer, family)
-            _validate_attention(layer.self_attn)
+            if _attention_of(layer) is not None:
+                _validate_attention(layer.self_attn)
         plan.append((text_model, rope))
     for state in covering:  # other options, or an inner model patched first: re-patch from the original model
         _remove_state(state)
 
     state = _PatchState(options, owner=model)
     for text_model, rope in plan:
-        eager = getattr(sys.modules[_base(type(text_model.layers[0].self_attn), family.attention).__module__],
+        eager = getattr(sys.modules[_base(type(text_model.layers[0]), family.decoder_layer).__module__],
                         "eager_attention_forward")
         rope.state = state
         rotary = text_model.rotary_emb
@@ -880,12 +970,13 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         state.hooks.append(text_model.register_forward_hook(_clear_positions, always_call=True))
         state.hooks.append(text_model.register_forward_pre_hook(_follow_rotary))
         for layer in text_model.layers:
-            attn = layer.self_attn
-            attn._qkvfuse = _FusedAttention(attn, rope, backend, eager)
-            attn.forward = functools.partial(_fused_attention_forward, attn)
-            state.attentions.append(attn)
+            attn = _attention_of(layer)
+            if attn is not None:
+                attn._qkvfuse = _FusedAttention(attn, rope, backend, eager, family)
+                attn.forward = functools.partial(_fused_attention_forward, attn)
+                state.attentions.append(attn)
             if fuse_add_rmsnorm:
-                layer._qkvfuse = _FusedLayer(layer, backend)
+                layer._qkvfuse = _FusedLayer(layer, backend, family.gemma_norm)
                 layer.forward = functools.partial(_fused_decoder_forward, layer)
                 state.layers.append(layer)
     model._qkvfuse_patch = state

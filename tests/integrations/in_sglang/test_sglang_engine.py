@@ -20,6 +20,7 @@ from _support.sglang_engine import run_engines
 from _support.vllm_engine import assert_same_greedy, hf_generate
 
 ON = '{"attention": true, "add_rmsnorm": true}'
+OVERLAP = '{"attention": true, "shared_expert_overlap": true}'
 LOGPROB_ATOL = 1e-4  # fp32: arithmetic-order noise (the tie margin of assert_same_greedy too)
 MODELS = {  # tiny model -> (the attention class SGLang builds, its rotary description, the decoder class)
     "Qwen3": ("Qwen3Attention", "rotary 128, neox", "Qwen3DecoderLayer"),
@@ -34,8 +35,11 @@ def _off_on(tiny_dir, name):
     """SGLang with the plugin loaded but off, then on (attention + add+RMSNorm; GLM: ``1``, attention only),
     in one child process; cached for the session (the refusal tests compare against the off run)."""
     if name not in _runs:
-        _runs[name] = run_engines(tiny_dir(name), [{"qkvfuse": None}, {"qkvfuse": "1" if name == "GLM-4.7" else ON}])
-    return _runs[name]
+        settings = [{"qkvfuse": None}, {"qkvfuse": "1" if name == "GLM-4.7" else ON}]
+        if name == "GLM-4.7":  # and with the MoE block's shared-expert overlap (inline on CPU: SGLang's bits)
+            settings.append({"qkvfuse": OVERLAP})
+        _runs[name] = run_engines(tiny_dir(name), settings)
+    return _runs[name][:2]
 
 
 def _assert_close_runs(on, off):
@@ -62,6 +66,16 @@ def test_tokens_equal_plugin_off_and_transformers(tiny_dir, name):
     assert on.counts["attention"] % 2 == 0 and on.counts["rope"] == 0, on.counts
     _assert_close_runs(on, off)
     assert_same_greedy(hf_generate(tiny_dir(name), torch.float32), off, LOGPROB_ATOL)
+
+
+def test_glm_shared_expert_overlap_in_the_engine(tiny_dir):
+    """``shared_expert_overlap`` patches the MoE block in the scheduler process (logged); on CPU it runs inline,
+    so the tokens are SGLang's."""
+    _off_on(tiny_dir, "GLM-4.7")
+    off, overlap = _runs["GLM-4.7"][0], _runs["GLM-4.7"][2]
+    assert ("qkvfuse: fused 1/1 Glm4MoeSparseMoeBlock shared-expert overlap (side stream on cuda/xpu/npu, inline "
+            "on cpu)") in "\n".join(overlap.lines), overlap.lines
+    _assert_close_runs(overlap, off)
 
 
 def test_plugin_not_loaded_and_untested_code_are_bit_identical_to_sglang(tiny_dir):

@@ -64,20 +64,27 @@ def mrope_axis_kernel(out_ptr, half, s_t, s_h, s_w, INTERLEAVED: tl.constexpr, B
 
 
 @triton.jit
-def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, tok, tok_mask, head0, num_heads,
-                     cos, sin, eps, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HEADS: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr,
-                     IN_PLACE: tl.constexpr):
+def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, gate_ptr, gate_stride, tok, tok_mask,
+                     head0, num_heads, cos, sin, eps, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     GEMMA: tl.constexpr, IS_NEOX: tl.constexpr, GATE: tl.constexpr, IN_PLACE: tl.constexpr):
     """RMSNorm (optional) + rotation of heads ``head0 .. head0 + HEADS`` for the tokens ``tok`` ([BLOCK_T]).
 
     The tile is ``[BLOCK_T, HEADS, BLOCK_D]`` in fp32; ``cos``/``sin`` are ``[BLOCK_T, BLOCK_D]`` per lane.
     Every lane computes ``out_d = y_d * c + sign_d * y_partner(d) * s`` from its own value and its partner's,
     loaded again, so no lane exchange (shuffle, reshape) is needed and no lane sits idle in a branch: a
-    partial-rotary head is the same code with ``where(d < ROT_DIM, rotated, y)``.
+    partial-rotary head is the same code with ``where(d < ROT_DIM, rotated, y)``. ``GEMMA``: the weights are
+    stored centred at 0 and the heads multiplied by ``1 + w`` (fp32).
 
-    ``IN_PLACE`` (``dst`` is ``src``): a lane's partner may live in another thread or warp, so every thread must
-    have read its values before any thread overwrites them; one block-wide barrier (uniform: the whole program
-    takes the same branch) orders the reads before the writes.
+    ``GATE`` (the gated Q layout): source head ``h`` sits at ``2 * h * HEAD_DIM`` of the row and is followed by
+    its gate head, which is copied bit-exact to ``gate_ptr`` (head ``h`` at ``h * HEAD_DIM``, row stride
+    ``gate_stride``); destination heads are dense (``h * HEAD_DIM``).
+
+    ``IN_PLACE`` (``dst`` -- or, gated, ``dst`` and ``gate`` -- overwrite what this program reads): a lane's
+    partner may live in another thread or warp, so every thread must have read its values (gate included) before
+    any thread overwrites them; one block-wide barrier (uniform: the whole program takes the same branch) orders
+    the reads before the writes. It orders this program's accesses only: writes into another program's input
+    are the launcher's to avoid.
     """
     HALF: tl.constexpr = ROT_DIM // 2
     d = tl.arange(0, BLOCK_D)
@@ -91,14 +98,20 @@ def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, tok
     partner = tl.where(rotary, partner, d)
     h = head0 + tl.arange(0, HEADS)
     # [BLOCK_T, HEADS, BLOCK_D] offsets; tok is int64 so row offsets cannot overflow at large T x width.
-    row = tok[:, None, None] * src_stride + h[None, :, None] * HEAD_DIM
+    SRC_HEAD: tl.constexpr = 2 * HEAD_DIM if GATE else HEAD_DIM  # distance between source heads
+    row = tok[:, None, None] * src_stride + h[None, :, None] * SRC_HEAD
     mask = tok_mask[:, None, None] & (h < num_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
     x = tl.load(src_ptr + row + d[None, None, :], mask=mask, other=0.0).to(tl.float32)
     x_p = tl.load(src_ptr + row + partner[None, None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE:
+        gate = tl.load(src_ptr + row + HEAD_DIM + d[None, None, :], mask=mask)  # as stored: a bit-exact copy
     if NORM:
         scale = _rms_scale(x, HEAD_DIM, eps, 2)
         w = tl.load(w_ptr + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
         w_p = tl.load(w_ptr + partner, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+        if GEMMA:
+            w += 1.0
+            w_p += 1.0
         y = x * scale * w[None, None, :]
         y_p = x_p * scale * w_p[None, None, :]
         if HAS_BIAS:
@@ -112,6 +125,9 @@ def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, tok
         tl.debug_barrier()
     dst_row = tok[:, None, None] * dst_stride + h[None, :, None] * HEAD_DIM
     tl.store(dst_ptr + dst_row + d[None, None, :], _round_for_store(out, dst_ptr.dtype.element_ty), mask=mask)
+    if GATE:
+        gate_row = tok[:, None, None] * gate_stride + h[None, :, None] * HEAD_DIM
+        tl.store(gate_ptr + gate_row + d[None, None, :], gate, mask=mask)
 
 
 @triton.jit
@@ -151,41 +167,46 @@ def _cos_sin(pos_ptr, pos_stride_axis, pos_stride_tok, cache_ptr, cache_stride, 
 
 @triton.jit(do_not_specialize=["T", "max_position", "s_t", "s_h", "s_w"])
 def split_qkv_rmsnorm_rope_kernel(
-    qkv_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, q_b_ptr, k_b_ptr, q_out_ptr, k_out_ptr, v_out_ptr,
+    qkv_ptr, pos_ptr, cache_ptr, q_w_ptr, k_w_ptr, q_b_ptr, k_b_ptr, q_out_ptr, k_out_ptr, v_out_ptr, gate_out_ptr,
     T, num_q_heads, num_kv_heads, eps, max_position, s_t, s_h, s_w,
     qkv_stride, pos_stride_axis, pos_stride_tok, cache_stride, q_out_stride, k_out_stride, v_out_stride,
+    gate_out_stride,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, V_BLOCK: tl.constexpr, NORM: tl.constexpr, Q_BIAS: tl.constexpr,
-    K_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, MROPE: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
-    IN_PLACE: tl.constexpr,
+    K_BIAS: tl.constexpr, GEMMA: tl.constexpr, IS_NEOX: tl.constexpr, MROPE: tl.constexpr,
+    MROPE_INTERLEAVED: tl.constexpr, Q_GATE: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     """One program: ``BLOCK_T`` tokens x a block of ``Q_HEADS`` Q heads, ``KV_HEADS`` K heads or ``V_BLOCK`` V columns.
 
     Grid: ``(cdiv(T, BLOCK_T), cdiv(Hq, Q_HEADS) + cdiv(Hkv, KV_HEADS) + cdiv(Hkv * D, V_BLOCK))``, the V blocks
     left out when ``v_out`` is qkv's own V slice. T, eps, positions and the mRoPE sections are runtime values (no
-    recompilation per batch size).
+    recompilation per batch size). ``Q_GATE``: the row's Q region is ``[q_0 | g_0 | q_1 | g_1 | ...]`` (``2 * Hq *
+    D`` wide); a Q program also copies its heads' gates into ``gate_out``, and K and V start after that region.
+    ``GEMMA``: q/k weights centred at 0 (``1 + w``).
     """
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < T
     block = tl.program_id(1)
     q_blocks = tl.cdiv(num_q_heads, Q_HEADS)
     kv_blocks = tl.cdiv(num_kv_heads, KV_HEADS)
+    k_col = (2 if Q_GATE else 1) * num_q_heads * HEAD_DIM  # first K column of a row
     if block < q_blocks + kv_blocks:
         cos, sin = _cos_sin(pos_ptr, pos_stride_axis, pos_stride_tok, cache_ptr, cache_stride, tok, tok_mask,
                             max_position, s_t, s_h, s_w, ROT_DIM, BLOCK_D, IS_NEOX, MROPE, MROPE_INTERLEAVED)
         if block < q_blocks:
-            _norm_rope_heads(qkv_ptr, qkv_stride, q_out_ptr, q_out_stride, q_w_ptr, q_b_ptr, tok, tok_mask,
-                             block * Q_HEADS, num_q_heads, cos, sin, eps, HEAD_DIM, ROT_DIM, BLOCK_D, Q_HEADS,
-                             NORM, Q_BIAS, IS_NEOX, IN_PLACE)
+            _norm_rope_heads(qkv_ptr, qkv_stride, q_out_ptr, q_out_stride, q_w_ptr, q_b_ptr, gate_out_ptr,
+                             gate_out_stride, tok, tok_mask, block * Q_HEADS, num_q_heads, cos, sin, eps, HEAD_DIM,
+                             ROT_DIM, BLOCK_D, Q_HEADS, NORM, Q_BIAS, GEMMA, IS_NEOX, Q_GATE, IN_PLACE)
         else:
-            _norm_rope_heads(qkv_ptr + num_q_heads * HEAD_DIM, qkv_stride, k_out_ptr, k_out_stride, k_w_ptr,
-                             k_b_ptr, tok, tok_mask, (block - q_blocks) * KV_HEADS, num_kv_heads, cos, sin, eps,
-                             HEAD_DIM, ROT_DIM, BLOCK_D, KV_HEADS, NORM, K_BIAS, IS_NEOX, IN_PLACE)
+            _norm_rope_heads(qkv_ptr + k_col, qkv_stride, k_out_ptr, k_out_stride, k_w_ptr, k_b_ptr, k_out_ptr,
+                             k_out_stride, tok, tok_mask, (block - q_blocks) * KV_HEADS, num_kv_heads, cos, sin,
+                             eps, HEAD_DIM, ROT_DIM, BLOCK_D, KV_HEADS, NORM, K_BIAS, GEMMA, IS_NEOX, False,
+                             IN_PLACE)
     else:  # V heads: a bit-exact copy (blocks only launched when v_out is not qkv's own V slice)
         v_width = num_kv_heads * HEAD_DIM
         col = (block - q_blocks - kv_blocks) * V_BLOCK + tl.arange(0, V_BLOCK)
         mask = tok_mask[:, None] & (col < v_width)[None, :]
-        src = qkv_ptr + (num_q_heads + num_kv_heads) * HEAD_DIM + tok[:, None] * qkv_stride + col[None, :]
+        src = qkv_ptr + k_col + v_width + tok[:, None] * qkv_stride + col[None, :]
         tl.store(v_out_ptr + tok[:, None] * v_out_stride + col[None, :], tl.load(src, mask=mask), mask=mask)
 
 
@@ -194,9 +215,10 @@ def add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, T, H, eps,
     x_stride, res_stride, y_stride, res_out_stride,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SINGLE_TILE: tl.constexpr,
+    GEMMA: tl.constexpr, SINGLE_TILE: tl.constexpr,
 ):
-    """``BLOCK_T`` rows per program. ``s = round(x + residual)`` (stored as residual_out), ``y = norm(s) * w + b``.
+    """``BLOCK_T`` rows per program. ``s = round(x + residual)`` (stored as residual_out), ``y = norm(s) * w + b``
+    (``GEMMA``: ``w`` stored centred at 0, ``y = norm(s) * (1 + w) + b`` with ``1 + w`` in fp32).
 
     Rows that fit one tile (``SINGLE_TILE``) are read once. Wider rows take two passes over ``BLOCK_H`` chunks:
     the first stores ``s`` and sums squares, the second reads ``s`` back (from ``residual_out``, which may alias
@@ -214,8 +236,11 @@ def add_rmsnorm_kernel(
             s_rounded = _round_for_store(s + r, dtype)
             tl.store(res_out_ptr + row[:, None] * res_out_stride + cols[None, :], s_rounded, mask=mask)
             s = s_rounded.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if GEMMA:
+            w += 1.0
         y = s * _rms_scale(s, H, eps, 1)
-        y *= tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        y *= w[None, :]
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + row[:, None] * y_stride + cols[None, :], _round_for_store(y, dtype), mask=mask)
@@ -239,7 +264,10 @@ def add_rmsnorm_kernel(
                 s = tl.load(res_out_ptr + row[:, None] * res_out_stride + c[None, :], mask=mask, other=0.0)
             else:
                 s = tl.load(x_ptr + row[:, None] * x_stride + c[None, :], mask=mask, other=0.0)
-            y = s.to(tl.float32) * scale * tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptr + c, mask=c < H, other=0.0).to(tl.float32)
+            if GEMMA:
+                w += 1.0
+            y = s.to(tl.float32) * scale * w[None, :]
             if HAS_BIAS:
                 y += tl.load(b_ptr + c, mask=c < H, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + row[:, None] * y_stride + c[None, :], _round_for_store(y, dtype), mask=mask)

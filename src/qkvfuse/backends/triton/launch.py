@@ -5,8 +5,9 @@ The op's kernel (:func:`qkvfuse._library.register_kernels`) checks every argumen
 ``torch.ops.qkvfuse_triton.*`` call -- e.g. from a loaded ``torch.export`` program -- never reaches a launch that
 would read or write out of bounds. A launcher does host arithmetic on shapes and strides and one kernel launch:
 no host synchronisation, no allocation (except a unit-stride copy of a non-contiguous ``[D]`` norm weight or
-bias), no loop over heads, so it is safe under CUDA-graph capture and inside ``torch.compile`` (where it runs
-behind the opaque ``torch.ops.qkvfuse`` op).
+bias, and the scratch buffer -- plus two copies -- of the gated in-place form when its Q/gate region is too
+wide for one program, see :func:`split_qkv_rmsnorm_rope_out`), no loop over heads, so it is safe under
+CUDA-graph capture and inside ``torch.compile`` (where it runs behind the opaque ``torch.ops.qkvfuse`` op).
 
 Block sizes on a device depend on the head geometry only, never on T: a new batch size reuses the compiled
 kernel (T is also excluded from Triton's integer specialisation). Under the CPU interpreter nothing is
@@ -36,6 +37,9 @@ GPU_TILE = 2048
 INTERPRETER_TILE = 1 << 15
 # Widest add_rmsnorm row held in one tile on a device; wider rows take two passes over chunks.
 GPU_MAX_ROW = 8192
+# The gated in-place form on a device: the most Q-head elements per token (Hq * D, its gates as many again) one
+# program holds, so that it owns its tokens' whole Q/gate region; wider regions go through a scratch buffer.
+GPU_MAX_GATED_Q = 8192
 
 
 def _pow2(n: int) -> int:
@@ -47,13 +51,20 @@ def _num_warps(tile_elements: int) -> int:
 
 
 def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, interpret: Optional[bool] = None,
-                 tile: Optional[int] = None) -> Dict[str, int]:
-    """Block sizes (constexprs) and ``num_warps`` of the split kernel; ``T`` is used only when ``interpret``."""
+                 tile: Optional[int] = None, whole_q_region: bool = False) -> Dict[str, int]:
+    """Block sizes (constexprs) and ``num_warps`` of the split kernel; ``T`` is used only when ``interpret``.
+
+    ``whole_q_region`` (the gated in-place form): one Q block holds all ``num_q_heads`` heads when their
+    ``Hq * D`` elements fit :data:`GPU_MAX_GATED_Q` (the interpreter's tile under the interpreter), so that a
+    program owns its tokens' whole Q/gate region; the caller checks ``Q_HEADS >= num_q_heads``.
+    """
     interpret = INTERPRET if interpret is None else interpret
     tile = tile or (INTERPRETER_TILE if interpret else GPU_TILE)
     block_d = _pow2(head_dim)
     heads_cap = max(1, tile // block_d)
     q_heads = min(_pow2(num_q_heads), heads_cap)
+    if whole_q_region and _pow2(num_q_heads) * block_d <= (INTERPRETER_TILE if interpret else GPU_MAX_GATED_Q):
+        q_heads = _pow2(num_q_heads)
     kv_heads = min(_pow2(num_kv_heads), heads_cap)
     block_t = max(1, tile // (q_heads * block_d))
     if interpret:
@@ -87,6 +98,25 @@ def _on_device(t: torch.Tensor):
     return module.device(t.device)
 
 
+def _overlaps(a: Optional[torch.Tensor], b: torch.Tensor) -> bool:
+    """Whether the byte spans of ``a`` and ``b`` intersect (a conservative test: interleaved rows count)."""
+    if a is None or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + last * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _is_column_view(t: Optional[torch.Tensor], qkv: torch.Tensor, col: int) -> bool:
+    """Whether ``t`` is ``qkv``'s column slice starting at column ``col`` (same rows, same row stride)."""
+    return t is not None and t.data_ptr() == qkv.data_ptr() + col * qkv.element_size() and (
+        t.shape[0] < 2 or t.stride(0) == qkv.stride(0))
+
+
 def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``t`` with unit stride for a kernel that reads a 1-D vector as contiguous (norm weights and biases): the
     validator accepts any strides (a stride-2 view, a stride-0 ``expand``). ``t`` itself when already contiguous
@@ -117,47 +147,71 @@ def split_qkv_rmsnorm_rope_out(
     v_out: torch.Tensor,
     gate_out: Optional[torch.Tensor] = None,
 ) -> None:
-    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (reference signature, checked input).
+    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (and ``gate_out`` when ``q_gate``;
+    reference signature, checked input).
 
     Positions outside ``[0, cos_sin_cache.shape[0])`` are clamped inside the kernel (the public range check is
     skipped under graph capture and ``torch.compile``). Outputs may exactly alias their own slice of ``qkv``.
+
+    Gated, ``q_out``/``gate_out`` overlap ``qkv`` only in the in-place form (``_library.inplace_views``: the row
+    becomes ``[Q | gate | K | V]``), where a program's writes land on other Q programs' input. Then either one
+    program holds all Q heads of its tokens (``split_config(whole_q_region=True)``: its reads of the whole Q/gate
+    region come before its writes, one barrier) or, when that region is too wide for one program, the kernel
+    writes Q and gate into a scratch ``[T, 2 * Hq * D]`` buffer that two copies move into place afterwards.
     """
     T = qkv.shape[0]
-    if q_gate or gemma:
-        raise NotImplementedError("qkvfuse triton: q_gate / gemma not implemented yet")
     if T == 0:
         return
-    cfg = split_config(T, num_q_heads, num_kv_heads, head_dim)
-    width_qk = (num_q_heads + num_kv_heads) * head_dim
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    k_col = (2 if q_gate else 1) * q_width  # first K column of a qkv row
+    item = qkv.element_size()
+    # Gated Q/gate outputs overlapping qkv: the in-place form (the checked out= form never overlaps them).
+    gate_in_place = q_gate and (_overlaps(q_out, qkv) or _overlaps(gate_out, qkv))
+    cfg = split_config(T, num_q_heads, num_kv_heads, head_dim, whole_q_region=gate_in_place)
+    scratch = None
+    if gate_in_place:
+        own_rows = (cfg["Q_HEADS"] >= num_q_heads and _is_column_view(q_out, qkv, 0)
+                    and _is_column_view(gate_out, qkv, q_width))
+        if not own_rows:
+            # An allocation from the stream-ordered caching allocator: no host sync, and captured with the launch
+            # under CUDA-graph capture (graph-private pool). Only for gated Q regions wider than GPU_MAX_GATED_Q.
+            scratch = qkv.new_empty((T, 2 * q_width))
+            final_q, final_gate = q_out, gate_out
+            q_out, gate_out = scratch[:, :q_width], scratch[:, q_width:]
     # v_out being qkv's own V slice (the in-place form) makes the copy a no-op: launch no V blocks.
-    v_in_place = v_out.data_ptr() == qkv.data_ptr() + width_qk * qkv.element_size() and (
-        v_out.shape[0] < 2 or v_out.stride(0) == qkv.stride(0))
-    v_blocks = 0 if v_in_place else triton.cdiv(num_kv_heads * head_dim, cfg["V_BLOCK"])
+    v_in_place = _is_column_view(v_out, qkv, k_col + kv_width)
+    v_blocks = 0 if v_in_place else triton.cdiv(kv_width, cfg["V_BLOCK"])
     grid = (triton.cdiv(T, cfg["BLOCK_T"]),
             triton.cdiv(num_q_heads, cfg["Q_HEADS"]) + triton.cdiv(num_kv_heads, cfg["KV_HEADS"]) + v_blocks)
     mrope = bool(mrope_section)
     s_t, s_h, s_w = mrope_section if mrope else (0, 0, 0)
     pos_stride_axis, pos_stride_tok = (positions.stride(0), positions.stride(1)) if mrope else (0, positions.stride(0))
-    # Q/K written over their own input (the in-place form) need a barrier between reads and writes.
-    in_place = q_out.data_ptr() == qkv.data_ptr() or k_out.data_ptr() == qkv.data_ptr() + num_q_heads * head_dim * (
-        qkv.element_size())
+    # Q/K (and, gated, the gate) written over what their own program reads (the in-place forms) need a barrier
+    # between reads and writes.
+    in_place = (q_out.data_ptr() == qkv.data_ptr() or k_out.data_ptr() == qkv.data_ptr() + k_col * item
+                or (gate_out is not None and _overlaps(gate_out, qkv)))
     norm = q_weight is not None
     q_weight, k_weight, q_bias, k_bias = _dense(q_weight), _dense(k_weight), _dense(q_bias), _dense(k_bias)
-    # Absent weights/biases are never read (constexpr flags); any pointer of the right device fills the slot.
+    # Absent weights/biases/gate are never read or written (constexpr flags); any pointer of the right device
+    # fills the slot.
     q_w, k_w = (q_weight, k_weight) if norm else (qkv, qkv)
     q_b = q_bias if q_bias is not None else q_w
     k_b = k_bias if k_bias is not None else k_w
+    gate = gate_out if q_gate else q_out
     with _on_device(qkv):
         split_qkv_rmsnorm_rope_kernel[grid](
-            qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out,
+            qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out, gate,
             T, num_q_heads, num_kv_heads, float(eps), cos_sin_cache.shape[0], s_t, s_h, s_w,
             qkv.stride(0), pos_stride_axis, pos_stride_tok, cos_sin_cache.stride(0),
-            q_out.stride(0), k_out.stride(0), v_out.stride(0),
+            q_out.stride(0), k_out.stride(0), v_out.stride(0), gate.stride(0),
             HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
-            K_BIAS=k_bias is not None,
-            IS_NEOX=bool(is_neox), MROPE=mrope, MROPE_INTERLEAVED=bool(mrope_interleaved), IN_PLACE=in_place,
-            **cfg,
+            K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm,
+            IS_NEOX=bool(is_neox), MROPE=mrope, MROPE_INTERLEAVED=bool(mrope_interleaved), Q_GATE=bool(q_gate),
+            IN_PLACE=in_place, **cfg,
         )
+        if scratch is not None:  # every program has read qkv: the Q/gate region may now be overwritten
+            final_q.copy_(q_out)
+            final_gate.copy_(gate_out)
 
 
 def add_rmsnorm_out(
@@ -171,8 +225,6 @@ def add_rmsnorm_out(
     residual_out: Optional[torch.Tensor],
 ) -> None:
     """Triton ``add_rmsnorm`` into ``y_out`` (and ``residual_out`` with a residual); reference signature."""
-    if gemma:
-        raise NotImplementedError("qkvfuse triton: gemma not implemented yet")
     T, H = x.shape
     if T == 0:
         return
@@ -184,5 +236,5 @@ def add_rmsnorm_out(
         add_rmsnorm_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
             x, res, weight, bias if bias is not None else weight, y_out, res_out, T, H, float(eps),
             x.stride(0), res.stride(0), y_out.stride(0), res_out.stride(0),
-            HAS_RESIDUAL=has_res, HAS_BIAS=bias is not None, **cfg,
+            HAS_RESIDUAL=has_res, HAS_BIAS=bias is not None, GEMMA=bool(gemma), **cfg,
         )
