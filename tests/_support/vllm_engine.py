@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -26,6 +27,42 @@ def save_tiny_model(name: str, path: str, seed: int = 0) -> str:
 
     if not os.path.exists(os.path.join(path, "config.json")):
         build_tiny_model(name, dtype=torch.float32, seed=seed).save_pretrained(path)
+    return path
+
+
+# The qkvfuse backend of the gated-attention (Qwen3-Next / Qwen3.5) tests' fused calls: the reference until the
+# native CPU q_gate kernel is on main (until then a gated call on the cpu backend raises "not implemented by this
+# build yet"); then None, qkvfuse's default, and the engines run the plugin exactly as users switch it on.
+GATED_BACKEND: Optional[str] = "reference"
+
+
+def tiny_qwen3_next_config():
+    """The tiny Qwen3-Next of :mod:`qkvfuse._verify.tiny_models` at sizes vLLM-CPU runs: hidden 256, 4 layers (3
+    Gated DeltaNet + 1 full attention: 8/1 heads of 256, rotary 64, theta 1e7, Gemma QK-norm, gated Q), 4 experts
+    all routed per token (softmax top-k has no near-tie to flip between runs) + a shared expert, linear-attention
+    head dims 128 (vLLM-CPU's Gated DeltaNet refuses smaller ones: "Unexpected head dim size"; it also needs bf16)."""
+    from qkvfuse._verify.tiny_models import tiny_config
+
+    config = tiny_config("Qwen3-Next", hidden_size=256, num_experts=4, experts_per_tok=4)
+    config.linear_key_head_dim = config.linear_value_head_dim = 128
+    return config
+
+
+def save_tiny_qwen3_next(path: str, seed: int = 0) -> str:
+    """Save the random-weight model of :func:`tiny_qwen3_next_config` (built by ``build_tiny_model``: norm weights,
+    centred at 0, perturbed) to ``path``."""
+    from qkvfuse._verify.tiny_models import build_tiny_model
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model("Qwen3-Next", dtype=torch.float32, seed=seed, config=tiny_qwen3_next_config()
+                         ).save_pretrained(path)
+        # The published config.json's field that transformers 5.19's class does not keep (layer_types replaced
+        # it) and SGLang's own Qwen3-Next config reads.
+        with open(os.path.join(path, "config.json")) as f:
+            config = json.load(f)
+        config["full_attention_interval"] = 4
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
     return path
 
 

@@ -1,4 +1,5 @@
-"""qkvfuse inside SGLang: fused attention-prepare (and optionally add+RMSNorm) for Qwen3 / Qwen3-MoE / GLM-4.x.
+"""qkvfuse inside SGLang: fused attention-prepare (and optionally add+RMSNorm) for Qwen3 / Qwen3-MoE / GLM-4.x, and
+the gated attention-prepare of Qwen3-Next / Qwen3.5.
 
 Switched on per process environment, never by installing the package::
 
@@ -24,18 +25,25 @@ itself. SGLang's ``HookRegistry`` would import its targets in every process at p
 import hook; the wrapper is the AROUND hook it would install. After a model is built and its weights loaded,
 :func:`fuse_model` replaces, per qualifying layer *instance*, the one method that does the split + QK-norm +
 RoPE -- ``Qwen3Attention.forward_prepare_native`` (also Qwen3-VL's text model), ``Qwen3MoeAttention.
-apply_qk_norm_rope``, ``Glm4MoeAttention.forward_prepare`` (GLM-4.5/4.6/4.7, Air, GLM-4.5V's text model) -- with
-one that calls the layer's bound :class:`qkvfuse.QKNormRope` on the packed projection output in place (Q and K
-rewritten inside it, V a view: no copies). The classes and every other layer keep SGLang's code.
+apply_qk_norm_rope``, ``Glm4MoeAttention.forward_prepare`` (GLM-4.5/4.6/4.7, Air, GLM-4.5V's text model), and
+``forward_prepare_native`` of the full-attention decoder layers of Qwen3-Next (``Qwen3HybridAttentionDecoderLayer``)
+and Qwen3.5 / Qwen3.5-MoE (``Qwen3_5AttentionDecoderLayer``), gated (``q_gate``, Gemma q/k norms: ``gemma_norm``;
+it returns ``(q, k, v, gate)``) -- with one that calls the layer's bound :class:`qkvfuse.QKNormRope` on the packed
+projection output in place (Q and K rewritten inside it, V and the gate views: no copies). The classes and every
+other layer keep SGLang's code (the decoder norms of Qwen3-Next / Qwen3.5 too: they run inside SGLang's stage
+boundaries, which the ``add_rmsnorm`` option does not take over).
 
 A layer is fused only when it qualifies, else it keeps SGLang's code and the log says why: the SGLang methods
 replaced and the code whose semantics they reproduce hash to a tested version (:data:`TESTED_SOURCES`, SGLang
 0.5.23); the rotary module is ``RotaryEmbedding`` or a subclass that changes only its table (YaRN, linear, NTK,
 Llama-3 scaling), or ``MRotaryEmbedding`` (sectioned or interleaved; not the GLM-interleaved layout), with a
 table that covers the engine's context length (a shorter one SGLang may grow: left to SGLang); the QK-norms are
-plain ``RMSNorm(head_dim)``; none of SGLang's own fused QK-norm+RoPE kernels is active for the layer (aiter,
-sgl-kernel CPU/XPU/CUDA, NPU); a fast qkvfuse backend runs on the device. One log line per process says what it
-fused or why not, e.g. ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary 128, neox)``.
+plain ``RMSNorm(head_dim)`` or both ``GemmaRMSNorm(head_dim)``; none of SGLang's own fused QK-norm+RoPE kernels
+is active for the layer (aiter, sgl-kernel CPU/XPU/CUDA, NPU; Qwen3-Next's gfx950 aiter prologue; for Qwen3.5 its
+CUDA ``fused_qk_gemma_rmsnorm_rope_gate`` and its HIP/XPU/CPU fused norm+gate kernels, so Qwen3.5 is fused where
+SGLang's native prepare runs, e.g. its base platform on CPU); a fast qkvfuse backend runs on the device. One
+log line per process says what it fused or why not, e.g. ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary
+128, neox)``.
 
 A bound object follows the layer: it is rebuilt when SGLang replaces the rotary module, the table or a norm
 weight, or gives one new storage (identity and ``data_ptr``; SGLang's weight updates and cache growth do both).
@@ -103,6 +111,14 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "apply_interleaved_rope": ("88f2f5d8b1178ae2",),
     "apply_rotary_emb": ("14486971b6c3ee73",),
     "RMSNorm.forward_native": ("89513f603ab2f21b",),
+    "GemmaRMSNorm.forward_native": ("a539f9c0a57533e7",),
+    "Qwen3HybridAttentionDecoderLayer.forward_prepare_native": ("3effcbeb6bfe46fc",),
+    "Qwen3HybridAttentionDecoderLayer.self_attention": ("4f362224209930a5",),
+    "Qwen3HybridAttentionDecoderLayer._apply_qk_norm": ("fb32d37affbdcf8b",),
+    "Qwen3_5AttentionDecoderLayer.forward_prepare_native": ("55fa4b77b789b2b7",),
+    "Qwen3_5AttentionDecoderLayer._prepare_qkv_gate": ("506dd61bd80f364f",),
+    "Qwen3_5AttentionDecoderLayer.self_attention": ("89ad4bc1f835aecd",),
+    "Qwen3_5AttentionDecoderLayer._apply_qk_norm": ("aa79ba01ec93e4ec",),
     "Qwen3DecoderLayer.forward": ("462c8d36df49e44d",),
     "Qwen3MoeDecoderLayer.forward": ("64642d12c4a91782",),
     "Glm4MoeDecoderLayer.forward": ("e0047aa72f35ff23",),
@@ -111,15 +127,24 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Glm4MoeSparseMoeBlock._forward_shared_experts": ("e55e13c705dcd64f",),
 }
 
-# class -> (model module, the method the plugin replaces on the instance)
+# class -> (model module, the method the plugin replaces on the instance). Qwen3-Next and Qwen3.5 fold their
+# gated full attention into the decoder layer: the layer holds qkv_proj, q_norm/k_norm (GemmaRMSNorm) and
+# rotary_emb, and its forward_prepare_native returns (q, k, v, gate).
 _ATTENTION = {"Qwen3Attention": ("qwen3", "forward_prepare_native"),
               "Qwen3MoeAttention": ("qwen3_moe", "apply_qk_norm_rope"),
-              "Glm4MoeAttention": ("glm4_moe", "forward_prepare")}
+              "Glm4MoeAttention": ("glm4_moe", "forward_prepare"),
+              "Qwen3HybridAttentionDecoderLayer": ("qwen3_next", "forward_prepare_native"),
+              "Qwen3_5AttentionDecoderLayer": ("qwen3_5", "forward_prepare_native")}
 _ATTENTION_SOURCES = {"Qwen3Attention": ("forward", "forward_prepare_native"),
                       "Qwen3MoeAttention": ("forward_prepare_native", "apply_qk_norm_rope", "forward_core"),
-                      "Glm4MoeAttention": ("forward_prepare", "forward_core")}
+                      "Glm4MoeAttention": ("forward_prepare", "forward_core"),
+                      "Qwen3HybridAttentionDecoderLayer": ("forward_prepare_native", "self_attention",
+                                                           "_apply_qk_norm"),
+                      "Qwen3_5AttentionDecoderLayer": ("forward_prepare_native", "_prepare_qkv_gate",
+                                                       "self_attention", "_apply_qk_norm")}
 _SHARED_ATTENTION_SOURCES = ("apply_qk_norm", "RotaryEmbedding.forward_native", "MRotaryEmbedding.forward_native",
-                             "apply_interleaved_rope", "apply_rotary_emb", "RMSNorm.forward_native")
+                             "apply_interleaved_rope", "apply_rotary_emb", "RMSNorm.forward_native",
+                             "GemmaRMSNorm.forward_native")
 _DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "Glm4MoeDecoderLayer": "glm4_moe"}
 # RotaryEmbedding methods a subclass may not override to count as "changes only its table"
 _ROTARY_METHODS = ("forward", "forward_native", "forward_cpu", "forward_cuda", "forward_npu", "forward_xpu",
@@ -219,7 +244,8 @@ def _sglang_sources(module_name: str) -> Dict[str, Callable]:
              "MRotaryEmbedding.forward_native": mrope.MRotaryEmbedding.forward_native,
              "apply_interleaved_rope": mrope.apply_interleaved_rope,
              "apply_rotary_emb": utils.apply_rotary_emb,
-             "RMSNorm.forward_native": layernorm.RMSNorm.forward_native}
+             "RMSNorm.forward_native": layernorm.RMSNorm.forward_native,
+             "GemmaRMSNorm.forward_native": layernorm.GemmaRMSNorm.forward_native}
     for cls_name, (mod, _) in _ATTENTION.items():
         if mod == module_name and hasattr(models, cls_name):
             for method in _ATTENTION_SOURCES[cls_name]:
@@ -243,14 +269,15 @@ def _untested(names: List[str], module_name: str) -> Optional[str]:
 # Attention layers.
 # --------------------------------------------------------------------------------------------------------
 def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
-    """``(q, k, v)`` of ``qkv`` [T, (Hq + 2 Hkv) * D], Q and K normed and rotated in place; None when the layer
-    no longer qualifies (the bound prepare re-binds first when SGLang replaced or re-stored what it reads, and
-    says so once when the result does not qualify)."""
+    """``(q, k, v)`` of ``qkv`` [T, (Hq + 2 Hkv) * D], Q and K normed and rotated in place (a gated layer:
+    ``(q, k, v, gate)`` of ``[q_gate | k | v]``); None when the layer no longer qualifies (the bound prepare
+    re-binds first when SGLang replaced or re-stored what it reads, and says so once when the result does not
+    qualify) or, gated, for an empty batch (SGLang's code splits it)."""
     state = module._qkvfuse
     if not torch.compiler.is_compiling() and not state.ready(qkv):
         return None
     if qkv.shape[0] == 0:  # nothing to normalise; SGLang's split of an empty batch
-        return qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+        return None if state.q_gate else qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
     return state(qkv, positions)
 
 
@@ -295,8 +322,27 @@ def _fused_glm4_moe_prepare(self, positions: torch.Tensor, hidden_states, forwar
     return None, forward_batch, (q, k, v, forward_batch)
 
 
+def _fused_qwen3_next_prepare(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+    """``forward_prepare_native`` of Qwen3-Next's / Qwen3.5's full-attention decoder layer, fused: ``(q, k, v,
+    gate)`` (gate None when the layer has no output gate). Qwen3.5's gate is ``[T, Hq, D]``, as SGLang's own
+    (its ``fused_sigmoid_mul`` reads a 3-D gate by its strides; a 2-D one must be contiguous)."""
+    if isinstance(hidden_states, tuple):  # a fused all-reduce + quant input: SGLang's code picks the operand
+        return type(self).forward_prepare_native(self, positions, hidden_states)
+    qkv, _ = self.qkv_proj(hidden_states)
+    out = _prepare(self, qkv, positions)
+    if out is None:
+        return type(self).forward_prepare_native(self, positions, hidden_states)
+    if len(out) == 3:
+        return (*out, None)
+    q, k, v, gate = out
+    if type(self).__name__ == "Qwen3_5AttentionDecoderLayer":
+        gate = gate.unflatten(1, (self.num_heads, self.head_dim))
+    return q, k, v, gate
+
+
 _FUSED = {"Qwen3Attention": _fused_qwen3_prepare, "Qwen3MoeAttention": _fused_qwen3_moe_qk_norm_rope,
-          "Glm4MoeAttention": _fused_glm4_moe_prepare}
+          "Glm4MoeAttention": _fused_glm4_moe_prepare, "Qwen3HybridAttentionDecoderLayer": _fused_qwen3_next_prepare,
+          "Qwen3_5AttentionDecoderLayer": _fused_qwen3_next_prepare}
 
 
 def _competing_fusion(module) -> Optional[str]:
@@ -304,6 +350,15 @@ def _competing_fusion(module) -> Optional[str]:
     models = importlib.import_module(type(module).__module__)
     if getattr(models, "_is_npu", False):
         return "SGLang's NPU split_qkv_rmsnorm_rope path is active"
+    if getattr(models, "_use_fused_prologue", False) and getattr(module, "attn_output_gate", False):
+        return "SGLang's aiter fused attention prologue (gfx950) is active"
+    if type(module).__name__ == "Qwen3_5AttentionDecoderLayer":
+        for flag, kernel in (("_is_cuda", "fused_qk_gemma_rmsnorm_rope_gate"),
+                             ("_is_hip", "fused_qk_gemma_rmsnorm(_with_gate)"),
+                             ("_is_xpu", "fused_qk_gemma_rmsnorm(_with_gate)"),
+                             ("_is_cpu", "fused_qk_gemma_rmsnorm(_with_gate) (sgl-kernel CPU)")):
+            if getattr(models, flag, False):
+                return f"SGLang's own {kernel} kernel runs for this layer ({flag})"
     for flag in ("use_fused_qk_norm_rope", "use_fused_qk_norm_mrope", "use_fused_qk_norm_rope_cpu"):
         if getattr(module, flag, False):
             return f"SGLang's own fused QK-norm+RoPE kernel is on for this layer ({flag})"
@@ -312,7 +367,6 @@ def _competing_fusion(module) -> Optional[str]:
 
 def _attention_reason(module, context_len: Optional[int], backend: Optional[str]) -> Tuple[Optional[str], str]:
     """``(None, description)`` when ``module`` qualifies, else ``(reason, "")``."""
-    from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
     from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
 
@@ -342,8 +396,8 @@ def _attention_reason(module, context_len: Optional[int], backend: Optional[str]
         return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)", ""
     if getattr(module, "use_qk_norm", True):
         norms = (module.q_norm, module.k_norm)
-        if any(_plain_rmsnorm(n, RMSNorm, head_dim) is not None for n in norms):
-            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight", ""
+        if type(norms[0]) is not type(norms[1]) or any(_plain_norm(n, head_dim) is not None for n in norms):
+            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight (or both GemmaRMSNorm(head_dim))", ""
         if norms[0].variance_epsilon != norms[1].variance_epsilon:
             return "q_norm and k_norm have different eps", ""
     if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -356,6 +410,20 @@ def _attention_reason(module, context_len: Optional[int], backend: Optional[str]
     if base is MRotaryEmbedding and rot.mrope_section:
         mrope = f", mrope {list(rot.mrope_section)}{' interleaved' if rot.mrope_interleaved else ''}"
     return None, f"{name}, rotary {rotary_dim}, {style}{mrope}"
+
+
+def _plain_norm(norm, size: int) -> Optional[str]:
+    """None when ``norm`` is SGLang's plain ``RMSNorm(size)`` (:func:`_plain_rmsnorm`) or its ``GemmaRMSNorm(size)``
+    (weight centred at 0, ``1 + w`` in fp32: ``gemma_norm``), else a reason."""
+    from sglang.srt.layers.layernorm import GemmaRMSNorm, RMSNorm
+
+    if type(norm) is not GemmaRMSNorm:
+        return _plain_rmsnorm(norm, RMSNorm, size)
+    if "forward" in norm.__dict__ or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return "the GemmaRMSNorm has no weight or its forward is replaced"
+    if tuple(norm.weight.shape) != (size,):
+        return f"GemmaRMSNorm weight shape {tuple(norm.weight.shape)} != ({size},)"
+    return None
 
 
 def _plain_rmsnorm(norm, rmsnorm_cls, size: int) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""qkvfuse inside vLLM: fused attention-prepare (and optionally add+RMSNorm) for Qwen3 / Qwen3-MoE / GLM-4.x.
+"""qkvfuse inside vLLM: fused attention-prepare (and optionally add+RMSNorm) for Qwen3 / Qwen3-MoE / GLM-4.x /
+Qwen3-Next / Qwen3.5.
 
 Switched on per engine, never by installing the package::
 
@@ -22,10 +23,12 @@ How it hooks in. :func:`register` is the ``vllm.general_plugins`` entry point, w
 changed otherwise, and without vLLM it does nothing). After a model is built and
 its weights loaded, :func:`fuse_model` reads the options from the engine's config and, for each attention layer
 of a supported class (``Qwen3Attention``, ``Qwen3MoeAttention``, ``Glm4MoeAttention``: also the language models
-of Qwen3-VL and GLM-4.5V), replaces that *instance's* ``forward`` with one that calls the fused op -- the class
-and every other layer keep vLLM's code. One bound object per layer; eager calls rewrite Q and K inside the
-packed projection output (no copies); under ``torch.compile`` the functional op on the module's own parameters (a
-graph with no mutation of intermediates, no host syncs, shapes from the trace).
+of Qwen3-VL and GLM-4.5V; ``Qwen3NextAttention``, the full-attention layers of Qwen3-Next and Qwen3.5 /
+Qwen3.5-MoE, gated: ``QKNormRope(..., q_gate=True, gemma_norm=True)``, the output times ``sigmoid(gate)`` before
+``o_proj``), replaces that *instance's* ``forward`` with one that calls the fused op -- the class and every other
+layer (the Gated DeltaNet layers included) keep vLLM's code. One bound object per layer; eager calls rewrite Q
+and K inside the packed projection output (no copies); under ``torch.compile`` the functional op on the module's
+own parameters (a graph with no mutation of intermediates, no host syncs, shapes from the trace).
 
 The fused forwards follow the running model (weight syncs, sleep/offload, swapped tables and modules): each eager
 call reads what vLLM's own forward would read -- the layer's current ``rotary_emb``, its ``cos_sin_cache`` (cast
@@ -40,8 +43,11 @@ replaces and the vLLM code whose semantics it reproduces hash to a version it wa
 its table: YaRN, linear, NTK, Llama-3 scaling) or ``MRotaryEmbedding``, with a table of at least ``max_model_len``
 rows (positions vLLM accepts must never be refused inside an engine: a context extended past
 ``max_position_embeddings``, or a dynamic-NTK table, keeps vLLM's code); the norms are plain ``RMSNorm`` with one
-eps; head_dim even and <= 512, rotary_dim even and <= head_dim; a fast qkvfuse backend runs on the device; none
-of vLLM's own QK-norm+RoPE fusion passes is on. It logs once per process what it fused, e.g.
+eps, or both ``GemmaRMSNorm`` (decoder norms: either class); head_dim even and <= 512, rotary_dim even and <=
+head_dim; a fast qkvfuse backend runs on the device; none of vLLM's own QK-norm+RoPE fusions is on (the compile
+passes; for ``Qwen3NextAttention`` its ``fused_qk_rmsnorm_rope_gate`` kernel, which vLLM runs on CUDA/XPU for
+NeoX rotation with fp16/bf16 tables, text-only or interleaved mRoPE: such layers are left to vLLM, and fused where
+vLLM's kernel does not run, e.g. on CPU or with sectioned mRoPE). It logs once per process what it fused, e.g.
 ``qkvfuse: fused 36/36 Qwen3Attention (cpu, rotary 128, neox)``.
 
 Numerics: the rotary table used is vLLM's own (in the model dtype, as vLLM's rotation reads it); qkvfuse computes
@@ -83,17 +89,29 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Qwen3Attention.forward": ("0cd83a1ca6e0b9d9",),
     "Qwen3MoeAttention.forward": ("3b1a3f0021a921e2",),
     "Glm4MoeAttention.forward": ("146011759baad531",),
+    "Qwen3NextAttention.forward": ("af381100dc2cc58c",),
+    "Qwen3NextAttention._project_qkv_gate": ("b129de52f349c63f",),
     "RotaryEmbedding.forward_static": ("32056fe8f633e8b9",),
     "MRotaryEmbedding.forward_native": ("6ac6d9987318e64b",),
     "apply_interleaved_rope": ("2c8171918a095180",),
     "RMSNorm.forward_native": ("136165e3f2b54441",),
+    "GemmaRMSNorm.forward_native": ("9b8d1a43de8efffc",),
     "Qwen3DecoderLayer.forward": ("ed1f90a51dab0fe3",),
     "Qwen3MoeDecoderLayer.forward": ("ed1f90a51dab0fe3",),
     "Glm4MoeDecoderLayer.forward": ("8df3b528d54b1de4",),
+    "Qwen3NextDecoderLayer.forward": ("afc3b5b7784a8656",),
+    "Qwen3_5DecoderLayer.forward": ("afc3b5b7784a8656",),  # Qwen3NextDecoderLayer's, inherited
 }
 
-_ATTENTION = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe", "Glm4MoeAttention": "glm4_moe"}
-_DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "Glm4MoeDecoderLayer": "glm4_moe"}
+# class -> its model module. Qwen3NextAttention is also the full-attention layer of Qwen3.5 / Qwen3.5-MoE
+# (qwen3_5.py builds it), whose decoder layer is Qwen3_5DecoderLayer.
+_ATTENTION = {"Qwen3Attention": "qwen3", "Qwen3MoeAttention": "qwen3_moe", "Glm4MoeAttention": "glm4_moe",
+              "Qwen3NextAttention": "qwen3_next"}
+_DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "Glm4MoeDecoderLayer": "glm4_moe",
+            "Qwen3NextDecoderLayer": "qwen3_next", "Qwen3_5DecoderLayer": "qwen3_5"}
+# the methods of a class whose code the fused forward replaces (default: forward)
+_METHODS = {"Qwen3NextAttention": ("forward", "_project_qkv_gate")}
+_NORM_SOURCES = ["RMSNorm.forward_native", "GemmaRMSNorm.forward_native"]
 _OPTION_TYPES = {"attention": bool, "add_rmsnorm": bool, "verify": bool, "backend": str}
 
 
@@ -191,11 +209,13 @@ def _vllm_sources(module_name: str):
     found = {"RotaryEmbedding.forward_static": base.RotaryEmbedding.forward_static,
              "MRotaryEmbedding.forward_native": mrope.MRotaryEmbedding.forward_native,
              "apply_interleaved_rope": mrope.apply_interleaved_rope,
-             "RMSNorm.forward_native": layernorm.RMSNorm.forward_native}
+             "RMSNorm.forward_native": layernorm.RMSNorm.forward_native,
+             "GemmaRMSNorm.forward_native": layernorm.GemmaRMSNorm.forward_native}
     for table in (_ATTENTION, _DECODER):
         for cls_name, mod in table.items():
             if mod == module_name and hasattr(models, cls_name):
-                found[f"{cls_name}.forward"] = getattr(models, cls_name).forward
+                for method in _METHODS.get(cls_name, ("forward",)):
+                    found[f"{cls_name}.{method}"] = getattr(getattr(models, cls_name), method)
     return found
 
 
@@ -217,6 +237,11 @@ class _Prepare:
     tensor op). On a change the layer is checked again and re-bound, so no stale tensor, eps or recorded memory
     range is used; a layer that no longer qualifies (e.g. a table shorter than ``max_model_len``, a rotary class
     qkvfuse does not reproduce) runs vLLM's own forward until it qualifies again, with one log line.
+
+    Gated attention (Qwen3-Next / Qwen3.5: the layer's ``attn_output_gate``): the projection output is
+    ``[q_gate | k | v]``, Q and gate interleaved per head, and a call returns ``(q, k, v, gate)``. Gemma-style
+    q/k norms (weights centred at 0, ``1 + w`` in fp32) follow the norm class the layer holds at each bind: the
+    qualification rule admits only the engine's plain ``RMSNorm`` and ``GemmaRMSNorm``.
     """
 
     def __init__(self, module, backend: Optional[str], verify: bool, max_model_len: Optional[int] = None,
@@ -228,6 +253,7 @@ class _Prepare:
         self.qualifies = qualifies or (lambda m: _layer_reason(m, self.max_model_len, self.backend))
         self.qk_norm = getattr(module, "use_qk_norm", True)
         self.hq, self.hkv, self.head_dim = module.num_heads, module.num_kv_heads, module.head_dim
+        self.q_gate = bool(getattr(module, "attn_output_gate", False))
         self.binding = Rebinding(self._bind)
         self.prep = self.prep_1d = None
         if not self.ready(None):
@@ -274,28 +300,32 @@ class _Prepare:
                           f"model: {reason}")
             self.prep = self.prep_1d = None
             return None
-        self.prep, self.prep_1d, self.sections, self.interleaved, self.eps, self.is_neox = prep
+        self.prep, self.prep_1d, self.sections, self.interleaved, self.eps, self.is_neox, self.gemma = prep
         c = self.prep.config
         self.io_dtypes = served_dtypes((c.q_weight, c.k_weight, c.q_bias, c.k_bias))
         return self.prep
 
     def _bound_ops(self, rot, table, qn, q_weight, k_weight) -> tuple:
-        """The bound ops and their static arguments: ``(prep, prep_1d, sections, interleaved, eps, is_neox)``."""
+        """The bound ops and their static arguments: ``(prep, prep_1d, sections, interleaved, eps, is_neox,
+        gemma)``."""
         sections = tuple(rot.mrope_section) if getattr(rot, "mrope_section", None) else None
         interleaved = bool(getattr(rot, "mrope_interleaved", False))
         eps = qn.variance_epsilon if self.qk_norm else 1e-6
         is_neox = bool(rot.is_neox_style)
+        gemma = self.qk_norm and type(qn).__name__ == "GemmaRMSNorm"
         qw, kw = (None, None) if q_weight is None else (q_weight.detach(), k_weight.detach())
-        common = dict(q_weight=qw, k_weight=kw, eps=eps, is_neox=is_neox, backend=self.backend)
+        common = dict(q_weight=qw, k_weight=kw, eps=eps, is_neox=is_neox, q_gate=self.q_gate, gemma_norm=gemma,
+                      backend=self.backend)
         prep = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, mrope_section=sections,
                               mrope_interleaved=interleaved, **common)
         # MRotaryEmbedding also takes 1-D (text-only) positions: equal rows, i.e. plain RoPE on the same table.
         prep_1d = ops.QKNormRope(self.hq, self.hkv, self.head_dim, table, **common) if sections else prep
-        return prep, prep_1d, sections, interleaved, eps, is_neox
+        return prep, prep_1d, sections, interleaved, eps, is_neox, gemma
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor):
-        """Q and K of ``qkv`` normed and rotated in place; ``(q, k, v)`` views. Eager calls come after
-        :meth:`ready` returned True for this call."""
+        """Q and K of ``qkv`` normed and rotated in place; ``(q, k, v)`` views (``(q, k, v, gate)`` for a gated
+        layer, the row rewritten as ``[q | gate | k | v]``). Eager calls come after :meth:`ready` returned True
+        for this call."""
         if torch.compiler.is_compiling():
             # The module's current parameters and table as graph inputs (dynamo reads them at trace time).
             m = self.module
@@ -305,7 +335,7 @@ class _Prepare:
                 qkv, positions, m.rotary_emb._match_cos_sin_cache_dtype(qkv), self.hq, self.hkv, self.head_dim,
                 q_weight=qw, k_weight=kw, eps=self.eps, is_neox=self.is_neox,
                 mrope_section=self.sections if mrope else None, mrope_interleaved=self.interleaved,
-                backend=self.backend)
+                q_gate=self.q_gate, gemma_norm=self.gemma, backend=self.backend)
         prep = self.prep if positions.dim() == 2 or self.sections is None else self.prep_1d
         if self.verify:
             return _verified(self, prep, qkv, positions)
@@ -322,25 +352,36 @@ def _member(obj, group: str, name: str):
 
 def _fused_attention_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
     """vLLM's attention forward with the split + QK-norm + RoPE in one fused call (vLLM's own forward for a call
-    the layer no longer qualifies for)."""
+    the layer no longer qualifies for); a gated layer's output is multiplied by ``sigmoid(gate)`` before
+    ``o_proj``, as ``Qwen3NextAttention.forward`` does."""
     state = self._qkvfuse
     if not torch.compiler.is_compiling() and not state.ready(hidden_states):
         return type(self).forward(self, positions, hidden_states)
     qkv, _ = self.qkv_proj(hidden_states)
-    q, k, v = state(qkv, positions)
+    q, k, v, *gate = state(qkv, positions)
     attn_output = self.attn(q, k, v)
+    if gate:
+        attn_output = attn_output * torch.sigmoid(gate[0])
     output, _ = self.o_proj(attn_output)
     return output
 
 
-def _vllm_prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
-    """vLLM's own prepare (the code the fused forward replaces), on a copy of ``qkv``."""
-    q, k, v = qkv.clone().split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+def _ungated(qkv: torch.Tensor, hq: int, head_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``([q | k | v], gate)`` of a gated row ``[q_gate | k | v]`` (Q and gate interleaved per head), copies."""
+    q_gate = qkv[:, : 2 * hq * head_dim].reshape(-1, hq, 2, head_dim)
+    q, gate = q_gate[:, :, 0].reshape(-1, hq * head_dim), q_gate[:, :, 1].reshape(-1, hq * head_dim)
+    return torch.cat([q, qkv[:, 2 * hq * head_dim :]], dim=-1), gate
+
+
+def _vllm_prepare(module, qkv: torch.Tensor, positions: torch.Tensor, q_gate: bool = False):
+    """vLLM's own prepare (the code the fused forward replaces), on a copy of ``qkv``; ``(q, k, v[, gate])``."""
+    qkv, gate = _ungated(qkv, module.num_heads, module.head_dim) if q_gate else (qkv.clone(), None)
+    q, k, v = qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
     if getattr(module, "use_qk_norm", True):
         q = module.q_norm(q.reshape(-1, module.num_heads, module.head_dim)).reshape(q.shape)
         k = module.k_norm(k.reshape(-1, module.num_kv_heads, module.head_dim)).reshape(k.shape)
     q, k = module.rotary_emb(positions, q, k)
-    return q, k, v
+    return (q, k, v) if gate is None else (q, k, v, gate)
 
 
 def _verified(state: _Prepare, prep, qkv: torch.Tensor, positions: torch.Tensor):
@@ -349,15 +390,19 @@ def _verified(state: _Prepare, prep, qkv: torch.Tensor, positions: torch.Tensor)
     from .._verify.oracle import oracle_split
 
     module = state.module
-    unfused = _vllm_prepare(module, qkv, positions)
-    source = qkv.clone()
+    unfused = _vllm_prepare(module, qkv, positions, state.q_gate)
+    source, gate = _ungated(qkv, state.hq, state.head_dim) if state.q_gate else (qkv.clone(), None)
     outs = prep.inplace(qkv, positions)
     c = prep.config
     mrope = c.mrope
+    # Gemma weights as the plain weights they stand for (1 + w, exact in float64): the oracle's plain rule.
+    qw, kw = ((w.double() + 1 if state.gemma and w is not None else w) for w in (c.q_weight, c.k_weight))
     oracle = oracle_split(source, positions, c.cos_sin_cache, state.hq, state.hkv, state.head_dim,
-                          q_weight=c.q_weight, k_weight=c.k_weight, eps=state.eps, is_neox=state.is_neox,
+                          q_weight=qw, k_weight=kw, eps=state.eps, is_neox=state.is_neox,
                           mrope_section=state.sections if mrope else None, mrope_interleaved=state.interleaved)
-    report = check_split_outputs(outs, oracle, unfused, source, state.hq, state.hkv, state.head_dim)
+    report = check_split_outputs(outs[:3], oracle, unfused[:3], source, state.hq, state.hkv, state.head_dim)
+    if gate is not None and not torch.equal(outs[3], gate):
+        raise RuntimeError(f"qkvfuse verify: {type(module).__name__} fused gate is not a bit-exact copy")
     if not report.ok:
         raise RuntimeError(f"qkvfuse verify: {type(module).__name__} fused output fails the accuracy rule against "
                            f"vLLM's own path: {report}")
@@ -378,6 +423,8 @@ def _attention_reason(module, vllm_config, backend: Optional[str]) -> Tuple[Opti
     flag = _competing_pass(vllm_config, ("enable_qk_norm_rope_fusion", "fuse_qk_norm_rope_kvcache"))
     if flag:
         return f"vLLM's own QK-norm+RoPE fusion pass is on (pass_config.{flag})", ""
+    if getattr(module, "use_fused_qk_norm_rope_gate", False):  # Qwen3NextAttention on CUDA/XPU (its own rule)
+        return "vLLM's own fused_qk_rmsnorm_rope_gate kernel runs for this layer (use_fused_qk_norm_rope_gate)", ""
     reason = _layer_reason(module, _max_model_len(vllm_config), backend)
     if reason is not None:
         return reason, ""
@@ -400,7 +447,6 @@ def _max_model_len(vllm_config) -> Optional[int]:
 def _layer_reason(module, max_model_len: Optional[int], backend: Optional[str]) -> Optional[str]:
     """Why the layer's current rotary module, table and norms do not qualify, or None. Checked at load and
     whenever one of them changed in the running engine."""
-    from vllm.model_executor.layers.layernorm import RMSNorm
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
     from vllm.model_executor.layers.rotary_embedding.mrope import MRotaryEmbedding
 
@@ -427,10 +473,10 @@ def _layer_reason(module, max_model_len: Optional[int], backend: Optional[str]) 
         return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)"
     if getattr(module, "use_qk_norm", True):
         norms = (getattr(module, "q_norm", None), getattr(module, "k_norm", None))
-        if any(type(n) is not RMSNorm or not n.has_weight or n.variance_size_override is not None
-               or "forward" in n.__dict__ or not isinstance(n.weight, torch.Tensor)
-               or tuple(n.weight.shape) != (head_dim,) for n in norms):
-            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight"
+        if (type(norms[0]) is not type(norms[1]) or any(
+                _plain_norm_reason(n) or "forward" in n.__dict__ or tuple(n.weight.shape) != (head_dim,)
+                for n in norms)):
+            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight (or both GemmaRMSNorm(head_dim))"
         if norms[0].variance_epsilon != norms[1].variance_epsilon:
             return "q_norm and k_norm have different eps"
         if any(n.weight.device != cache.device for n in norms):
@@ -447,18 +493,21 @@ def _layer_reason(module, max_model_len: Optional[int], backend: Optional[str]) 
 # Decoder-layer add + RMSNorm.
 # --------------------------------------------------------------------------------------------------------
 class _Norm:
-    """One decoder-layer RMSNorm run by qkvfuse: in place with a residual (vLLM's fused kernel's form)."""
+    """One decoder-layer RMSNorm run by qkvfuse: in place with a residual (vLLM's fused kernel's form). A
+    ``GemmaRMSNorm`` (the engine's class of that name: weight centred at 0, ``1 + w`` in fp32) runs as
+    ``AddRMSNorm(..., gemma_norm=True)``."""
 
     def __init__(self, norm, backend: Optional[str], engine: str = "vLLM"):
         self.norm, self.backend, self.engine = norm, backend, engine
         self.eps = norm.variance_epsilon
+        self.gemma = type(norm).__name__ == "GemmaRMSNorm"
         # Rebuilt when the weight is replaced or changes storage (`weight.data = ...`, `model._apply`), so the
         # bound op never reads freed memory or compares against stale byte ranges.
         self.binding = Rebinding(self._build)
 
     def _build(self, weight) -> Optional[ops.AddRMSNorm]:
         try:
-            return ops.AddRMSNorm(weight.detach(), self.eps, backend=self.backend)
+            return ops.AddRMSNorm(weight.detach(), self.eps, gemma_norm=self.gemma, backend=self.backend)
         except (ValueError, TypeError, AttributeError) as exc:  # e.g. a weight swapped for another shape
             _log_once(f"qkvfuse: an RMSNorm runs {self.engine}'s code after a change to the running model: {exc}")
             return None
@@ -470,7 +519,8 @@ class _Norm:
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if torch.compiler.is_compiling():
-            y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, backend=self.backend)
+            y, r = ops.add_rmsnorm(x, residual, self.norm.weight, self.eps, gemma_norm=self.gemma,
+                                   backend=self.backend)
             return y if residual is None else (y, r)
         bound = self.binding.get(_member(self.norm, "_parameters", "weight"))
         if bound is None or x.dtype not in served_dtypes((bound.config.weight, bound.config.bias)):
@@ -486,15 +536,26 @@ def _fused_norm_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] 
     return self._qkvfuse(x, residual)
 
 
-def _norm_reason(norm, vllm_config, backend: Optional[str]) -> Optional[str]:
-    from vllm.model_executor.layers.layernorm import RMSNorm
+def _plain_norm_reason(norm) -> Optional[str]:
+    """None when ``norm`` is vLLM's plain ``RMSNorm`` with a weight or its ``GemmaRMSNorm`` (what qkvfuse computes,
+    ``gemma_norm`` for the latter), else a reason."""
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
 
+    kind = type(norm)
+    plain = kind is GemmaRMSNorm or (kind is RMSNorm and norm.has_weight and norm.variance_size_override is None)
+    if not plain or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        return f"{kind.__name__} is not a plain RMSNorm with a weight (or a GemmaRMSNorm)"
+    return None
+
+
+def _norm_reason(norm, vllm_config, backend: Optional[str]) -> Optional[str]:
     flag = _competing_pass(vllm_config, ("fuse_allreduce_rms",) + (("fuse_norm_quant",) if vllm_config.quant_config
                                                                    is not None else ()))
     if flag:
         return f"vLLM's own norm fusion pass is on (pass_config.{flag})"
-    if type(norm) is not RMSNorm or not norm.has_weight or norm.variance_size_override is not None:
-        return f"{type(norm).__name__} is not a plain RMSNorm with a weight"
+    reason = _plain_norm_reason(norm)
+    if reason:
+        return reason
     name = resolve_backend(backend, norm.weight.device.type)
     if name == "reference" and backend != "reference":
         return f"no fast qkvfuse backend for {norm.weight.device.type} tensors"
@@ -543,9 +604,9 @@ def fuse_model(model: torch.nn.Module, vllm_config) -> Report:
         if table is None or _module_of(type(module)) != table[cls_name]:
             continue
         if cls_name not in untested:
-            names = [f"{cls_name}.forward"] + (["RotaryEmbedding.forward_static", "MRotaryEmbedding.forward_native",
-                                                "apply_interleaved_rope", "RMSNorm.forward_native"]
-                                               if table is _ATTENTION else ["RMSNorm.forward_native"])
+            names = [f"{cls_name}.{m}" for m in _METHODS.get(cls_name, ("forward",))] + (
+                ["RotaryEmbedding.forward_static", "MRotaryEmbedding.forward_native", "apply_interleaved_rope"]
+                if table is _ATTENTION else []) + _NORM_SOURCES
             untested[cls_name] = _untested(names, table[cls_name])
         if table is _ATTENTION:
             _fuse_attention(module, cls_name, vllm_config, opts, untested[cls_name], report)

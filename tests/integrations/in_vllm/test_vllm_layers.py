@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import qkvfuse
 from qkvfuse.integrations import vllm as plugin
 
 T = 11
@@ -342,3 +343,189 @@ def test_decoder_norm_follows_data_swaps(vllm_config):
         assert not torch.allclose(same(0), first)
         bound = fused._qkvfuse.bound
         assert bound.config.weight.data_ptr() == fused.weight.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Gated attention (issue 22): Qwen3NextAttention, the full-attention layer of Qwen3-Next and (built by vLLM's
+# qwen3_5.py, which imports torchvision and cannot load here) Qwen3.5 / Qwen3.5-MoE with interleaved mRoPE.
+# ------------------------------------------------------------------------------------------------------------
+GATED = {
+    "qwen3-next": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+    "qwen3.5": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+}
+
+
+class Seen(nn.Module):
+    """Stands in for vLLM's ``Attention`` of a gated layer: records ``(q, k, v)`` and returns ``q`` (the forward
+    then multiplies it by ``sigmoid(gate)``)."""
+
+    def forward(self, q, k, v):
+        self.seen = (q.clone(), k.clone(), v.clone())
+        return q.clone()
+
+
+def _gated_layer(rope_parameters: dict, dtype=torch.float32):
+    """vLLM's ``Qwen3NextAttention`` (6 Q heads, 2 KV heads of 256, Gemma q/k norms with weights around 0) with
+    random weights; its ``attn`` a :class:`Seen`, its ``o_proj`` the identity."""
+    from vllm.model_executor.models import qwen3_next
+
+    config = types.SimpleNamespace(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=256,
+                                   rms_norm_eps=1e-6, max_position_embeddings=512, rope_parameters=rope_parameters)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(qwen3_next, "Attention", lambda *args, **kwargs: Seen())
+        layer = qwen3_next.Qwen3NextAttention(config, prefix=f"model.layers.{next(_count)}.self_attn")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():  # norm weights centred at 0, as Gemma-style checkpoints store them
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 0.2))
+    layer = layer.to(dtype)
+    layer.qkv_proj.quant_method.process_weights_after_loading(layer.qkv_proj)
+    layer.o_proj = Identity()
+    return layer.eval()
+
+
+def _gated_fused(layer, vllm_config, verify=False):
+    from _support.vllm_engine import GATED_BACKEND
+
+    report = plugin.Report()
+    plugin._fuse_attention(layer, "Qwen3NextAttention", vllm_config,
+                           plugin.Options(attention=True, verify=verify, backend=GATED_BACKEND), None, report)
+    assert report.fused == {"Qwen3NextAttention": 1}, report.lines()
+    return layer, report
+
+
+def _gated_runs(layer, cases, hidden):
+    """``[(output, (q, k, v))]`` of the layer's forward for each ``(positions, hidden)``."""
+    out = []
+    for p, h in zip(cases, hidden):
+        y = layer(p, h)
+        out.append((y, layer.attn.seen))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(GATED))
+def test_gated_fused_forward_matches_vllms_forward(vllm_config, monkeypatch, name, dtype):
+    """One bound ``QKNormRope(q_gate=True, gemma_norm=True)`` call per forward: output (attention times
+    ``sigmoid(gate)``) and the q, k, v given to attention equal vLLM's own ``_project_qkv_gate`` path (fp32 within
+    2e-6; bf16: every call passes the ``verify`` option's accuracy rule against a float64 oracle and vLLM's path,
+    gate bit-exact, and the output is within a couple of bf16 ulps)."""
+    rope = GATED[name]
+    layer = _gated_layer(rope, dtype)
+    mrope = "mrope_section" in rope
+    cases = [_positions(mrope, s) for s in range(2)] + ([_positions(False, 5)] if mrope else [])  # + text-only
+    hidden = [torch.randn(T, 96, generator=torch.Generator().manual_seed(s)).to(dtype) for s in range(len(cases))]
+    calls, inplace = [], qkvfuse.QKNormRope.inplace
+    monkeypatch.setattr(qkvfuse.QKNormRope, "inplace", lambda self, *a: calls.append(1) or inplace(self, *a))
+    with torch.inference_mode():
+        want = [(type(layer).forward(layer, p, h), layer.attn.seen) for p, h in zip(cases, hidden)]
+        _, report = _gated_fused(layer, vllm_config, verify=dtype == torch.bfloat16)
+        got = _gated_runs(layer, cases, hidden)
+    assert len(calls) == len(cases)  # the fused path ran, once per forward
+    detail = report.details["Qwen3NextAttention"]
+    assert detail.endswith("rotary 64, neox" + (", mrope [11, 11, 10] interleaved" if mrope else "")), detail
+    assert layer._qkvfuse.prep.config.q_gate and layer._qkvfuse.prep.config.gemma_norm
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -6, atol=2 ** -6)
+    for (y, seen), (y_ref, seen_ref) in zip(got, want):
+        assert torch.isfinite(y).all()
+        for a, b in zip((y, *seen), (y_ref, *seen_ref)):
+            torch.testing.assert_close(a, b, **tol)
+        assert torch.equal(seen[2], seen_ref[2])  # v: a bit-exact view
+
+
+def test_gated_verify_catches_a_wrong_gate(vllm_config, monkeypatch):
+    layer, _ = _gated_fused(_gated_layer(GATED["qwen3.5"], torch.bfloat16), vllm_config, verify=True)
+    state = layer._qkvfuse
+    original = state.prep.inplace
+
+    def wrong_gate(self, qkv, pos):
+        q, k, v, gate = original(qkv, pos)
+        gate[0, 0] += 1
+        return q, k, v, gate
+
+    monkeypatch.setattr(type(state.prep), "inplace", wrong_gate)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="fused gate is not a bit-exact copy"):
+        layer(_positions(True), torch.randn(T, 96).to(torch.bfloat16))
+
+
+def test_gated_fused_forward_compiles_without_graph_breaks(vllm_config):
+    layer, _ = _gated_fused(_gated_layer(GATED["qwen3.5"]), vllm_config)
+    positions, hidden = _positions(True), torch.randn(T, 96)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        eager = layer(positions, hidden)
+        compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")(positions, hidden)
+    assert torch.equal(compiled, eager)
+
+
+def test_gated_layer_is_left_where_vllms_own_kernel_runs(vllm_config):
+    """On CUDA/XPU (NeoX, fp16/bf16 table, text-only or interleaved mRoPE) vLLM's ``fused_qk_rmsnorm_rope_gate``
+    runs (its ``use_fused_qk_norm_rope_gate``): the plugin leaves the layer to it. Elsewhere (CPU here) it fuses."""
+    layer = _gated_layer(GATED["qwen3.5"])
+    assert layer.use_fused_qk_norm_rope_gate is False  # a CPU platform: vLLM's kernel does not run
+    layer.use_fused_qk_norm_rope_gate = True  # what vLLM's rule gives on a CUDA platform
+    report = plugin.Report()
+    plugin._fuse_attention(layer, "Qwen3NextAttention", vllm_config, plugin.Options(attention=True), None, report)
+    assert report.fused == {} and "forward" not in layer.__dict__
+    assert "vLLM's own fused_qk_rmsnorm_rope_gate kernel runs for this layer" in report.reasons["Qwen3NextAttention"]
+
+
+def test_gated_layer_with_untested_vllm_code_keeps_vllms_code(vllm_config, monkeypatch):
+    """``fuse_model`` on a model holding the layer: a ``_project_qkv_gate`` whose source hash is not a tested
+    one leaves the layer to vLLM (its forward bit-identical), with the reason in the report."""
+    from _support.vllm_engine import GATED_BACKEND
+
+    layer = _gated_layer(GATED["qwen3-next"])
+    positions, hidden = _positions(False), torch.randn(T, 96)
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3NextAttention._project_qkv_gate", ("0" * 16,))
+    monkeypatch.setattr(vllm_config, "additional_config",
+                        {"qkvfuse": {"attention": True, "backend": GATED_BACKEND}})
+    with torch.inference_mode():
+        want = type(layer).forward(layer, positions, hidden)
+        report = plugin.fuse_model(nn.ModuleList([layer]), vllm_config)
+        got = layer(positions, hidden)
+    assert report.fused == {} and "forward" not in layer.__dict__ and torch.equal(got, want)
+    assert report.reasons["Qwen3NextAttention"].startswith("Qwen3NextAttention._project_qkv_gate differs from the "
+                                                           "vLLM versions"), report.reasons
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemma_decoder_norm_matches_vllms(vllm_config, dtype):
+    """The ``add_rmsnorm`` option on a Qwen3-Next decoder norm (``GemmaRMSNorm``: ``1 + w`` in fp32): qkvfuse's
+    ``AddRMSNorm(gemma_norm=True)`` equals vLLM's, with and without a residual; the residual bit-exact."""
+    import copy
+
+    from _support.vllm_engine import GATED_BACKEND
+    from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+
+    ref = GemmaRMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(0.1 * torch.randn(96, generator=torch.Generator().manual_seed(1)))
+    ref = ref.to(dtype)
+    fused = copy.deepcopy(ref)
+    assert plugin._norm_reason(fused, vllm_config, GATED_BACKEND) is None
+    fused._qkvfuse = plugin._Norm(fused, GATED_BACKEND)
+    fused.forward = types.MethodType(plugin._fused_norm_forward, fused)
+    g = torch.Generator().manual_seed(2)
+    x, r = torch.randn(T, 96, generator=g).to(dtype), torch.randn(T, 96, generator=g).to(dtype)
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x.clone()), ref(x.clone()), **tol)
+        got, want = fused(x.clone(), r.clone()), ref(x.clone(), r.clone())
+    torch.testing.assert_close(got[0], want[0], **tol)
+    assert torch.equal(got[1], want[1])
+    assert fused._qkvfuse.bound.config.gemma_norm
+
+
+def test_tested_sources_are_this_vllms():
+    """Every hash in TESTED_SOURCES is the installed vLLM's (0.32.0). qwen3_5.py cannot be imported here (it
+    imports torchvision): its decoder layer's forward is Qwen3NextDecoderLayer's, inherited."""
+    found = {}
+    for module in ("qwen3", "qwen3_moe", "glm4_moe", "qwen3_next"):
+        found.update(plugin._vllm_sources(module))
+    assert set(plugin.TESTED_SOURCES) - set(found) == {"Qwen3_5DecoderLayer.forward"}
+    tested = plugin.TESTED_SOURCES
+    assert tested["Qwen3_5DecoderLayer.forward"] == tested["Qwen3NextDecoderLayer.forward"]
+    for name, fn in found.items():
+        assert plugin.source_hash(fn) in plugin.TESTED_SOURCES[name], name
