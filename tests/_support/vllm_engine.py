@@ -30,12 +30,6 @@ def save_tiny_model(name: str, path: str, seed: int = 0) -> str:
     return path
 
 
-# The qkvfuse backend of the gated-attention (Qwen3-Next / Qwen3.5) tests' fused calls: the reference until the
-# native CPU q_gate kernel is on main (until then a gated call on the cpu backend raises "not implemented by this
-# build yet"); then None, qkvfuse's default, and the engines run the plugin exactly as users switch it on.
-GATED_BACKEND: Optional[str] = "reference"
-
-
 def tiny_qwen3_next_config():
     """The tiny Qwen3-Next of :mod:`qkvfuse._verify.tiny_models` at sizes vLLM-CPU runs: hidden 256, 4 layers (3
     Gated DeltaNet + 1 full attention: 8/1 heads of 256, rotary 64, theta 1e7, Gemma QK-norm, gated Q), 4 experts

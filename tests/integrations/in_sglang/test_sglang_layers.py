@@ -319,7 +319,6 @@ def test_gated_fused_prepare_matches_sglangs_prepare(sglang_dist, monkeypatch, n
     qkvfuse's accuracy rule against a float64 oracle, SGLang's path as the unfused baseline), v and gate
     bit-exact (Qwen3.5's gate ``[T, Hq, D]`` as SGLang's)."""
     import qkvfuse
-    from _support.vllm_engine import GATED_BACKEND
     from qkvfuse.integrations.vllm import _ungated
 
     layer = _gated_layer(name, dtype)
@@ -332,8 +331,8 @@ def test_gated_fused_prepare_matches_sglangs_prepare(sglang_dist, monkeypatch, n
         sources = [layer.qkv_proj(h)[0] for h in hidden]
         want = [tuple(t.clone() for t in layer.forward_prepare_native(p, h)) for p, h in zip(cases, hidden)]
         # bf16: the verify option too (the accuracy rule on every fused call, inside the plugin)
-        report = plugin.fuse_attention(layer, plugin.Options(attention=True, backend=GATED_BACKEND,
-                                                             verify=dtype == torch.bfloat16), context_len=MAX_POS)
+        report = plugin.fuse_attention(layer, plugin.Options(attention=True, verify=dtype == torch.bfloat16),
+                                       context_len=MAX_POS)
         got = [layer.forward_prepare_native(p, h) for p, h in zip(cases, hidden)]
     assert report.fused == {GATED[name]: 1}, report.lines()
     assert report.details[GATED[name]].endswith(

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from _support.vllm_engine import GATED_BACKEND, PROMPTS, assert_same_greedy, generate, hf_generate, save_tiny_qwen3_next
+from _support.vllm_engine import PROMPTS, assert_same_greedy, generate, hf_generate, save_tiny_qwen3_next
 from qkvfuse.integrations import vllm as plugin
 
 ON = {"attention": True, "add_rmsnorm": True}
@@ -93,10 +93,9 @@ def test_qwen3_next_tokens_equal_plugin_off_and_untested_code_is_refused(tmp_pat
     equal the plugin off (up to near ties). Then a ``_project_qkv_gate`` whose source hash is not a tested one:
     the layer is left to vLLM, bit-identical to the plugin off."""
     model_dir = save_tiny_qwen3_next(str(tmp_path / "qwen3-next"))
-    backend = {} if GATED_BACKEND is None else {"backend": GATED_BACKEND}
     off = generate(model_dir, "bfloat16", {"attention": False})
     assert off.fused == {} and calls == {"attention": 0, "norm": 0}
-    on = generate(model_dir, "bfloat16", {**ON, **backend})
+    on = generate(model_dir, "bfloat16", ON)
     assert on.fused == {"Qwen3NextAttention": 1, "GemmaRMSNorm": 8}, on.fused
     assert calls["attention"] > 0 and calls["norm"] > 0
     assert any(m.startswith("qkvfuse: fused 1/1 Qwen3NextAttention (") and m.endswith(", rotary 64, neox)")
@@ -109,7 +108,7 @@ def test_qwen3_next_tokens_equal_plugin_off_and_untested_code_is_refused(tmp_pat
 
     monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3NextAttention._project_qkv_gate", ("0" * 16,))
     before = calls["attention"]
-    refused = generate(model_dir, "bfloat16", {"attention": True, **backend})
+    refused = generate(model_dir, "bfloat16", {"attention": True})
     assert refused.fused == {} and calls["attention"] == before
     assert (refused.tokens, refused.logprobs) == (off.tokens, off.logprobs)
     assert any("left 1/1 Qwen3NextAttention to vLLM: Qwen3NextAttention._project_qkv_gate differs from the vLLM "

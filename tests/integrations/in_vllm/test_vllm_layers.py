@@ -386,11 +386,9 @@ def _gated_layer(rope_parameters: dict, dtype=torch.float32):
 
 
 def _gated_fused(layer, vllm_config, verify=False):
-    from _support.vllm_engine import GATED_BACKEND
-
     report = plugin.Report()
     plugin._fuse_attention(layer, "Qwen3NextAttention", vllm_config,
-                           plugin.Options(attention=True, verify=verify, backend=GATED_BACKEND), None, report)
+                           plugin.Options(attention=True, verify=verify), None, report)
     assert report.fused == {"Qwen3NextAttention": 1}, report.lines()
     return layer, report
 
@@ -474,13 +472,11 @@ def test_gated_layer_is_left_where_vllms_own_kernel_runs(vllm_config):
 def test_gated_layer_with_untested_vllm_code_keeps_vllms_code(vllm_config, monkeypatch):
     """``fuse_model`` on a model holding the layer: a ``_project_qkv_gate`` whose source hash is not a tested
     one leaves the layer to vLLM (its forward bit-identical), with the reason in the report."""
-    from _support.vllm_engine import GATED_BACKEND
-
     layer = _gated_layer(GATED["qwen3-next"])
     positions, hidden = _positions(False), torch.randn(T, 96)
     monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3NextAttention._project_qkv_gate", ("0" * 16,))
     monkeypatch.setattr(vllm_config, "additional_config",
-                        {"qkvfuse": {"attention": True, "backend": GATED_BACKEND}})
+                        {"qkvfuse": {"attention": True}})
     with torch.inference_mode():
         want = type(layer).forward(layer, positions, hidden)
         report = plugin.fuse_model(nn.ModuleList([layer]), vllm_config)
@@ -496,7 +492,6 @@ def test_gemma_decoder_norm_matches_vllms(vllm_config, dtype):
     ``AddRMSNorm(gemma_norm=True)`` equals vLLM's, with and without a residual; the residual bit-exact."""
     import copy
 
-    from _support.vllm_engine import GATED_BACKEND
     from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 
     ref = GemmaRMSNorm(96, eps=1e-6)
@@ -504,8 +499,8 @@ def test_gemma_decoder_norm_matches_vllms(vllm_config, dtype):
         ref.weight.copy_(0.1 * torch.randn(96, generator=torch.Generator().manual_seed(1)))
     ref = ref.to(dtype)
     fused = copy.deepcopy(ref)
-    assert plugin._norm_reason(fused, vllm_config, GATED_BACKEND) is None
-    fused._qkvfuse = plugin._Norm(fused, GATED_BACKEND)
+    assert plugin._norm_reason(fused, vllm_config, None) is None
+    fused._qkvfuse = plugin._Norm(fused, None)
     fused.forward = types.MethodType(plugin._fused_norm_forward, fused)
     g = torch.Generator().manual_seed(2)
     x, r = torch.randn(T, 96, generator=g).to(dtype), torch.randn(T, 96, generator=g).to(dtype)
