@@ -50,7 +50,7 @@ import torch
 from . import _checks
 
 __all__ = ["NAMESPACES", "OPS", "Q_GATE", "GEMMA", "encode_rope", "decode_rope", "decode_flags", "impl_library",
-           "register_kernels", "check_positions", "MAX_HEAD_DIM"]
+           "register_kernels", "schema_kernels", "check_positions", "MAX_HEAD_DIM"]
 
 # Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
@@ -229,6 +229,12 @@ def impl_library(backend: str) -> torch.library.Library:
 
 def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut) -> None:
     """Register reference-signature kernels for all six ops of ``lib``'s namespace on ``dispatch_key``."""
+    for op, kernel in schema_kernels(split_out, norm_out).items():
+        lib.impl(op, kernel, dispatch_key)
+
+
+def schema_kernels(split_out: SplitOut, norm_out: NormOut) -> dict:
+    """``{op name: kernel with the op's schema}`` for each of :data:`OPS`, from reference-signature kernels."""
 
     # Each kernel checks its own arguments (qkvfuse._checks), then runs: a raw torch.ops call is as safe as a
     # public one.
@@ -272,12 +278,9 @@ def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: S
         _checks.check_norm(x, residual, weight, bias, inplace=True)
         norm_out(x, residual, weight, bias, eps, gemma, x, residual)
 
-    lib.impl("split_qkv_rmsnorm_rope", functional, dispatch_key)
-    lib.impl("split_qkv_rmsnorm_rope_out", out, dispatch_key)
-    lib.impl("split_qkv_rmsnorm_rope_inplace", inplace, dispatch_key)
-    lib.impl("add_rmsnorm", norm_functional, dispatch_key)
-    lib.impl("add_rmsnorm_out", norm_checked_out, dispatch_key)
-    lib.impl("add_rmsnorm_inplace", norm_inplace, dispatch_key)
+    return {"split_qkv_rmsnorm_rope": functional, "split_qkv_rmsnorm_rope_out": out,
+            "split_qkv_rmsnorm_rope_inplace": inplace, "add_rmsnorm": norm_functional,
+            "add_rmsnorm_out": norm_checked_out, "add_rmsnorm_inplace": norm_inplace}
 
 
 # --------------------------------------------------------------------------------------------------------

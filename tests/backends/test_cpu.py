@@ -202,6 +202,57 @@ def _run_child(script: str, env_changes, timeout=300):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("form", ["split_inplace", "split_gated_inplace", "split_out", "split", "norm_inplace",
+                                  "norm_out", "norm"])
+def test_first_call_of_a_process_runs_the_native_kernel_of_its_own_op(form):
+    """The first call of a process goes through the building-on-first-call kernel, which then runs the called op's
+    own C++ kernel (not another form's): a gated in-place first call must not be refused as an overlapping out=
+    call; its results are bitwise those of the next call, and an in-place write bumps the version counter once."""
+    script = f"""
+        import json, torch, qkvfuse
+        form = {form!r}
+        T, hq, hkv, D = 3, 4, 1, 256
+        cache = qkvfuse.build_cos_sin_cache(64, 64, 1e7)
+        gated = form == "split_gated_inplace"
+        qkv = torch.randn(T, ((2 if gated else 1) * hq + 2 * hkv) * D, generator=torch.Generator().manual_seed(0))
+        qkv, pos, w = qkv.to(torch.bfloat16), torch.arange(T), torch.randn(D) * 0.1
+        kw = dict(q_weight=w, k_weight=w, q_gate=gated, gemma_norm=gated)
+        x, r, nw = torch.randn(T, 64).to(torch.bfloat16), torch.randn(T, 64).to(torch.bfloat16), torch.randn(64)
+
+        def call():  # the form under test on fresh copies: (outputs, version bumps of the written tensor)
+            if form.startswith("split"):
+                target = qkv.clone()
+                before = target._version
+                if form == "split":
+                    got = qkvfuse.split_qkv_rmsnorm_rope(target, pos, cache, hq, hkv, D, **kw)
+                elif form == "split_out":
+                    got = tuple(torch.empty(T, n * D, dtype=qkv.dtype) for n in (hq, hkv, hkv))
+                    qkvfuse.split_qkv_rmsnorm_rope(target, pos, cache, hq, hkv, D, out=got, **kw)
+                else:
+                    got = qkvfuse.split_qkv_rmsnorm_rope_(target, pos, cache, hq, hkv, D, **kw)
+            else:
+                target, res = x.clone(), r.clone()
+                before = target._version
+                if form == "norm":
+                    got = qkvfuse.add_rmsnorm(target, res, nw)
+                elif form == "norm_out":
+                    got = (torch.empty_like(x), torch.empty_like(x))
+                    qkvfuse.add_rmsnorm(target, res, nw, out=got)
+                else:
+                    got = qkvfuse.add_rmsnorm_(target, res, nw)
+            return [t.clone() for t in got], target._version - before
+
+        first, bumps = call()  # through the building-on-first-call kernel
+        later, later_bumps = call()  # the C++ kernel the dispatcher now calls directly
+        from qkvfuse.backends import cpu
+        print(json.dumps({{"native": cpu.available()[0], "bumps": [bumps, later_bumps],
+                          "equal": all(torch.equal(a, b) for a, b in zip(first, later))}}))
+    """
+    result = _run_child(script, {})
+    assert result["native"] and result["equal"], result
+    assert result["bumps"] == [1 if form.endswith("inplace") else 0] * 2, result
+
+
 def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):
     script = """
         import json, warnings, torch, qkvfuse

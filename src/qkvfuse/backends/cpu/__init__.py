@@ -173,16 +173,19 @@ _lazy_lib: Optional[torch.library.Library] = None
 _fall_back = None
 
 
-def _first_call(native, fallback):
-    """A kernel that builds and loads the library, then runs ``native`` (the C++ kernel, through the
-    dispatcher), or ``fallback`` (the reference) with one warning when the library cannot be built."""
+def _first_call(op: str, fallback):
+    """The CPU kernel of op ``op`` until the library is loaded: it builds and loads the library, then runs the op
+    again on the CPU key -- now the C++ kernel, exactly as every later call -- or ``fallback`` (the reference
+    kernel of that schema) with one warning when the library cannot be built."""
+    overload = getattr(torch.ops.qkvfuse, op).default
+    cpu_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 
-    def kernel(*args) -> None:
+    def kernel(*args):
         ok, reason = available()
         if not ok:
             _fall_back(reason)
             return fallback(*args)
-        return native(*args)
+        return overload.redispatch(cpu_keys, *args)
 
     return kernel
 
@@ -198,9 +201,9 @@ def register_lazy_kernels(fall_back) -> None:
 def _register_lazy() -> None:
     global _lazy_lib
     _lazy_lib = _library.impl_library("auto")
-    _library.register_kernels(_lazy_lib, "CPU", _first_call(split_qkv_rmsnorm_rope_out,
-                                                            reference.split_qkv_rmsnorm_rope_out),
-                              _first_call(add_rmsnorm_out, reference.add_rmsnorm_out))
+    fallbacks = _library.schema_kernels(reference.split_qkv_rmsnorm_rope_out, reference.add_rmsnorm_out)
+    for op, fallback in fallbacks.items():
+        _lazy_lib.impl(op, _first_call(op, fallback), "CPU")
 
 
 def split_qkv_rmsnorm_rope_out(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
