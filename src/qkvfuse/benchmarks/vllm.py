@@ -48,7 +48,7 @@ import torch
 import qkvfuse
 
 from .._library import encode_rope
-from .timing import Budget, Candidate, machine_info, measure
+from .timing import Budget, Candidate, fixed_point_weights, machine_info, measure
 
 HIDDEN = (4096, 5120)
 TOKENS = (1, 16, 256, 4096)
@@ -158,7 +158,9 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
         qw, kw = hq * D, hkv * D
         cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
         cache16 = cache.to(torch.bfloat16)  # vLLM's RotaryEmbedding casts its table to the model dtype
-        wq, wk = ((1 + 0.1 * torch.randn(D)).to(torch.bfloat16) for _ in range(2))
+        # The in-place forms rewrite one buffer again and again: weights that keep it at a fixed point (no
+        # denormals: timing.fixed_point_weights), the same for every candidate.
+        wq = wk = fixed_point_weights(torch.empty(D, dtype=torch.bfloat16))
         prep = qkvfuse.QKNormRope(hq, hkv, D, cache, q_weight=wq, k_weight=wk, eps=p.rms_norm_eps)
         static = (cache, wq, wk, None, None, hq, hkv, p.rms_norm_eps, encode_rope(True))
         for T in TOKENS:
@@ -280,7 +282,9 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
         width, qw = (2 * hq + 2 * hkv) * D, hq * D
         mrope = bool(p.mrope_section)
         cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
-        wq, wk = (0.1 * torch.randn(D) for _ in range(2))  # Gemma weights, centred at 0
+        # Gemma weights (centred at 0) that keep the in-place forms' one buffer at a fixed point (no denormals:
+        # timing.fixed_point_weights), the same for every candidate.
+        wq = wk = fixed_point_weights(torch.empty(D), gemma=True)
         wq16, wk16 = wq.to(torch.bfloat16), wk.to(torch.bfloat16)
         kwargs = dict(q_weight=wq16, k_weight=wk16, eps=p.rms_norm_eps, mrope_section=p.mrope_section,
                       mrope_interleaved=p.mrope_interleaved, q_gate=True, gemma_norm=True)
