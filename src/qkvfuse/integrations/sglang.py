@@ -61,7 +61,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import types
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -69,7 +68,7 @@ import torch
 
 from .. import ops
 from ..backends import resolve_backend
-from ..moe.overlap import SharedExpertOverlap
+from ..moe.overlap import SharedExpertOverlap, process_runner
 from . import vllm as _vllm
 from ._engine_common import first_untested, when_imported
 
@@ -468,19 +467,6 @@ def _norm_reason(norm, backend: Optional[str]) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------
 # class -> (model module, the methods whose code the overlapped forward_normal reproduces or relies on)
 _MOE = {"Glm4MoeSparseMoeBlock": ("glm4_moe", ("forward", "forward_normal", "_forward_shared_experts"))}
-_overlap_runner: Optional[SharedExpertOverlap] = None
-_overlap_lock = threading.Lock()
-
-
-def _runner() -> SharedExpertOverlap:
-    """One overlap helper for every block of the process (one side stream per device)."""
-    global _overlap_runner
-    with _overlap_lock:
-        if _overlap_runner is None:
-            _overlap_runner = SharedExpertOverlap(enabled=True)
-        return _overlap_runner
-
-
 def _overlapped_forward_normal(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Glm4MoeSparseMoeBlock.forward_normal`` with the shared expert on a side stream: the same calls in the same
     order (shared expert, router + top-k + routed experts and their scaling, the sum into a fresh tensor), the
@@ -523,7 +509,7 @@ def fuse_moe(block, report: Optional[Report] = None, untested: Optional[str] = N
     report = Report() if report is None else report
     reason = untested or _moe_reason(block)
     if reason is None:
-        block._qkvfuse_overlap = runner if runner is not None else _runner()
+        block._qkvfuse_overlap = runner if runner is not None else process_runner()
         block.forward_normal = types.MethodType(_overlapped_forward_normal, block)
     _vllm._count(report, f"{type(block).__name__} shared-expert overlap", reason,
                  "side stream on cuda/xpu/npu, inline on cpu" if reason is None else "")

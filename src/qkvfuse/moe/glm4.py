@@ -18,14 +18,13 @@ Nothing here imports transformers: blocks are recognised by class name and by th
 
 from __future__ import annotations
 
-import threading
 import types
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .overlap import SharedExpertOverlap, overlap_enabled
+from .overlap import SharedExpertOverlap, overlap_enabled, process_runner
 
 __all__ = ["GLM4_MOE_BLOCK_CLASSES", "is_glm4_moe_block", "patch_glm4_moe", "unpatch_glm4_moe"]
 
@@ -34,17 +33,6 @@ GLM4_MOE_BLOCK_CLASSES = ("Glm4MoeMoE", "Glm4vMoeTextMoE", "Glm4MoeLiteMoE")
 
 _RUNNER_ATTR = "_qkvfuse_shared_expert_overlap"
 _INLINE = SharedExpertOverlap(enabled=False)
-_shared_runner: Optional[SharedExpertOverlap] = None
-_shared_runner_lock = threading.Lock()
-
-
-def _default_runner() -> SharedExpertOverlap:
-    # One helper for every patched block of the process, hence one side stream per device.
-    global _shared_runner
-    with _shared_runner_lock:
-        if _shared_runner is None:
-            _shared_runner = SharedExpertOverlap(enabled=True)
-        return _shared_runner
 
 
 def is_glm4_moe_block(module: nn.Module) -> bool:
@@ -91,7 +79,7 @@ def patch_glm4_moe(moe_module: nn.Module, overlap: Optional[bool] = None, *,
     if runner is not None and not isinstance(runner, SharedExpertOverlap):
         raise TypeError(f"runner must be a SharedExpertOverlap or None, got {type(runner).__name__}")
     if overlap_enabled(overlap):
-        chosen = runner if runner is not None else _default_runner()
+        chosen = runner if runner is not None else process_runner()
     else:
         chosen = _INLINE
     # Plain attributes, not submodules: the helper holds no weights and must stay out of state_dict.

@@ -41,7 +41,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["ENV_VAR", "STREAM_DEVICE_TYPES", "SharedExpertOverlap", "overlap_enabled"]
+__all__ = ["ENV_VAR", "STREAM_DEVICE_TYPES", "SharedExpertOverlap", "overlap_enabled", "process_runner"]
 
 ENV_VAR = "QKVFUSE_SHARED_EXPERT_OVERLAP"
 
@@ -198,3 +198,16 @@ class SharedExpertOverlap:
             current.wait_stream(side)
         shared.record_stream(current)
         return combine(routed, shared)
+
+
+_process_runner: Optional[SharedExpertOverlap] = None
+_process_runner_lock = threading.Lock()
+
+
+def process_runner() -> SharedExpertOverlap:
+    """The process's one enabled helper, for every patched MoE block (hence one side stream per device)."""
+    global _process_runner
+    with _process_runner_lock:
+        if _process_runner is None:
+            _process_runner = SharedExpertOverlap(enabled=True)
+        return _process_runner
