@@ -8,7 +8,6 @@
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -243,17 +242,20 @@ void run_norm_avx512_rows(const NormPlan& p, const W* w, const W* b) {
   });
 }
 
+// fp32_w: an fp32 weight to use instead of `weight` (the Gemma rows' 1 + w), or nullptr.
 template <typename T>
-bool run_norm_avx512_typed(const NormPlan& p, const Tensor& weight, const OptRef& bias, at::ScalarType dtype) {
-  if (is_vector_of(weight, dtype, p.H) && (!bias.has_value() || is_vector_of(*bias, dtype, p.H))) {
+bool run_norm_avx512_typed(const NormPlan& p, const Tensor& weight, const OptRef& bias, at::ScalarType dtype,
+                           const float* fp32_w) {
+  if (fp32_w == nullptr && is_vector_of(weight, dtype, p.H) && (!bias.has_value() || is_vector_of(*bias, dtype, p.H))) {
     run_norm_avx512_rows<T, T>(p, static_cast<const T*>(weight.const_data_ptr()),
                                bias.has_value() ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
     return true;
   }
-  if (!is_vector_of(weight, at::kFloat, p.H) || (bias.has_value() && !is_vector_of(*bias, at::kFloat, p.H))) {
+  if ((fp32_w == nullptr && !is_vector_of(weight, at::kFloat, p.H)) ||
+      (bias.has_value() && !is_vector_of(*bias, at::kFloat, p.H))) {
     return false;
   }
-  const float* w = weight.const_data_ptr<float>();
+  const float* w = fp32_w != nullptr ? fp32_w : weight.const_data_ptr<float>();
   const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // The calling thread owns the buffer until the parallel loop has joined.
@@ -269,9 +271,10 @@ bool run_norm_avx512_typed(const NormPlan& p, const Tensor& weight, const OptRef
   return true;
 }
 
-bool run_norm_avx512(const NormPlan& p, at::ScalarType dtype, const Tensor& weight, const OptRef& bias) {
-  return dtype == at::kBFloat16 ? run_norm_avx512_typed<c10::BFloat16>(p, weight, bias, dtype)
-                                : run_norm_avx512_typed<c10::Half>(p, weight, bias, dtype);
+bool run_norm_avx512(const NormPlan& p, at::ScalarType dtype, const Tensor& weight, const OptRef& bias,
+                     const float* fp32_w) {
+  return dtype == at::kBFloat16 ? run_norm_avx512_typed<c10::BFloat16>(p, weight, bias, dtype, fp32_w)
+                                : run_norm_avx512_typed<c10::Half>(p, weight, bias, dtype, fp32_w);
 }
 #endif
 
@@ -290,7 +293,7 @@ const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
 }
 
 // generic_only: the specialised rows off (qkvfuse_cpu::add_rmsnorm_generic_out, for tests).
-void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight_arg, const OptRef& bias,
+void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
                           double eps, const Tensor& y_out, const OptRef& residual_out, bool generic_only = false,
                           bool gemma = false) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
@@ -302,16 +305,16 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
               "qkvfuse cpu kernel: residual and residual_out come together");
   const int64_t T = x.size(0), H = x.size(1);
   if (T == 0 || H == 0) return;
-  // Gemma norms: the weight is stored centred at 0; the rows use 1 + w, computed in fp32 as the models do.
-  thread_local std::vector<float> gemma_w;
-  Tensor gemma_t;
+  // Gemma norms: the weight is stored centred at 0; the rows use 1 + w, computed in fp32 as the models do (the
+  // calling thread owns the buffer until the parallel loop has joined).
+  thread_local std::vector<float> gemma_buf;
+  const float* gemma_w = nullptr;
   if (gemma) {
-    gemma_w.resize(H);
-    vector_to_fp32(weight_arg, H, gemma_w.data());
-    for (int64_t i = 0; i < H; ++i) gemma_w[i] = 1.0f + gemma_w[i];
-    gemma_t = at::from_blob(gemma_w.data(), {H}, at::TensorOptions().dtype(at::kFloat));
+    gemma_buf.resize(H);
+    vector_to_fp32(weight, H, gemma_buf.data());
+    for (int64_t i = 0; i < H; ++i) gemma_buf[i] = 1.0f + gemma_buf[i];
+    gemma_w = gemma_buf.data();
   }
-  const Tensor& weight = gemma ? gemma_t : weight_arg;
   NormPlan p{};
   p.T = T;
   p.H = H;
@@ -332,14 +335,14 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
   // bf16 / fp16 rows of whole 32-value blocks (avx512.h: the generic row's bits); a weight (and bias) in the
   // activations' dtype, contiguous, is widened as it is read -- no conversion pass per call.
   if (!generic_only && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && H % 32 == 0 &&
-      run_norm_avx512(p, x.scalar_type(), weight, bias)) {
+      run_norm_avx512(p, x.scalar_type(), weight, bias, gemma_w)) {
     return;
   }
 #endif
 #if defined(CPU_CAPABILITY_AVX2)
   // A bf16 model's weights: read as stored, no conversion (the common case of an engine's decoder norms).
-  if (!generic_only && x.scalar_type() == at::kBFloat16 && H % 16 == 0 && is_bf16_vector(weight, H) &&
-      (!bias.has_value() || is_bf16_vector(*bias, H))) {
+  if (!generic_only && gemma_w == nullptr && x.scalar_type() == at::kBFloat16 && H % 16 == 0 &&
+      is_bf16_vector(weight, H) && (!bias.has_value() || is_bf16_vector(*bias, H))) {
     p.w16 = weight.const_data_ptr<c10::BFloat16>();
     p.b16 = bias.has_value() ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
     for_rows(p, [&](int64_t begin, int64_t end) {
@@ -350,7 +353,7 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
 #endif
   // std::vectors rather than stack arrays: H is the model's hidden size, unbounded here.
   std::vector<float> w_buf, b_buf;
-  const float* w = fp32_vector(weight, H, w_buf);
+  const float* w = gemma_w != nullptr ? gemma_w : fp32_vector(weight, H, w_buf);
   const float* b = bias.has_value() ? fp32_vector(*bias, H, b_buf) : nullptr;
   p.w = w;
   p.b = b;
