@@ -134,9 +134,13 @@ inline int64_t batch_heads(int64_t D) { return std::max<int64_t>(1, std::min(kMa
 inline bool takes_heads(int64_t D, int64_t half) { return D % 32 == 0 && half % 16 == 0 && D <= kMaxHeadDim; }
 
 // kNorm: 0 no QK-norm, 1 weight, 2 weight and bias (the generic qk_head's template argument).
-template <typename T, int kNorm, bool kNeox>
-QKVFUSE_FLATTEN void heads(const T* src, int64_t src_stride, T* dst, int64_t n, int64_t D, int64_t half, float eps,
-                           const HeadTables& t, bool stream) {
+// kStream: non-temporal stores. The tables are copied into a local first: the stores (through may-alias vector
+// types) would otherwise make the compiler reload every table pointer after each one.
+template <typename T, int kNorm, bool kNeox, bool kStream>
+QKVFUSE_FLATTEN void heads_impl(const T* src, int64_t src_stride, T* dst, int64_t n, int64_t D, int64_t half,
+                                float eps, const HeadTables& tables) {
+  const HeadTables t = tables;
+  constexpr bool stream = kStream;
   alignas(64) float staged[2048];
   __m512 inv = _mm512_set1_ps(1.f);
   if constexpr (kNorm > 0) {
@@ -146,6 +150,7 @@ QKVFUSE_FLATTEN void heads(const T* src, int64_t src_stride, T* dst, int64_t n, 
       const T* x = src + k * src_stride;
       float* s = staged + k * D;
       for (int64_t d = 0; d < D; d += 32) {
+        prefetch_ahead(x + d);
         const __m512 a = Block<T>::load(x + d), c = Block<T>::load(x + d + 16);
         _mm512_store_ps(s + d, a);
         _mm512_store_ps(s + d + 16, c);
@@ -162,6 +167,9 @@ QKVFUSE_FLATTEN void heads(const T* src, int64_t src_stride, T* dst, int64_t n, 
     const float* s = staged + k * D;
     const T* x = src + k * src_stride;
     T* y = dst + k * D;
+    if constexpr (kNorm == 0) {  // no first pass: the requests are made here
+      for (int64_t d = 0; d < D; d += 32) prefetch_ahead(x + d);
+    }
     const __m512 vinv = _mm512_set1_ps(inv_k[k]);
     auto norm = [&](int64_t i) {
       if constexpr (kNorm == 0) {
@@ -191,6 +199,13 @@ QKVFUSE_FLATTEN void heads(const T* src, int64_t src_stride, T* dst, int64_t n, 
     }
     for (int64_t i = 2 * half; i < D; i += 16) store<T>(y + i, norm(i), stream);
   }
+}
+
+template <typename T, int kNorm, bool kNeox>
+void heads(const T* src, int64_t src_stride, T* dst, int64_t n, int64_t D, int64_t half, float eps,
+           const HeadTables& t, bool stream) {
+  stream ? heads_impl<T, kNorm, kNeox, true>(src, src_stride, dst, n, D, half, eps, t)
+         : heads_impl<T, kNorm, kNeox, false>(src, src_stride, dst, n, D, half, eps, t);
 }
 
 template <typename T>
@@ -240,16 +255,19 @@ inline void store_lanes(c10::BFloat16* p, __m512 even, __m512 odd, bool stream) 
   }
 }
 
-template <int kNorm, bool kNeox>
-QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst, int64_t n, int64_t D,
-                                int64_t half, float eps, const HeadTables& t, bool stream) {
+template <int kNorm, bool kNeox, bool kStream>
+QKVFUSE_FLATTEN void lane_heads_impl(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst, int64_t n,
+                                     int64_t D, int64_t half, float eps, const HeadTables& tables) {
   using bf16 = c10::BFloat16;
+  const HeadTables t = tables;  // as in heads_impl
+  constexpr bool stream = kStream;
   __m512 inv = _mm512_set1_ps(1.f);
   if constexpr (kNorm > 0) {
     __m512 ss = _mm512_setzero_ps();
     for (int64_t k = 0; k < n; ++k) {
       __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
       for (int64_t d = 0; d < D; d += 32) {
+        prefetch_ahead(src + k * src_stride + d);
         const Lanes x = Lanes::load(src + k * src_stride + d);
         acc0 = _mm512_fmadd_ps(x.even, x.even, acc0);
         acc1 = _mm512_fmadd_ps(x.odd, x.odd, acc1);
@@ -263,6 +281,9 @@ QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, int64_t src_stride, c1
   for (int64_t k = 0; k < n; ++k) {
     const bf16* x = src + k * src_stride;
     bf16* y = dst + k * D;
+    if constexpr (kNorm == 0) {  // no first pass: the requests are made here
+      for (int64_t d = 0; d < D; d += 32) prefetch_ahead(x + d);
+    }
     const __m512 vinv = _mm512_set1_ps(inv_k[k]);
     auto norm = [&](int64_t i) {
       Lanes v = Lanes::load(x + i);
@@ -309,6 +330,13 @@ QKVFUSE_FLATTEN void lane_heads(const c10::BFloat16* src, int64_t src_stride, c1
       }
     }
   }
+}
+
+template <int kNorm, bool kNeox>
+void lane_heads(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst, int64_t n, int64_t D, int64_t half,
+                float eps, const HeadTables& t, bool stream) {
+  stream ? lane_heads_impl<kNorm, kNeox, true>(src, src_stride, dst, n, D, half, eps, t)
+         : lane_heads_impl<kNorm, kNeox, false>(src, src_stride, dst, n, D, half, eps, t);
 }
 
 inline HeadsFn<c10::BFloat16> pick_lane_heads(int64_t D, int64_t half, int norm_mode, bool neox) {

@@ -337,6 +337,7 @@ template <int kD>
 inline __m256 fast_sum_squares(const c10::BFloat16* src, float* staged) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int c = 0; c < kD / 16; ++c) {
+    if (c % 2 == 0) prefetch_ahead(src + 16 * c);  // a 64-byte line per two blocks
     const Bf16Block x = Bf16Block::load(src + 16 * c);
     _mm256_store_ps(staged + 16 * c, x.even);
     _mm256_store_ps(staged + 16 * c + 8, x.odd);
@@ -420,6 +421,7 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, int64_t src_stride, c10
                                const FastTables& t, int n, float eps) {
   if constexpr (!kNorm) {
     for (int k = 0; k < n; ++k) {
+      for (int c = 0; c < kD; c += 32) prefetch_ahead(src + k * src_stride + c);  // no first pass to make them
       fast_body<kD, kHalf, kNeox, kStream, false>(src + k * src_stride, nullptr, dst + k * kD, t, 1.f);
     }
     return 0;
