@@ -300,6 +300,23 @@ def _error_cases(backend):
         ("add_rmsnorm out=y with a residual", "out", lambda: norm(x, r, nw, out=y_o)),
         ("AddRMSNorm out=(y, None) with a residual", "residual_out", lambda: bnorm(x, r, out=(y_o, None))),
         ("AddRMSNorm out=(None, r) with a residual", "y_out", lambda: bnorm(x, r, out=(None, r_o))),
+        # The bound calls check only qkv's width themselves; a failing call is re-diagnosed under the bound
+        # object's rules first (ops.QKNormRope._bad_call), else the op's own error stands.
+        ("bound qkv of another width", "qkv", lambda: bound(torch.randn(T, qkv.shape[1] + D), positions)),
+        ("bound.inplace qkv of another width", "qkv", lambda: bound.inplace(torch.randn(T, qkv.shape[1] + D), positions)),
+        ("bound.inplace qkv 1-D", "qkv", lambda: bound.inplace(qkv[0].clone(), positions)),
+        ("bound.inplace qkv 3-D of the width", "qkv", lambda: bound.inplace(qkv.clone().unsqueeze(2), positions)),
+        ("bound.inplace qkv a list", "qkv", lambda: bound.inplace(qkv.tolist(), positions)),
+        ("bound.inplace positions a list", "positions", lambda: bound.inplace(qkv.clone(), positions.tolist())),
+        ("bound.inplace positions of another length", "positions", lambda: bound.inplace(qkv.clone(), positions[1:])),
+        ("bound out= q_out of another dtype", "q_out", lambda: bound(qkv, positions, out=(q.double(), k, v))),
+        ("AddRMSNorm x of another width", "x", lambda: bnorm(torch.randn(T, hidden + 1), None)),
+        ("AddRMSNorm.inplace x of another width", "x", lambda: bnorm.inplace(torch.randn(T, hidden + 1), r.clone())),
+        ("AddRMSNorm.inplace x 1-D", "x", lambda: bnorm.inplace(torch.randn(hidden), None)),
+        ("AddRMSNorm.inplace x a list", "x", lambda: bnorm.inplace(x.tolist(), None)),
+        ("AddRMSNorm.inplace residual a float", "residual", lambda: bnorm.inplace(x.clone(), 1.0)),
+        ("AddRMSNorm.inplace residual of another dtype", "residual", lambda: bnorm.inplace(x.clone(), r.double())),
+        ("AddRMSNorm out= y_out of another shape", "y_out", lambda: bnorm(x, r, out=(y_o[1:], r_o))),
         ("AddRMSNorm(None)", "weight", lambda: qkvfuse.AddRMSNorm(None, backend=backend)),
         ("AddRMSNorm bias of another length", "bias", lambda: qkvfuse.AddRMSNorm(nw, 1e-6, b, backend=backend)),
     ]

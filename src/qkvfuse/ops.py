@@ -344,33 +344,45 @@ class QKNormRope:
         self._out, self._inplace = c.ops.split_out, c.ops.split_inplace
         self._outs = _GATED_OUTS if q_gate else _SPLIT_OUTS
 
+    # A call checks one thing of its own, qkv's width (the op would accept another head_dim); everything else
+    # is the op's checks, which see the bound configuration as arguments. When a call fails (the width, a check
+    # of the op, a non-tensor the dispatcher refuses), _bad_call raises the bound object's own error where its
+    # rules (in their old order: the tensors' types, qkv's shape) are broken, else the op's error is re-raised:
+    # the messages of a check-first call, with no checks on the way of a good one.
     def _bad_call(self, qkv, positions):
         _check_tensor("qkv", qkv)
         _check_tensor("positions", positions)
         c = self.config
-        _qkv_width_error(qkv, c.width, c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
+        if qkv.dim() != 2 or qkv.shape[1] != c.width:
+            _qkv_width_error(qkv, c.width, c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, *, out: Optional[Tuple[torch.Tensor, ...]] = None):
         """``(q, k, v)`` (gated: ``(q, k, v, gate)``) of ``qkv`` at ``positions [T]`` (or ``[3, T]``); see
         :func:`split_qkv_rmsnorm_rope` for shapes, ``out`` and the semantics."""
-        if not (isinstance(qkv, _Tensor) and isinstance(positions, _Tensor)) or qkv.dim() != 2 or (
-                qkv.shape[1] != self._width):
+        try:
+            if qkv.shape[1] == self._width:
+                if out is None:
+                    outs = self.config.ops.split(qkv, positions, *self._args)
+                    return outs if len(self._outs) == 4 else outs[:3]
+                _check_outs(out, self._outs)
+                self._out(qkv, positions, *self._args, *out)
+                return tuple(out)
+        except Exception:
             self._bad_call(qkv, positions)
-        if out is None:
-            outs = self.config.ops.split(qkv, positions, *self._args)
-            return outs if len(self._outs) == 4 else outs[:3]
-        _check_outs(out, self._outs)
-        self._out(qkv, positions, *self._args, *out)
-        return tuple(out)
+            raise
+        self._bad_call(qkv, positions)
 
     def inplace(self, qkv: torch.Tensor, positions: torch.Tensor):
         """Rewrite the Q and K heads inside ``qkv`` and return its ``(q, k, v)`` views (gated: ``(q, k, v,
         gate)``); see :func:`split_qkv_rmsnorm_rope_`."""
-        if not (isinstance(qkv, _Tensor) and isinstance(positions, _Tensor)) or qkv.dim() != 2 or (
-                qkv.shape[1] != self._width):
+        try:
+            if qkv.shape[1] == self._width:
+                self._inplace(qkv, positions, *self._args)
+                return _inplace_result(qkv, self._widths)
+        except Exception:
             self._bad_call(qkv, positions)
-        self._inplace(qkv, positions, *self._args)
-        return _inplace_result(qkv, self._widths)
+            raise
+        self._bad_call(qkv, positions)
 
     def __repr__(self) -> str:
         c = self.config
@@ -585,39 +597,44 @@ class AddRMSNorm:
     ``x``, the rounded sum over ``residual``: :func:`add_rmsnorm_`).
     """
 
-    __slots__ = ("config", "_hidden", "_out", "_inplace", "_args", "_gemma")
+    __slots__ = ("config", "_hidden", "_out", "_inplace", "_args")
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, bias: Optional[torch.Tensor] = None, *,
                  gemma_norm: bool = False, backend: Optional[str] = None):
         c = self.config = _norm_config(weight, eps, bias, gemma_norm, backend)
-        self._hidden, self._args = c.hidden, (c.weight, c.bias, c.eps)
-        self._gemma = c.gemma_norm
+        self._hidden, self._args = c.hidden, (c.weight, c.bias, c.eps, c.gemma_norm)
         self._out, self._inplace = c.ops.norm_out, c.ops.norm_inplace
 
+    # A call checks nothing itself: the op checks x against the bound weight. When it fails, _bad_call raises the
+    # bound object's own error where its rules (the tensors' types, x's shape against the weight) are broken, else
+    # the op's error is re-raised (as QKNormRope does).
     def _bad_call(self, x, residual):
         _check_tensor("x", x)
         _check_optional((("residual", residual),))
-        _fail("x", f"shape {tuple(x.shape)}", f"shape (T, {self._hidden}) (weight's length)")
+        if x.dim() != 2 or x.shape[1] != self._hidden:
+            _fail("x", f"shape {tuple(x.shape)}", f"shape (T, {self._hidden}) (weight's length)")
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
                  out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
-        if not isinstance(x, _Tensor) or x.dim() != 2 or x.shape[1] != self._hidden or (
-                residual is not None and not isinstance(residual, _Tensor)):
+        try:
+            if out is None:
+                y, residual_out = self.config.ops.norm(x, residual, *self._args)
+            else:
+                y, residual_out = _norm_outs(out, residual)
+                self._out(x, residual, *self._args[:3], y, residual_out, self._args[3])
+        except Exception:
             self._bad_call(x, residual)
-        if out is None:
-            y, residual_out = self.config.ops.norm(x, residual, *self._args, self._gemma)
-            return y, (residual_out if residual is not None else x)
-        y, residual_out = _norm_outs(out, residual)
-        self._out(x, residual, *self._args, y, residual_out, self._gemma)
+            raise
         return y, (residual_out if residual is not None else x)
 
     def inplace(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         """``y`` over ``x`` and the rounded sum over ``residual``; returns ``(x, residual)``. See
         :func:`add_rmsnorm_`."""
-        if not isinstance(x, _Tensor) or x.dim() != 2 or x.shape[1] != self._hidden or (
-                residual is not None and not isinstance(residual, _Tensor)):
+        try:
+            self._inplace(x, residual, *self._args)
+        except Exception:
             self._bad_call(x, residual)
-        self._inplace(x, residual, *self._args, self._gemma)
+            raise
         return x, (residual if residual is not None else x)
 
     def __repr__(self) -> str:
