@@ -29,6 +29,10 @@ MODELS = {  # tiny model -> the attention class vLLM builds for it
 # near tie that may flip (assert_same_greedy). fp32: arithmetic-order noise; bf16: the runs round activations to
 # bf16 at different points (qkvfuse once per op, vLLM after each step): a few bf16 ulps of a logprob ~5.
 LOGPROB_ATOL = {"float32": 1e-4, "bfloat16": 0.1}
+# The tiny Qwen3-Next in bf16 (MoE routing and three Gated DeltaNet layers after the one fused layer) carries one
+# rounding's difference further: its largest logprob gap before any parting was 0.104 on a 2-core Zen 4 (the same
+# with the kernels of the previous commit; under 0.1 on the Intel Xeon and Zen 5 VMs).
+QWEN3_NEXT_LOGPROB_ATOL = 0.2
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -100,7 +104,7 @@ def test_qwen3_next_tokens_equal_plugin_off_and_untested_code_is_refused(tmp_pat
     assert calls["attention"] > 0 and calls["norm"] > 0
     assert any(m.startswith("qkvfuse: fused 1/1 Qwen3NextAttention (") and m.endswith(", rotary 64, neox)")
                for m in plugin_log), plugin_log
-    tie = LOGPROB_ATOL["bfloat16"]
+    tie = QWEN3_NEXT_LOGPROB_ATOL
     assert_same_greedy(on.tokens, off, tie)
     for got, want, a, b in zip(on.logprobs, off.logprobs, on.tokens, off.tokens):
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
