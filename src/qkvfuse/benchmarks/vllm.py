@@ -26,9 +26,11 @@ T in {1, 16, 256, 4096}, the Qwen3.5-27B and Qwen3-Next-80B-A3B geometry; the ro
 
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
-(``{"attention": true, "add_rmsnorm": true}``) and off, two engines alive side by side, rounds interleaved: ms per
-decode step (batch 1, 16-token prompt) and per prefill of 512 tokens, eager and (``--mode compiled|both``) with
-vLLM's torch.compile. Random token ids per round; prefix caching off.
+(``{"attention": true, "add_rmsnorm": true}``) and off, two engines alive side by side, rounds interleaved (ABBA):
+per round one batch-1 request of 512 random tokens generating 33 on each engine, timed by the engine core's own
+request timestamps -- ms of the prefill (scheduled to first token) and per decode step (first to last token) --
+eager and (``--mode compiled|both``) with vLLM's torch.compile; prefix caching off. Rows give the medians, the
+median per-round ratio off/on and the ratio of the fastest rounds.
 """
 
 from __future__ import annotations
@@ -355,41 +357,61 @@ def _configs() -> Dict[str, dict]:
 def _engine(model_dir: str, on: bool, compiled: bool):
     from vllm import LLM
 
+    # disable_log_stats=False: each request's output carries the engine core's timestamps (RequestStateStats).
     return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                max_model_len=1024, enforce_eager=not compiled, enable_prefix_caching=False, seed=0,
-               additional_config={"qkvfuse": {"attention": on, "add_rmsnorm": on}})
+               disable_log_stats=False, additional_config={"qkvfuse": {"attention": on, "add_rmsnorm": on}})
 
 
-def _time_generate(llm, prompt: List[int], new_tokens: int) -> float:
+PROMPT_TOKENS, NEW_TOKENS = 512, 33
+
+
+def _time_request(llm, prompt: List[int]) -> Dict[str, float]:
+    """One request, batch 1: ms of its prefill (scheduled to first token) and per decode step (first to last
+    token over the steps between), from the engine core's own timestamps (what ``vllm bench`` reports as TTFT
+    without queueing, and TPOT)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return (time.perf_counter() - t0) * 1e3
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, detokenize=False, ignore_eos=True)
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    m = out.metrics
+    if m is None or not m.first_token_ts or len(out.outputs[0].token_ids) != NEW_TOKENS:
+        raise RuntimeError("vLLM returned no request timestamps (disable_log_stats=False is needed)")
+    return {"prefill": (m.first_token_ts - m.scheduled_ts) * 1e3,
+            "decode": (m.last_token_ts - m.first_token_ts) * 1e3 / (NEW_TOKENS - 1)}
 
 
-def _time_round(llm, g) -> Dict[str, float]:
-    long = torch.randint(3, VOCAB, (512,), generator=g).tolist()
-    short = torch.randint(3, VOCAB, (16,), generator=g).tolist()
-    prefill = _time_generate(llm, long, 1)
-    first = _time_generate(llm, short, 1)
-    return {"prefill": prefill, "decode": (_time_generate(llm, short, 17) - first) / 16}
+def _paired_row(name: str, mode: str, phase: str, on: List[float], off: List[float]) -> Dict[str, object]:
+    """Medians, the median of the per-round ratios off/on, and the ratio of the fastest rounds (contention on
+    a shared machine only ever slows a round down)."""
+    return {"part": "latency", "model": name, "mode": mode, "phase": phase, "on_ms": statistics.median(on),
+            "off_ms": statistics.median(off), "off_over_on": statistics.median(b / a for a, b in zip(on, off)),
+            "min_off_over_min_on": min(off) / min(on), "rounds": len(on)}
 
 
 def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, log=print) -> List[Dict[str, object]]:
-    """Engine latency, plugin on vs off. Two engines side by side, rounds interleaved; with ``one_engine`` (for
-    models whose two compiled engines do not fit in memory together) a fresh engine per round and setting, the
-    settings alternating (vLLM's compile cache makes a re-created compiled engine load its graphs), each engine
-    warmed up by one untimed round first."""
+    """Engine latency, plugin on vs off: per round one request of :data:`PROMPT_TOKENS` random tokens (prefill)
+    generating :data:`NEW_TOKENS` (decode) on each engine, the order alternating (ABBA), so the two samples of
+    a pair are seconds apart. Two engines side by side (each in its engine-core process) after one untimed
+    warm-up request each; with ``one_engine`` (for models whose two compiled engines do not fit in memory
+    together) a fresh engine per round and setting, the settings alternating (vLLM's compile cache makes a
+    re-created compiled engine load its graphs), each warmed up by one untimed request."""
     rows = []
     g = torch.Generator().manual_seed(0)
+    mode = "compiled" if compiled else "eager"
     for name in names:
         with tempfile.TemporaryDirectory() as model_dir:
             with open(os.path.join(model_dir, "config.json"), "w") as f:
                 json.dump(_configs()[name], f)
             samples = {(k, p): [] for k in ("on", "off") for p in ("prefill", "decode")}
-            mode = "compiled" if compiled else "eager"
+
+            def prompt():
+                return torch.randint(3, VOCAB, (PROMPT_TOKENS,), generator=g).tolist()
+
+            def record(key, measured):
+                for phase, ms in measured.items():
+                    samples[(key, phase)].append(ms)
+
             if one_engine:
                 for r in range(rounds):
                     for key in (("on", "off") if r % 2 else ("off", "on")):
@@ -397,32 +419,27 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                         llm = _engine(model_dir, key == "on", compiled)
                         log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
                             f"({mode})")
-                        _time_round(llm, g)  # warm-up
-                        for phase, ms in _time_round(llm, g).items():
-                            samples[(key, phase)].append(ms)
+                        _time_request(llm, prompt())  # warm-up
+                        record(key, _time_request(llm, prompt()))
                         del llm
                         gc.collect()
             else:
                 t0 = time.perf_counter()
                 engines = {"on": _engine(model_dir, True, compiled), "off": _engine(model_dir, False, compiled)}
                 log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({mode})")
-                for r in range(rounds + 1):  # round 0 warms up
-                    for key in (list(engines) if r % 2 else list(reversed(list(engines)))):
-                        measured = _time_round(engines[key], g)
-                        if r:
-                            for phase, ms in measured.items():
-                                samples[(key, phase)].append(ms)
+                for llm in engines.values():
+                    _time_request(llm, prompt())  # warm-up
+                for r in range(rounds):
+                    for key in (("on", "off") if r % 2 else ("off", "on")):
+                        record(key, _time_request(engines[key], prompt()))
                 del engines
                 gc.collect()
             for phase in ("prefill", "decode"):
-                on, off = samples[("on", phase)], samples[("off", phase)]
-                ratio = statistics.median(b / a for a, b in zip(on, off))
-                row = {"part": "latency", "model": name, "mode": "compiled" if compiled else "eager", "phase": phase,
-                       "on_ms": statistics.median(on), "off_ms": statistics.median(off), "off_over_on": ratio,
-                       "rounds": rounds}
+                row = _paired_row(name, mode, phase, samples[("on", phase)], samples[("off", phase)])
                 rows.append(row)
-                log(f"{name} {row['mode']} {phase:8s} off {row['off_ms']:9.2f} ms  on {row['on_ms']:9.2f} ms  "
-                    f"off/on x{ratio:.3f}")
+                log(f"{name} {mode} {phase:8s} off {row['off_ms']:9.2f} ms  on {row['on_ms']:9.2f} ms  "
+                    f"off/on x{row['off_over_on']:.3f} (fastest rounds x{row['min_off_over_min_on']:.3f}, "
+                    f"{rounds} rounds)")
     return rows
 
 

@@ -219,7 +219,7 @@ def test_tensor_parallel_2_matches_tp_1(tiny_dir, name):
 @pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7"])
 def test_compiled_engine_traces_the_fused_forward_without_graph_breaks(tiny_dir, calls, name):
     """``enforce_eager=False``: vLLM's torch.compile (its own backend, inductor on CPU) traces the patched
-    forwards -- the functional op, no host syncs -- with no graph break; tokens equal the eager unfused engine."""
+    forwards -- the in-place ops, no host syncs -- with no graph break; tokens equal the eager unfused engine."""
     from torch._dynamo.utils import counters
 
     model_dir = tiny_dir(name)
