@@ -386,7 +386,7 @@ def _paired_row(name: str, mode: str, phase: str, on: List[float], off: List[flo
     a shared machine only ever slows a round down)."""
     return {"part": "latency", "model": name, "mode": mode, "phase": phase, "on_ms": statistics.median(on),
             "off_ms": statistics.median(off), "off_over_on": statistics.median(b / a for a, b in zip(on, off)),
-            "min_off_over_min_on": min(off) / min(on), "rounds": len(on)}
+            "min_off_over_min_on": min(off) / min(on), "rounds": len(on), "on_samples": on, "off_samples": off}
 
 
 def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, log=print) -> List[Dict[str, object]]:
@@ -395,7 +395,8 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
     a pair are seconds apart. Two engines side by side (each in its engine-core process) after one untimed
     warm-up request each; with ``one_engine`` (for models whose two compiled engines do not fit in memory
     together) a fresh engine per round and setting, the settings alternating (vLLM's compile cache makes a
-    re-created compiled engine load its graphs), each warmed up by one untimed request."""
+    re-created compiled engine load its graphs), each warmed up by one untimed request, a round's sample the
+    median of three requests."""
     rows = []
     g = torch.Generator().manual_seed(0)
     mode = "compiled" if compiled else "eager"
@@ -420,7 +421,8 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                         log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
                             f"({mode})")
                         _time_request(llm, prompt())  # warm-up
-                        record(key, _time_request(llm, prompt()))
+                        runs = [_time_request(llm, prompt()) for _ in range(3)]
+                        record(key, {phase: statistics.median(m[phase] for m in runs) for phase in runs[0]})
                         del llm
                         gc.collect()
             else:
@@ -443,9 +445,66 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
     return rows
 
 
+# Where an engine step's time goes, by the profiler's self CPU time: the weight GEMMs and the MoE experts (the
+# same work with the plugin on and off), attention and the KV-cache writes, and the rest -- inductor's generated
+# code, qkvfuse's ops, everything else the plugin changes.
+_GEMM_MARKS, _ATTENTION_MARKS = ("linear", "matmul", "fused_moe", "aten::mm", "aten::addmm", "aten::bmm"), (
+    "attention", "kv_cache", "reshape_and_cache")
+
+
+def _profiled_ms(llm, prompt: List[int], new_tokens: int) -> Dict[str, float]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    parts = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
+    for event in prof.key_averages():
+        name = event.key
+        part = ("gemm" if any(m in name for m in _GEMM_MARKS) else
+                "attention" if any(m in name for m in _ATTENTION_MARKS) else "rest")
+        parts[part] += event.self_cpu_time_total / 1e3
+    return parts
+
+
+def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str, object]]:
+    """Per engine (in this process, one at a time: the profiler sees the model runner), after one untimed
+    request: ``rounds`` profiled prefills (a 512-token prompt, one token) and decodes (a 16-token prompt, 33
+    tokens; per step), each split into GEMM/MoE, attention and the rest (the part the plugin changes); the
+    medians, plugin on and off."""
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    mode = "compiled" if compiled else "eager"
+    for name in names:
+        with tempfile.TemporaryDirectory() as model_dir:
+            with open(os.path.join(model_dir, "config.json"), "w") as f:
+                json.dump(_configs()[name], f)
+            parts = {}
+            for key in ("off", "on"):
+                llm = _engine(model_dir, key == "on", compiled)
+                _time_request(llm, torch.randint(3, VOCAB, (PROMPT_TOKENS,), generator=g).tolist())  # warm-up
+                for phase, length, new in (("prefill", PROMPT_TOKENS, 1), ("decode", 16, NEW_TOKENS)):
+                    runs = [_profiled_ms(llm, torch.randint(3, VOCAB, (length,), generator=g).tolist(), new)
+                            for _ in range(rounds)]
+                    parts[(key, phase)] = {p: statistics.median(r[p] for r in runs) / new for p in runs[0]}
+                del llm
+                gc.collect()
+            for phase in ("prefill", "decode"):
+                on, off = parts[("on", phase)], parts[("off", phase)]
+                row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "rounds": rounds,
+                       **{f"{k}_{p}_ms": v[p] for k, v in (("on", on), ("off", off)) for p in on},
+                       "rest_off_over_on": off["rest"] / on["rest"]}
+                rows.append(row)
+                log(f"{name} {mode} {phase:8s} ms per step (self CPU): rest off {off['rest']:8.2f} on {on['rest']:8.2f} "
+                    f"(x{row['rest_off_over_on']:.2f}); GEMM/MoE off {off['gemm']:8.2f} on {on['gemm']:8.2f}; "
+                    f"attention off {off['attention']:6.2f} on {on['attention']:6.2f}")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.vllm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["split", "norm", "gated", "latency", "all"], default="all")
+    parser.add_argument("--part", choices=["split", "norm", "gated", "latency", "profile", "all"], default="all",
+                        help="profile: where an engine step's time goes, plugin on and off (not part of all)")
     parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
     parser.add_argument("--rounds", type=int, default=5, help="latency rounds (after one warm-up round)")
     parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
@@ -458,7 +517,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # an engine-core process per engine: two side by side
+    # latency: an engine-core process per engine, two side by side; profile: the engine in this process
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.part == "profile" else "1")
     print(json.dumps(machine_info()))
     from ..backends import cpu
 
@@ -474,6 +534,9 @@ def main(argv=None) -> int:
         names = args.model or list(_configs())
         for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:
             rows += latency_rows(names, compiled, args.rounds, args.one_engine)
+    if args.part == "profile":
+        for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:
+            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
