@@ -361,3 +361,17 @@ def test_e2e_with_torch_compile():
     results = run_e2e(_e2e_cfg(models=("Qwen3-8B",), compile=True), log=lambda line: None)
     compiled = [r for r in results[0]["timing"] if r["mode"] == "torch.compile"]
     assert len(compiled) == 2 and all(r["check"] == "ok" and "compile s" in r for r in compiled)
+
+
+def test_vllm_latency_rows_pair_rounds_and_profile_parts_split_by_name():
+    """The vLLM bench's arithmetic (its engines run in ``make bench-vllm``): per-round ratios off/on, the ratio of
+    the fastest rounds, and the profiler's split of a step into GEMM/MoE, attention and the rest."""
+    from qkvfuse.benchmarks import vllm as bench_vllm
+
+    row = bench_vllm._paired_row("m", "compiled", "decode", on=[10.0, 20.0, 12.0], off=[11.0, 18.0, 12.0])
+    assert row["off_over_on"] == pytest.approx(1.0) and row["min_off_over_min_on"] == pytest.approx(1.1)
+    assert row["rounds"] == 3 and row["on_ms"] == 12.0 and row["off_ms"] == 12.0
+    parts = bench_vllm.step_parts([("zentorch::zentorch_linear_unary", 5000.0), ("zentorch::zentorch_fused_moe", 1000.0),
+                                   ("vllm::unified_attention_with_output", 300.0), ("_C::cpu_attn_reshape_and_cache", 100.0),
+                                   ("qkvfuse::add_rmsnorm_inplace", 20.0), ("## Call CompiledFxGraph None ##", 80.0)])
+    assert parts == pytest.approx({"gemm": 6.0, "attention": 0.4, "rest": 0.1})

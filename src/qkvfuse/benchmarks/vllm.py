@@ -458,12 +458,16 @@ def _profiled_ms(llm, prompt: List[int], new_tokens: int) -> Dict[str, float]:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return step_parts((e.key, e.self_cpu_time_total) for e in prof.key_averages())
+
+
+def step_parts(events) -> Dict[str, float]:
+    """``{"gemm", "attention", "rest": ms}`` of profiler ``(name, self CPU µs)`` pairs."""
     parts = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
-    for event in prof.key_averages():
-        name = event.key
+    for name, self_us in events:
         part = ("gemm" if any(m in name for m in _GEMM_MARKS) else
                 "attention" if any(m in name for m in _ATTENTION_MARKS) else "rest")
-        parts[part] += event.self_cpu_time_total / 1e3
+        parts[part] += self_us / 1e3
     return parts
 
 
