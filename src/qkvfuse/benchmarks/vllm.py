@@ -36,6 +36,7 @@ median per-round ratio off/on and the ratio of the fastest rounds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -354,6 +355,15 @@ def _configs() -> Dict[str, dict]:
     return {"Qwen3-8B": qwen3, "GLM-4.7": glm}
 
 
+@contextlib.contextmanager
+def _model_dir(name: str):
+    """A temporary model directory holding only ``name``'s config (the engines load dummy weights)."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(_configs()[name], f)
+        yield model_dir
+
+
 def _engine(model_dir: str, on: bool, compiled: bool):
     from vllm import LLM
 
@@ -401,9 +411,7 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
     g = torch.Generator().manual_seed(0)
     mode = "compiled" if compiled else "eager"
     for name in names:
-        with tempfile.TemporaryDirectory() as model_dir:
-            with open(os.path.join(model_dir, "config.json"), "w") as f:
-                json.dump(_configs()[name], f)
+        with _model_dir(name) as model_dir:
             samples = {(k, p): [] for k in ("on", "off") for p in ("prefill", "decode")}
 
             def prompt():
@@ -480,9 +488,7 @@ def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
     g = torch.Generator().manual_seed(0)
     mode = "compiled" if compiled else "eager"
     for name in names:
-        with tempfile.TemporaryDirectory() as model_dir:
-            with open(os.path.join(model_dir, "config.json"), "w") as f:
-                json.dump(_configs()[name], f)
+        with _model_dir(name) as model_dir:
             parts = {}
             for key in ("off", "on"):
                 llm = _engine(model_dir, key == "on", compiled)
