@@ -516,7 +516,7 @@ def main(argv=None) -> int:
     parser.add_argument("--part", choices=["split", "norm", "gated", "latency", "profile", "all"], default="all",
                         help="profile: where an engine step's time goes, plugin on and off (not part of all)")
     parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
-    parser.add_argument("--rounds", type=int, default=5, help="latency rounds (after one warm-up round)")
+    parser.add_argument("--rounds", type=int, default=5, help="latency and profile rounds (after one warm-up request)")
     parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
                         help="latency engines: eager (enforce_eager), vLLM's torch.compile, or both")
     parser.add_argument("--model", action="append", choices=list(_configs()), help="latency models (default both)")

@@ -16,7 +16,7 @@ sync -- so it runs on every eager call. Items that are not tensors (modules, Non
 items are held strongly, so an identity cannot be reused by another object while it is recorded.
 
 Under ``torch.compile`` data pointers do not trace: compiled forwards read the parameters directly (the
-public function ops) instead of a bound object.
+public functional and in-place ops) instead of a bound object.
 """
 
 from __future__ import annotations
