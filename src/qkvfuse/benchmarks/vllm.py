@@ -376,6 +376,10 @@ def _engine(model_dir: str, on: bool, compiled: bool):
 PROMPT_TOKENS, NEW_TOKENS = 512, 33
 
 
+def _random_prompt(g: torch.Generator, length: int = PROMPT_TOKENS) -> List[int]:
+    return torch.randint(3, VOCAB, (length,), generator=g).tolist()
+
+
 def _time_request(llm, prompt: List[int]) -> Dict[str, float]:
     """One request, batch 1: ms of its prefill (scheduled to first token) and per decode step (first to last
     token over the steps between), from the engine core's own timestamps (what ``vllm bench`` reports as TTFT
@@ -414,9 +418,6 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
         with _model_dir(name) as model_dir:
             samples = {(k, p): [] for k in ("on", "off") for p in ("prefill", "decode")}
 
-            def prompt():
-                return torch.randint(3, VOCAB, (PROMPT_TOKENS,), generator=g).tolist()
-
             def record(key, measured):
                 for phase, ms in measured.items():
                     samples[(key, phase)].append(ms)
@@ -428,8 +429,8 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                         llm = _engine(model_dir, key == "on", compiled)
                         log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
                             f"({mode})")
-                        _time_request(llm, prompt())  # warm-up
-                        runs = [_time_request(llm, prompt()) for _ in range(3)]
+                        _time_request(llm, _random_prompt(g))  # warm-up
+                        runs = [_time_request(llm, _random_prompt(g)) for _ in range(3)]
                         record(key, {phase: statistics.median(m[phase] for m in runs) for phase in runs[0]})
                         del llm
                         gc.collect()
@@ -438,10 +439,10 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                 engines = {"on": _engine(model_dir, True, compiled), "off": _engine(model_dir, False, compiled)}
                 log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({mode})")
                 for llm in engines.values():
-                    _time_request(llm, prompt())  # warm-up
+                    _time_request(llm, _random_prompt(g))  # warm-up
                 for r in range(rounds):
                     for key in (("on", "off") if r % 2 else ("off", "on")):
-                        record(key, _time_request(engines[key], prompt()))
+                        record(key, _time_request(engines[key], _random_prompt(g)))
                 del engines
                 gc.collect()
             for phase in ("prefill", "decode"):
@@ -492,9 +493,9 @@ def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
             parts = {}
             for key in ("off", "on"):
                 llm = _engine(model_dir, key == "on", compiled)
-                _time_request(llm, torch.randint(3, VOCAB, (PROMPT_TOKENS,), generator=g).tolist())  # warm-up
+                _time_request(llm, _random_prompt(g))  # warm-up
                 for phase, length, new in (("prefill", PROMPT_TOKENS, 1), ("decode", 16, NEW_TOKENS)):
-                    runs = [_profiled_ms(llm, torch.randint(3, VOCAB, (length,), generator=g).tolist(), new)
+                    runs = [_profiled_ms(llm, _random_prompt(g, length), new)
                             for _ in range(rounds)]
                     parts[(key, phase)] = {p: statistics.median(r[p] for r in runs) / new for p in runs[0]}
                 del llm
@@ -509,6 +510,9 @@ def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
                     f"(x{row['rest_off_over_on']:.2f}); GEMM/MoE off {off['gemm']:8.2f} on {on['gemm']:8.2f}; "
                     f"attention off {off['attention']:6.2f} on {on['attention']:6.2f}")
     return rows
+
+
+_COMPILED = {"eager": (False,), "compiled": (True,), "both": (False, True)}  # --mode -> compiled settings
 
 
 def main(argv=None) -> int:
@@ -542,10 +546,10 @@ def main(argv=None) -> int:
         rows += gated_rows(Budget(cell_s=args.seconds))
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
-        for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:
+        for compiled in _COMPILED[args.mode]:
             rows += latency_rows(names, compiled, args.rounds, args.one_engine)
     if args.part == "profile":
-        for compiled in {"eager": (False,), "compiled": (True,), "both": (False, True)}[args.mode]:
+        for compiled in _COMPILED[args.mode]:
             rows += profile_rows(args.model or list(_configs()), compiled, args.rounds)
     if args.json:
         with open(args.json, "w") as f:
