@@ -2,8 +2,9 @@
 
 ``--part split``: qkvfuse's in-place attention-prepare (:meth:`qkvfuse.QKNormRope.inplace`,
 :func:`qkvfuse.split_qkv_rmsnorm_rope_`, the bare op) against the fastest composition of vLLM-CPU's C ops -- QK-norm
-by ``torch.ops._C.rms_norm`` on ``[T*H, D]`` (vLLM's CPU kernel ignores strides: the Q/K column slices are made
-contiguous, a copy only for T > 1) into preallocated buffers, then ``torch.ops._C.rotary_embedding`` in place with a
+by ``torch.ops._C.rms_norm`` on ``[T*H, D]`` (vLLM's CPU kernel ignores strides: for T > 1 the Q/K column slices
+are copied into preallocated contiguous buffers; a fresh copy page-faults, 10-57 ms at T = 4096 on a Zen 5) into
+preallocated buffers, then ``torch.ops._C.rotary_embedding`` in place with a
 bf16 table (vLLM casts its table to the model dtype), V left as a view -- for the Qwen3-8B and GLM-4.5 geometry,
 bf16, T in {1, 16, 256, 4096}, side by side in interleaved rounds; the roofline is a copy of the qkv bytes.
 
@@ -184,14 +185,19 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                     return [{"qkv": torch.randn(T, p.qkv_width, generator=g).to(torch.bfloat16),
                              "positions": torch.randint(0, 8192, (T,), generator=g),
                              "qn": torch.empty(T * hq, D, dtype=torch.bfloat16),
-                             "kn": torch.empty(T * hkv, D, dtype=torch.bfloat16)} for _ in range(n)]
+                             "kn": torch.empty(T * hkv, D, dtype=torch.bfloat16),
+                             "qc": torch.empty(T, qw, dtype=torch.bfloat16),
+                             "kc": torch.empty(T, kw, dtype=torch.bfloat16)} for _ in range(n)]
 
                 ours, funcs, bares, theirs = sets(), sets(), sets(), sets()
 
                 def vllm_call(s):
                     qkv = s["qkv"]
-                    rms_norm(s["qn"], qkv[:, :qw].reshape(T * hq, D), wq, p.rms_norm_eps)
-                    rms_norm(s["kn"], qkv[:, qw:qw + kw].reshape(T * hkv, D), wk, p.rms_norm_eps)
+                    q, k = qkv[:, :qw], qkv[:, qw:qw + kw]
+                    if T > 1:  # strided column slices: into preallocated contiguous buffers (fresh ones page-fault)
+                        q, k = s["qc"].copy_(q), s["kc"].copy_(k)
+                    rms_norm(s["qn"], q.view(T * hq, D), wq, p.rms_norm_eps)
+                    rms_norm(s["kn"], k.view(T * hkv, D), wk, p.rms_norm_eps)
                     rotary(s["positions"], s["qn"].view(T, qw), s["kn"].view(T, kw), D, cache16, True)
                     return s["qn"], s["kn"], qkv[:, qw + kw:]
 
