@@ -281,6 +281,11 @@ def _error_cases(backend):
         ("bound out=(q, None, v)", "k_out", lambda: bound(qkv, positions, out=(q, None, v))),
         ("bound out=(None, k, v)", "q_out", lambda: bound(qkv, positions, out=(None, k, v))),
         ("bound out=(q, k)", "out", lambda: bound(qkv, positions, out=(q, k))),
+        # A tuple of the right length goes to the op as it is (the dispatcher refuses a non-tensor); the bound
+        # object's re-diagnosis names the element.
+        ("bound out=(q, 'k', v)", "k_out", lambda: bound(qkv, positions, out=(q, "k", v))),
+        ("bound out=(q, k, v, v)", "out", lambda: bound(qkv, positions, out=(q, k, v, v))),
+        ("bound out=q", "out", lambda: bound(qkv, positions, out=q)),
         ("lone q_bias", pair("k_bias"), lambda: split(**kw, q_bias=b)),
         ("lone k_bias", pair("q_bias"), lambda: split(**kw, k_bias=b)),
         ("inplace lone q_bias", pair("k_bias"), lambda: split_(**kw, q_bias=b)),
@@ -300,6 +305,8 @@ def _error_cases(backend):
         ("add_rmsnorm out=y with a residual", "out", lambda: norm(x, r, nw, out=y_o)),
         ("AddRMSNorm out=(y, None) with a residual", "residual_out", lambda: bnorm(x, r, out=(y_o, None))),
         ("AddRMSNorm out=(None, r) with a residual", "y_out", lambda: bnorm(x, r, out=(None, r_o))),
+        ("AddRMSNorm out=(y, 1.0) with a residual", "residual_out", lambda: bnorm(x, r, out=(y_o, 1.0))),
+        ("AddRMSNorm out=(y, r, r) with a residual", "out", lambda: bnorm(x, r, out=(y_o, r_o, r_o))),
         # The bound calls check only qkv's width themselves; a failing call is re-diagnosed under the bound
         # object's rules first (ops.QKNormRope._bad_call), else the op's own error stands.
         ("bound qkv of another width", "qkv", lambda: bound(torch.randn(T, qkv.shape[1] + D), positions)),
@@ -338,6 +345,25 @@ def test_partial_tuples_and_lone_arguments_name_the_argument(backend):
     got = _messages(backend)
     if backend != "reference":
         assert got == _messages("reference")  # the same exception type and message on every backend
+
+
+def test_bound_out_takes_a_list_and_returns_a_tuple_of_the_outputs(backend):
+    """``out=`` as a list is accepted by the bound calls as by the functional ones (the bound calls' fast path
+    takes a tuple of the right length as it is; anything else goes through the checks first)."""
+    qkv, positions = split_inputs(torch.float32)
+    table = cache()
+    w = torch.randn(D)
+    bound = qkvfuse.QKNormRope(HQ, HKV, D, table, q_weight=w, k_weight=w, backend=backend)
+    outs = [torch.empty(T, n) for n in SIZES]
+    x, r, nw = torch.randn(T, 64), torch.randn(T, 64), torch.randn(64)
+    y, r_out = torch.empty(T, 64), torch.empty(T, 64)
+    with torch.no_grad():
+        got = bound(qkv, positions, out=list(outs))
+        assert isinstance(got, tuple) and all(a is b for a, b in zip(got, outs))
+        assert_bitwise(got, bound(qkv, positions))
+        normed = qkvfuse.AddRMSNorm(nw, backend=backend)(x, r, out=[y, r_out])
+        assert normed[0] is y and normed[1] is r_out
+        assert_bitwise(normed, qkvfuse.add_rmsnorm(x, r, nw, 1e-6, backend=backend))
 
 
 def test_no_residual_ignores_a_none_residual_out(backend):

@@ -329,7 +329,7 @@ class QKNormRope:
     :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each).
     """
 
-    __slots__ = ("config", "_width", "_widths", "_out", "_inplace", "_args", "_outs")
+    __slots__ = ("config", "_width", "_widths", "_out", "_inplace", "_args", "_outs", "_n_outs")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
@@ -343,18 +343,22 @@ class QKNormRope:
         self._width, self._widths, self._args = c.width, c.widths, c.static_args
         self._out, self._inplace = c.ops.split_out, c.ops.split_inplace
         self._outs = _GATED_OUTS if q_gate else _SPLIT_OUTS
+        self._n_outs = len(self._outs)
 
     # A call checks one thing of its own, qkv's width (the op would accept another head_dim); everything else
-    # is the op's checks, which see the bound configuration as arguments. When a call fails (the width, a check
-    # of the op, a non-tensor the dispatcher refuses), _bad_call raises the bound object's own error where its
-    # rules (in their old order: the tensors' types, qkv's shape) are broken, else the op's error is re-raised:
-    # the messages of a check-first call, with no checks on the way of a good one.
-    def _bad_call(self, qkv, positions):
+    # is the op's checks, which see the bound configuration as arguments (an out= tuple of the right length goes
+    # to the op as it is: the dispatcher refuses a non-tensor). When a call fails (the width, a check of the op, a
+    # non-tensor the dispatcher refuses), _bad_call raises the bound object's own error where its rules (in their
+    # old order: the tensors' types, qkv's shape, out's form) are broken, else the op's error is re-raised: the
+    # messages of a check-first call, with no checks on the way of a good one.
+    def _bad_call(self, qkv, positions, out=None):
         _check_tensor("qkv", qkv)
         _check_tensor("positions", positions)
         c = self.config
         if qkv.dim() != 2 or qkv.shape[1] != c.width:
             _qkv_width_error(qkv, c.width, c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
+        if out is not None:
+            _check_outs(out, self._outs)
 
     def __call__(self, qkv: torch.Tensor, positions: torch.Tensor, *, out: Optional[Tuple[torch.Tensor, ...]] = None):
         """``(q, k, v)`` (gated: ``(q, k, v, gate)``) of ``qkv`` at ``positions [T]`` (or ``[3, T]``); see
@@ -364,13 +368,15 @@ class QKNormRope:
                 if out is None:
                     outs = self.config.ops.split(qkv, positions, *self._args)
                     return outs if len(self._outs) == 4 else outs[:3]
-                _check_outs(out, self._outs)
+                if type(out) is not tuple or len(out) != self._n_outs:
+                    _check_outs(out, self._outs)
+                    out = tuple(out)
                 self._out(qkv, positions, *self._args, *out)
-                return tuple(out)
+                return out
         except Exception:
-            self._bad_call(qkv, positions)
+            self._bad_call(qkv, positions, out)
             raise
-        self._bad_call(qkv, positions)
+        self._bad_call(qkv, positions, out)
 
     def inplace(self, qkv: torch.Tensor, positions: torch.Tensor):
         """Rewrite the Q and K heads inside ``qkv`` and return its ``(q, k, v)`` views (gated: ``(q, k, v,
@@ -597,22 +603,26 @@ class AddRMSNorm:
     ``x``, the rounded sum over ``residual``: :func:`add_rmsnorm_`).
     """
 
-    __slots__ = ("config", "_hidden", "_out", "_inplace", "_args")
+    __slots__ = ("config", "_hidden", "_out", "_inplace", "_args", "_out_args", "_gemma")
 
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, bias: Optional[torch.Tensor] = None, *,
                  gemma_norm: bool = False, backend: Optional[str] = None):
         c = self.config = _norm_config(weight, eps, bias, gemma_norm, backend)
         self._hidden, self._args = c.hidden, (c.weight, c.bias, c.eps, c.gemma_norm)
+        self._out_args, self._gemma = (c.weight, c.bias, c.eps), c.gemma_norm  # the out= schema: gemma after the outs
         self._out, self._inplace = c.ops.norm_out, c.ops.norm_inplace
 
-    # A call checks nothing itself: the op checks x against the bound weight. When it fails, _bad_call raises the
-    # bound object's own error where its rules (the tensors' types, x's shape against the weight) are broken, else
-    # the op's error is re-raised (as QKNormRope does).
-    def _bad_call(self, x, residual):
+    # A call checks nothing itself: the op checks x against the bound weight (and an out= pair, with a residual,
+    # goes to the op as it is: the dispatcher refuses a non-tensor). When it fails, _bad_call raises the bound
+    # object's own error where its rules (the tensors' types, x's shape against the weight, out's form) are
+    # broken, else the op's error is re-raised (as QKNormRope does).
+    def _bad_call(self, x, residual, out=None):
         _check_tensor("x", x)
         _check_optional((("residual", residual),))
         if x.dim() != 2 or x.shape[1] != self._hidden:
             _fail("x", f"shape {tuple(x.shape)}", f"shape (T, {self._hidden}) (weight's length)")
+        if out is not None:
+            _norm_outs(out, residual)
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, *,
                  out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
@@ -620,10 +630,13 @@ class AddRMSNorm:
             if out is None:
                 y, residual_out = self.config.ops.norm(x, residual, *self._args)
             else:
-                y, residual_out = _norm_outs(out, residual)
-                self._out(x, residual, *self._args[:3], y, residual_out, self._args[3])
+                if residual is not None and type(out) is tuple and len(out) == 2:
+                    y, residual_out = out
+                else:
+                    y, residual_out = _norm_outs(out, residual)
+                self._out(x, residual, *self._out_args, y, residual_out, self._gemma)
         except Exception:
-            self._bad_call(x, residual)
+            self._bad_call(x, residual, out)
             raise
         return y, (residual_out if residual is not None else x)
 
