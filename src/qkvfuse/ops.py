@@ -250,7 +250,12 @@ def _view_widths(num_q_heads: int, num_kv_heads: int, head_dim: int, q_gate: boo
 def _inplace_result(qkv: torch.Tensor, widths: Tuple[int, ...]):
     """The in-place form's ``(q, k, v)`` views, ``(q, k, v, gate)`` gated (one op for the views)."""
     views = qkv.split_with_sizes(widths, 1)
-    return views if len(views) == 3 else (views[0], views[2], views[3], views[1])
+    return views if len(views) == 3 else _gated_order(views)
+
+
+def _gated_order(views):
+    """The gated in-place form's ``(q, k, v, gate)`` of ``split_with_sizes``' column views ``(q, gate, k, v)``."""
+    return views[0], views[2], views[3], views[1]
 
 
 def _is_tensor_or_none(t) -> bool:
@@ -382,13 +387,15 @@ class QKNormRope:
         """Rewrite the Q and K heads inside ``qkv`` and return its ``(q, k, v)`` views (gated: ``(q, k, v,
         gate)``); see :func:`split_qkv_rmsnorm_rope_`."""
         try:
-            if qkv.shape[1] == self._width:
-                self._inplace(qkv, positions, *self._args)
-                return _inplace_result(qkv, self._widths)
+            # The views first: split_with_sizes refuses a qkv of another width (the op would accept another
+            # head_dim) before anything is written -- the width check, at no cost of its own -- and views see the
+            # write that follows (they alias qkv's memory and version counter; functionalization replays them).
+            views = qkv.split_with_sizes(self._widths, 1)
+            self._inplace(qkv, positions, *self._args)
         except Exception:
             self._bad_call(qkv, positions)
             raise
-        self._bad_call(qkv, positions)
+        return views if self._n_outs == 3 else _gated_order(views)
 
     def __repr__(self) -> str:
         c = self.config
