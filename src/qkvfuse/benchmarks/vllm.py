@@ -486,11 +486,28 @@ def step_parts(events) -> Dict[str, float]:
     return parts
 
 
+def _heap_only_malloc() -> bool:
+    """glibc's allocator in this process: no ``mmap``-ed chunks and no trimming (``mallopt(M_MMAP_MAX, 0)``,
+    ``mallopt(M_TRIM_THRESHOLD, INT_MAX)``), so a freed activation's pages are reused, not given back and faulted in
+    again. Without it the first-touch page faults of an eager step's fresh MLP outputs (``aten::silu``, ``aten::mul``:
+    34 and 65 ms of one 512-token prefill's self time with the plugin off, 3 and 5 ms with it on, the same ops) swamp
+    the "rest" of a profiled step, and which engine pays them depends on the order the engines ran in (malloc's
+    dynamic mmap threshold rises as the first one frees). Whether it took effect is returned (False off glibc)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, 2 ** 31 - 1))  # M_MMAP_MAX, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str, object]]:
     """Per engine (in this process, one at a time: the profiler sees the model runner), after one untimed
     request: ``rounds`` profiled prefills (a 512-token prompt, one token) and decodes (a 16-token prompt, 33
     tokens; per step), each split into GEMM/MoE, attention and the rest (the part the plugin changes); the
-    medians, plugin on and off."""
+    medians, plugin on and off. The allocator keeps freed pages (:func:`_heap_only_malloc`)."""
+    heap_only = _heap_only_malloc()
     rows = []
     g = torch.Generator().manual_seed(0)
     mode = "compiled" if compiled else "eager"
@@ -509,6 +526,7 @@ def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
             for phase in ("prefill", "decode"):
                 on, off = parts[("on", phase)], parts[("off", phase)]
                 row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "rounds": rounds,
+                       "heap_only_malloc": heap_only,
                        **{f"{k}_{p}_ms": v[p] for k, v in (("on", on), ("off", off)) for p in on},
                        "rest_off_over_on": off["rest"] / on["rest"]}
                 rows.append(row)
