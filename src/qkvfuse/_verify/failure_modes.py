@@ -873,7 +873,7 @@ def draw_split_case(choose: Choose, small: bool = False) -> Tuple[SplitCase, int
         pos_dtype=choose((torch.int64, torch.int32)),
         cache_dtype=choose((torch.float32, torch.bfloat16, torch.float16)),
         weight_dtype=choose((None, dtype)), row_pad=choose((0, 8, 1)), max_position=choose((64, 2, 7, 4096)),
-        eps=choose((1e-6, 1e-5, 0.1)),
+        eps=choose((1e-6, 1e-5, 0.1)), q_gate=choose((False, True)), gemma_norm=norm and choose((False, True)),
     )
     return case, choose(range(0, 1000)), choose(("out", "functional", "inplace")), choose((0, 16))
 
@@ -884,7 +884,7 @@ def draw_norm_case(choose: Choose, small: bool = False) -> Tuple[NormCase, int]:
     H = choose((64, 1, 3, 80, 128) if small else (64, 1, 3, 80, 128, 1000, 4096, 5120))
     case = NormCase(T=T, H=H, dtype=choose((torch.bfloat16, torch.float32, torch.float16)),
                     residual=choose((True, False)), bias=choose((False, True)), row_pad=choose((0, 8, 1)),
-                    mode=choose(("out", "functional", "inplace")))
+                    mode=choose(("out", "functional", "inplace")), gemma_norm=choose((False, True)))
     return case, choose(range(0, 1000))
 
 
