@@ -4,7 +4,8 @@ The configuration space is ``qkvfuse._verify.failure_modes.draw_split_case`` / `
 with the verify section's fuzz-lite rows): T (0 included), head_dim 2..512, rotary dim full/half/2/32/D-2,
 head counts, QK-norm and bias on/off, NeoX/GPT-J, RoPE and both mRoPE layouts with arbitrary sections,
 image/decode rows, all dtypes of qkv, cache, weights and positions, strided rows, tiny tables, out= /
-functional / in-place, the gated layout (``q_gate``) and Gemma norm weights (``gemma_norm``, split and add+norm). Each example is checked under the accuracy rule with NaN-poisoned outputs.
+functional / in-place, the gated layout (``q_gate``) and Gemma norm weights (``gemma_norm``, split and add+norm).
+Each example is checked under the accuracy rule with NaN-poisoned outputs.
 Hypothesis shrinks a failure to the plainest configuration (the first option of every choice).
 
 CI runs 100 derandomized examples per backend, device and op (reproducible); ``-m slow`` runs 1 000 with a fresh

@@ -372,7 +372,7 @@ class QKNormRope:
             if qkv.shape[1] == self._width:
                 if out is None:
                     outs = self.config.ops.split(qkv, positions, *self._args)
-                    return outs if len(self._outs) == 4 else outs[:3]
+                    return outs if self._n_outs == 4 else outs[:3]
                 if type(out) is not tuple or len(out) != self._n_outs:
                     _check_outs(out, self._outs)
                     out = tuple(out)
@@ -615,8 +615,8 @@ class AddRMSNorm:
     def __init__(self, weight: torch.Tensor, eps: float = 1e-6, bias: Optional[torch.Tensor] = None, *,
                  gemma_norm: bool = False, backend: Optional[str] = None):
         c = self.config = _norm_config(weight, eps, bias, gemma_norm, backend)
-        self._hidden, self._args = c.hidden, (c.weight, c.bias, c.eps, c.gemma_norm)
         self._out_args, self._gemma = (c.weight, c.bias, c.eps), c.gemma_norm  # the out= schema: gemma after the outs
+        self._hidden, self._args = c.hidden, (*self._out_args, c.gemma_norm)
         self._out, self._inplace = c.ops.norm_out, c.ops.norm_inplace
 
     # A call checks nothing itself: the op checks x against the bound weight (and an out= pair, with a residual,

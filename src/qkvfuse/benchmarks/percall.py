@@ -167,8 +167,10 @@ def percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype = to
     def bare(i, inplace):
         return bare_split_call(inplace_sets[i] if inplace else sets[i], outs[i], inplace=inplace)
 
+    widths = [hq * D, hkv * D, hkv * D]  # the in-place form's (q, k, v) columns
+
     def bare_views(i):
-        call_inplace, qkv, widths = bare(i, True), inplace_sets[i]["qkv"], [hq * D, hkv * D, hkv * D]
+        call_inplace, qkv = bare(i, True), inplace_sets[i]["qkv"]
 
         def call():
             call_inplace()
@@ -183,7 +185,7 @@ def percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype = to
             qkv = inplace_sets[0]["qkv"]
             qkv.copy_(first["qkv"])
             make(0)()
-            return qkv.split([hq * D, hkv * D, hkv * D], dim=1)
+            return qkv.split(widths, dim=1)
         # the in-place candidates' own weights (fixed_point_weights) are the ones to check against
         return lambda: check_split(dict(first, q_weight=inplace_sets[0].get("q_weight"),
                                         k_weight=inplace_sets[0].get("k_weight")) if inplace else first, outs[0], run)

