@@ -502,47 +502,62 @@ def _heap_only_malloc() -> bool:
         return False
 
 
-def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str, object]]:
-    """Per round, one engine per setting (in this process, one alive at a time: the profiler sees the model
-    runner), the order alternating round by round (ABBA), each after one untimed request: a profiled prefill (a
-    512-token prompt, one token) and decode (a 16-token prompt, 33 tokens; per step), each split into GEMM/MoE,
-    attention and the rest (the part the plugin changes). A round's engines are created seconds apart, so the
-    host's drift over a run falls on both settings alike (one engine per setting for the whole run measured the
-    order the engines ran in as much as the plugin: two such runs on one Zen 5 gave compiled Qwen3-8B decode
-    0.60x and 1.59x). Rows: the medians, plugin on and off, and the median of the per-round ratios off/on of the
-    rest. The allocator keeps freed pages (:func:`_heap_only_malloc`); vLLM's compile cache makes a re-created
-    compiled engine load its graphs."""
+_PROFILED = (("prefill", PROMPT_TOKENS, 1), ("decode", 16, NEW_TOKENS))  # phase, prompt tokens, new tokens
+
+
+def _profile_engine(name: str, on: bool, compiled: bool, seed: int) -> Dict[str, object]:
+    """One engine in this process, after one untimed request: a profiled prefill and decode (:data:`_PROFILED`),
+    ms per step by part. Run in a fresh process per engine (:func:`profile_rows`)."""
     heap_only = _heap_only_malloc()
+    g = torch.Generator().manual_seed(seed)
+    with _model_dir(name) as model_dir:
+        llm = _engine(model_dir, on, compiled)
+        _time_request(llm, _random_prompt(g))  # warm-up
+        parts = {phase: {p: v / new for p, v in _profiled_ms(llm, _random_prompt(g, length), new).items()}
+                 for phase, length, new in _PROFILED}
+    return {"heap_only_malloc": heap_only, **parts}
+
+
+def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str, object]]:
+    """Per round, one engine per setting, each in a fresh process with the engine in it (the profiler sees the
+    model runner; nothing of one engine outlives it: vLLM freezes its objects out of the collector, and
+    re-created in-process engines kept ~0.9 GB each), the order alternating round by round (ABBA): a profiled
+    prefill (a 512-token prompt, one token) and decode (a 16-token prompt, 33 tokens; per step), each split into
+    GEMM/MoE, attention and the rest (the part the plugin changes). A round's two engines run seconds apart, so
+    the host's drift over a run falls on both settings alike (one engine per setting for a whole run measured the
+    order the engines ran in as much as the plugin: two such runs on one Zen 5 gave compiled Qwen3-8B decode 0.60x
+    and 1.59x). Rows: the medians, plugin on and off, and the median of the per-round ratios off/on of the rest.
+    The allocator keeps freed pages (:func:`_heap_only_malloc`); vLLM's compile cache makes every compiled engine
+    after the first load its graphs."""
+    import concurrent.futures
+    import multiprocessing
+
     rows = []
-    g = torch.Generator().manual_seed(0)
     mode = "compiled" if compiled else "eager"
-    phases = (("prefill", PROMPT_TOKENS, 1), ("decode", 16, NEW_TOKENS))
-    for name in names:
-        with _model_dir(name) as model_dir:
-            parts = {(k, p): [] for k in ("on", "off") for p, _, _ in phases}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                max_tasks_per_child=1) as pool:
+        for name in names:
+            parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
             for r in range(rounds):
                 for key in (("on", "off") if r % 2 else ("off", "on")):
-                    llm = _engine(model_dir, key == "on", compiled)
-                    _time_request(llm, _random_prompt(g))  # warm-up
-                    for phase, length, new in phases:
-                        ms = {p: v / new for p, v in _profiled_ms(llm, _random_prompt(g, length), new).items()}
-                        parts[(key, phase)].append(ms)
+                    measured = pool.submit(_profile_engine, name, key == "on", compiled, r).result()
+                    heap_only = heap_only and measured["heap_only_malloc"]
+                    for phase, _, _ in _PROFILED:
+                        parts[(key, phase)].append(measured[phase])
                         log(f"{name} {mode} round {r + 1}/{rounds} {key:3s} {phase:8s} ms per step: "
-                            + "  ".join(f"{p} {v:8.2f}" for p, v in ms.items()))
-                    del llm
-                    gc.collect()
-            for phase, _, _ in phases:
+                            + "  ".join(f"{p} {v:8.2f}" for p, v in measured[phase].items()))
+            for phase, _, _ in _PROFILED:
                 on, off = parts[("on", phase)], parts[("off", phase)]
+                ratios = [b["rest"] / a["rest"] for a, b in zip(on, off)]
                 row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "rounds": rounds,
                        "heap_only_malloc": heap_only,
                        **{f"{k}_{p}_ms": statistics.median(s[p] for s in v)
                           for k, v in (("on", on), ("off", off)) for p in on[0]},
-                       "rest_off_over_on": statistics.median(b["rest"] / a["rest"] for a, b in zip(on, off)),
-                       "rest_ratios": [b["rest"] / a["rest"] for a, b in zip(on, off)]}
+                       "rest_off_over_on": statistics.median(ratios), "rest_ratios": ratios}
                 rows.append(row)
                 log(f"{name} {mode} {phase:8s} ms per step (self CPU, medians): rest off {row['off_rest_ms']:8.2f} "
-                    f"on {row['on_rest_ms']:8.2f} (paired x{row['rest_off_over_on']:.2f}, rounds "
-                    + " ".join(f"{x:.2f}" for x in row["rest_ratios"]) + f"); GEMM/MoE off {row['off_gemm_ms']:8.2f} "
+                    f"on {row['on_rest_ms']:8.2f} (paired x{row['rest_off_over_on']:.2f}; rounds "
+                    + " ".join(f"{x:.2f}" for x in ratios) + f"); GEMM/MoE off {row['off_gemm_ms']:8.2f} "
                     f"on {row['on_gemm_ms']:8.2f}; attention off {row['off_attention_ms']:6.2f} "
                     f"on {row['on_attention_ms']:6.2f}")
     return rows
