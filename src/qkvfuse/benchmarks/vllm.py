@@ -370,13 +370,17 @@ def _model_dir(name: str):
         yield model_dir
 
 
-def _engine(model_dir: str, on: bool, compiled: bool):
+PLUGIN_PARTS = ("attention", "add_rmsnorm")  # the plugin's options (additional_config["qkvfuse"])
+
+
+def _engine(model_dir: str, fused, compiled: bool):
+    """An engine of the model in ``model_dir`` with the plugin's parts in ``fused`` on (an empty tuple: off)."""
     from vllm import LLM
 
     # disable_log_stats=False: each request's output carries the engine core's timestamps (RequestStateStats).
     return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                max_model_len=1024, enforce_eager=not compiled, enable_prefix_caching=False, seed=0,
-               disable_log_stats=False, additional_config={"qkvfuse": {"attention": on, "add_rmsnorm": on}})
+               disable_log_stats=False, additional_config={"qkvfuse": {part: part in fused for part in PLUGIN_PARTS}})
 
 
 PROMPT_TOKENS, NEW_TOKENS = 512, 33
@@ -409,7 +413,8 @@ def _paired_row(name: str, mode: str, phase: str, on: List[float], off: List[flo
             "min_off_over_min_on": min(off) / min(on), "rounds": len(on), "on_samples": on, "off_samples": off}
 
 
-def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, log=print) -> List[Dict[str, object]]:
+def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, fused=PLUGIN_PARTS,
+                 log=print) -> List[Dict[str, object]]:
     """Engine latency, plugin on vs off: per round one request of :data:`PROMPT_TOKENS` random tokens (prefill)
     generating :data:`NEW_TOKENS` (decode) on each engine, the order alternating (ABBA), so the two samples of
     a pair are seconds apart. Two engines side by side (each in its engine-core process) after one untimed
@@ -432,7 +437,7 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                 for r in range(rounds):
                     for key in (("on", "off") if r % 2 else ("off", "on")):
                         t0 = time.perf_counter()
-                        llm = _engine(model_dir, key == "on", compiled)
+                        llm = _engine(model_dir, fused if key == "on" else (), compiled)
                         log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
                             f"({mode})")
                         _time_request(llm, _random_prompt(g))  # warm-up
@@ -442,7 +447,7 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                         gc.collect()
             else:
                 t0 = time.perf_counter()
-                engines = {"on": _engine(model_dir, True, compiled), "off": _engine(model_dir, False, compiled)}
+                engines = {"on": _engine(model_dir, fused, compiled), "off": _engine(model_dir, (), compiled)}
                 log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({mode})")
                 for llm in engines.values():
                     _time_request(llm, _random_prompt(g))  # warm-up
@@ -452,7 +457,8 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, l
                 del engines
                 gc.collect()
             for phase in ("prefill", "decode"):
-                row = _paired_row(name, mode, phase, samples[("on", phase)], samples[("off", phase)])
+                row = {**_paired_row(name, mode, phase, samples[("on", phase)], samples[("off", phase)]),
+                       "fused": list(fused)}
                 rows.append(row)
                 log(f"{name} {mode} {phase:8s} off {row['off_ms']:9.2f} ms  on {row['on_ms']:9.2f} ms  "
                     f"off/on x{row['off_over_on']:.3f} (fastest rounds x{row['min_off_over_min_on']:.3f}, "
@@ -505,20 +511,20 @@ def _heap_only_malloc() -> bool:
 _PROFILED = (("prefill", PROMPT_TOKENS, 1), ("decode", 16, NEW_TOKENS))  # phase, prompt tokens, new tokens
 
 
-def _profile_engine(name: str, on: bool, compiled: bool, seed: int) -> Dict[str, object]:
+def _profile_engine(name: str, fused, compiled: bool, seed: int) -> Dict[str, object]:
     """One engine in this process, after one untimed request: a profiled prefill and decode (:data:`_PROFILED`),
     ms per step by part. Run in a fresh process per engine (:func:`profile_rows`)."""
     heap_only = _heap_only_malloc()
     g = torch.Generator().manual_seed(seed)
     with _model_dir(name) as model_dir:
-        llm = _engine(model_dir, on, compiled)
+        llm = _engine(model_dir, fused, compiled)
         _time_request(llm, _random_prompt(g))  # warm-up
         parts = {phase: {p: v / new for p, v in _profiled_ms(llm, _random_prompt(g, length), new).items()}
                  for phase, length, new in _PROFILED}
     return {"heap_only_malloc": heap_only, **parts}
 
 
-def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str, object]]:
+def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=print) -> List[Dict[str, object]]:
     """Per round, one engine per setting, each in a fresh process with the engine in it (the profiler sees the
     model runner; nothing of one engine outlives it: vLLM freezes its objects out of the collector, and
     re-created in-process engines kept ~0.9 GB each), the order alternating round by round (ABBA): a profiled
@@ -540,7 +546,7 @@ def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
             parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
             for r in range(rounds):
                 for key in (("on", "off") if r % 2 else ("off", "on")):
-                    measured = pool.submit(_profile_engine, name, key == "on", compiled, r).result()
+                    measured = pool.submit(_profile_engine, name, fused if key == "on" else (), compiled, r).result()
                     heap_only = heap_only and measured["heap_only_malloc"]
                     for phase, _, _ in _PROFILED:
                         parts[(key, phase)].append(measured[phase])
@@ -549,8 +555,8 @@ def profile_rows(names, compiled: bool, rounds: int, log=print) -> List[Dict[str
             for phase, _, _ in _PROFILED:
                 on, off = parts[("on", phase)], parts[("off", phase)]
                 ratios = [b["rest"] / a["rest"] for a, b in zip(on, off)]
-                row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "rounds": rounds,
-                       "heap_only_malloc": heap_only,
+                row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "fused": list(fused),
+                       "rounds": rounds, "heap_only_malloc": heap_only,
                        **{f"{k}_{p}_ms": statistics.median(s[p] for s in v)
                           for k, v in (("on", on), ("off", off)) for p in on[0]},
                        "rest_off_over_on": statistics.median(ratios), "rest_ratios": ratios}
@@ -578,8 +584,11 @@ def main(argv=None) -> int:
     parser.add_argument("--one-engine", action="store_true",
                         help="latency: one engine alive at a time, re-created per round (compiled GLM-4.7 needs it in "
                              "24 GiB)")
+    parser.add_argument("--fuse", action="append", choices=PLUGIN_PARTS,
+                        help="latency and profile: the plugin's parts on in the 'on' engine (default both)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    fused = tuple(args.fuse or PLUGIN_PARTS)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # latency: an engine-core process per engine, two side by side; profile: the engine in this process
@@ -598,10 +607,10 @@ def main(argv=None) -> int:
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
         for compiled in _COMPILED[args.mode]:
-            rows += latency_rows(names, compiled, args.rounds, args.one_engine)
+            rows += latency_rows(names, compiled, args.rounds, args.one_engine, fused)
     if args.part == "profile":
         for compiled in _COMPILED[args.mode]:
-            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds)
+            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds, fused)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
