@@ -449,8 +449,8 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, f
                 t0 = time.perf_counter()
                 engines = {"on": _engine(model_dir, fused, compiled), "off": _engine(model_dir, (), compiled)}
                 log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({mode})")
-                for llm in engines.values():
-                    _time_request(llm, _random_prompt(g))  # warm-up
+                for key in engines:  # (a loop variable bound to an engine would keep it alive into the next model)
+                    _time_request(engines[key], _random_prompt(g))  # warm-up
                 for r in range(rounds):
                     for key in (("on", "off") if r % 2 else ("off", "on")):
                         record(key, _time_request(engines[key], _random_prompt(g)))
