@@ -31,7 +31,11 @@ attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 ro
 per round one batch-1 request of 512 random tokens generating 33 on each engine, timed by the engine core's own
 request timestamps -- ms of the prefill (scheduled to first token) and per decode step (first to last token) --
 eager and (``--mode compiled|both``) with vLLM's torch.compile; prefix caching off. Rows give the medians, the
-median per-round ratio off/on and the ratio of the fastest rounds.
+median per-round ratio off/on and the ratio of the fastest rounds. ``--one-engine``: one engine alive at a time,
+re-created every round. ``--fuse attention|add_rmsnorm``: only those parts of the plugin in the "on" engine.
+
+``--part profile`` (not in ``all``): where a step's time goes, plugin on and off -- both engines re-created every
+round, each in a fresh process, ABBA; :func:`profile_rows`.
 """
 
 from __future__ import annotations
@@ -546,6 +550,7 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
             parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
             for r in range(rounds):
                 for key in (("on", "off") if r % 2 else ("off", "on")):
+                    # seed r: a round's two engines get the same prompts
                     measured = pool.submit(_profile_engine, name, fused if key == "on" else (), compiled, r).result()
                     heap_only = heap_only and measured["heap_only_malloc"]
                     for phase, _, _ in _PROFILED:
@@ -591,7 +596,7 @@ def main(argv=None) -> int:
     fused = tuple(args.fuse or PLUGIN_PARTS)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    # latency: an engine-core process per engine, two side by side; profile: the engine in this process
+    # latency: an engine-core process per engine, two side by side; profile: the engine in its worker's process
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.part == "profile" else "1")
     print(json.dumps(machine_info()))
     from ..backends import cpu
