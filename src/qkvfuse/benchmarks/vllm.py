@@ -422,8 +422,8 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, f
     """Engine latency, plugin on vs off: per round one request of :data:`PROMPT_TOKENS` random tokens (prefill)
     generating :data:`NEW_TOKENS` (decode) on each engine, the order alternating (ABBA), so the two samples of
     a pair are seconds apart. Two engines side by side (each in its engine-core process) after one untimed
-    warm-up request each; with ``one_engine`` (for models whose two compiled engines do not fit in memory
-    together) a fresh engine per round and setting, the settings alternating (vLLM's compile cache makes a
+    warm-up request each (the "on" engine created first); with ``one_engine`` (the creation order alternating too;
+    less memory) a fresh engine per round and setting, the settings alternating (vLLM's compile cache makes a
     re-created compiled engine load its graphs), each warmed up by one untimed request, a round's sample the
     median of three requests."""
     rows = []
@@ -587,8 +587,8 @@ def main(argv=None) -> int:
                         help="latency engines: eager (enforce_eager), vLLM's torch.compile, or both")
     parser.add_argument("--model", action="append", choices=list(_configs()), help="latency models (default both)")
     parser.add_argument("--one-engine", action="store_true",
-                        help="latency: one engine alive at a time, re-created per round (compiled GLM-4.7 needs it in "
-                             "24 GiB)")
+                        help="latency: one engine alive at a time, re-created per round, the creation order "
+                             "alternating (side by side, the 'on' engine is always created first)")
     parser.add_argument("--fuse", action="append", choices=PLUGIN_PARTS,
                         help="latency and profile: the plugin's parts on in the 'on' engine (default both)")
     parser.add_argument("--json", help="write the rows here")
