@@ -409,6 +409,14 @@ def _time_request(llm, prompt: List[int]) -> Dict[str, float]:
             "decode": (m.last_token_ts - m.first_token_ts) * 1e3 / (NEW_TOKENS - 1)}
 
 
+def _abba(rounds: int):
+    """``(round, "off" | "on")`` for ``rounds`` rounds, the order flipping each round (off on, on off, ...): a
+    setting's samples are never all first or all last of their pair."""
+    for r in range(rounds):
+        for key in (("on", "off") if r % 2 else ("off", "on")):
+            yield r, key
+
+
 def _paired_row(name: str, mode: str, phase: str, on: List[float], off: List[float]) -> Dict[str, object]:
     """Medians, the median of the per-round ratios off/on, and the ratio of the fastest rounds (contention on
     a shared machine only ever slows a round down)."""
@@ -438,26 +446,24 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, f
                     samples[(key, phase)].append(ms)
 
             if one_engine:
-                for r in range(rounds):
-                    for key in (("on", "off") if r % 2 else ("off", "on")):
-                        t0 = time.perf_counter()
-                        llm = _engine(model_dir, fused if key == "on" else (), compiled)
-                        log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
-                            f"({mode})")
-                        _time_request(llm, _random_prompt(g))  # warm-up
-                        runs = [_time_request(llm, _random_prompt(g)) for _ in range(3)]
-                        record(key, {phase: statistics.median(m[phase] for m in runs) for phase in runs[0]})
-                        del llm
-                        gc.collect()
+                for r, key in _abba(rounds):
+                    t0 = time.perf_counter()
+                    llm = _engine(model_dir, fused if key == "on" else (), compiled)
+                    log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
+                        f"({mode})")
+                    _time_request(llm, _random_prompt(g))  # warm-up
+                    runs = [_time_request(llm, _random_prompt(g)) for _ in range(3)]
+                    record(key, {phase: statistics.median(m[phase] for m in runs) for phase in runs[0]})
+                    del llm
+                    gc.collect()
             else:
                 t0 = time.perf_counter()
                 engines = {"on": _engine(model_dir, fused, compiled), "off": _engine(model_dir, (), compiled)}
                 log(f"{name}: engines ready in {time.perf_counter() - t0:.0f} s ({mode})")
                 for key in engines:  # (a loop variable bound to an engine would keep it alive into the next model)
                     _time_request(engines[key], _random_prompt(g))  # warm-up
-                for r in range(rounds):
-                    for key in (("on", "off") if r % 2 else ("off", "on")):
-                        record(key, _time_request(engines[key], _random_prompt(g)))
+                for _, key in _abba(rounds):
+                    record(key, _time_request(engines[key], _random_prompt(g)))
                 del engines
                 gc.collect()
             for phase in ("prefill", "decode"):
@@ -548,15 +554,14 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
                                                 max_tasks_per_child=1) as pool:
         for name in names:
             parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
-            for r in range(rounds):
-                for key in (("on", "off") if r % 2 else ("off", "on")):
-                    # seed r: a round's two engines get the same prompts
-                    measured = pool.submit(_profile_engine, name, fused if key == "on" else (), compiled, r).result()
-                    heap_only = heap_only and measured["heap_only_malloc"]
-                    for phase, _, _ in _PROFILED:
-                        parts[(key, phase)].append(measured[phase])
-                        log(f"{name} {mode} round {r + 1}/{rounds} {key:3s} {phase:8s} ms per step: "
-                            + "  ".join(f"{p} {v:8.2f}" for p, v in measured[phase].items()))
+            for r, key in _abba(rounds):
+                # seed r: a round's two engines get the same prompts
+                measured = pool.submit(_profile_engine, name, fused if key == "on" else (), compiled, r).result()
+                heap_only = heap_only and measured["heap_only_malloc"]
+                for phase, _, _ in _PROFILED:
+                    parts[(key, phase)].append(measured[phase])
+                    log(f"{name} {mode} round {r + 1}/{rounds} {key:3s} {phase:8s} ms per step: "
+                        + "  ".join(f"{p} {v:8.2f}" for p, v in measured[phase].items()))
             for phase, _, _ in _PROFILED:
                 on, off = parts[("on", phase)], parts[("off", phase)]
                 ratios = [b["rest"] / a["rest"] for a, b in zip(on, off)]
