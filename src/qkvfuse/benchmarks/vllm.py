@@ -431,9 +431,9 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, f
     generating :data:`NEW_TOKENS` (decode) on each engine, the order alternating (ABBA), so the two samples of
     a pair are seconds apart. Two engines side by side (each in its engine-core process) after one untimed
     warm-up request each (the "on" engine created first); with ``one_engine`` (the creation order alternating too;
-    less memory) a fresh engine per round and setting, the settings alternating (vLLM's compile cache makes a
-    re-created compiled engine load its graphs), each warmed up by one untimed request, a round's sample the
-    median of three requests."""
+    less memory) a fresh engine per round and setting, each in a fresh process (:func:`_fresh_engine_rounds`;
+    vLLM's compile cache makes a re-created compiled engine load its graphs), warmed up by one untimed request, a
+    round's sample the median of three requests, a round's two engines given the same prompts."""
     rows = []
     g = torch.Generator().manual_seed(0)
     mode = "compiled" if compiled else "eager"
@@ -446,16 +446,10 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, f
                     samples[(key, phase)].append(ms)
 
             if one_engine:
-                for r, key in _abba(rounds):
-                    t0 = time.perf_counter()
-                    llm = _engine(model_dir, fused if key == "on" else (), compiled)
-                    log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {time.perf_counter() - t0:.0f} s "
+                for r, key, measured in _fresh_engine_rounds(_latency_engine, name, fused, compiled, rounds):
+                    log(f"{name} round {r + 1}/{rounds}: engine {key} ready in {measured.pop('ready_s'):.0f} s "
                         f"({mode})")
-                    _time_request(llm, _random_prompt(g))  # warm-up
-                    runs = [_time_request(llm, _random_prompt(g)) for _ in range(3)]
-                    record(key, {phase: statistics.median(m[phase] for m in runs) for phase in runs[0]})
-                    del llm
-                    gc.collect()
+                    record(key, measured)
             else:
                 t0 = time.perf_counter()
                 engines = {"on": _engine(model_dir, fused, compiled), "off": _engine(model_dir, (), compiled)}
@@ -474,6 +468,32 @@ def latency_rows(names, compiled: bool, rounds: int, one_engine: bool = False, f
                     f"off/on x{row['off_over_on']:.3f} (fastest rounds x{row['min_off_over_min_on']:.3f}, "
                     f"{rounds} rounds)")
     return rows
+
+
+def _latency_engine(name: str, fused, compiled: bool, seed: int) -> Dict[str, float]:
+    """One engine in this process (:func:`_fresh_engine_rounds`): seconds to create it and, after one untimed
+    request, the median prefill and decode ms of three requests (:func:`_time_request`)."""
+    g = torch.Generator().manual_seed(seed)
+    with _model_dir(name) as model_dir:
+        t0 = time.perf_counter()
+        llm = _engine(model_dir, fused, compiled)
+        ready_s = time.perf_counter() - t0
+        _time_request(llm, _random_prompt(g))  # warm-up
+        runs = [_time_request(llm, _random_prompt(g)) for _ in range(3)]
+    return {"ready_s": ready_s, **{phase: statistics.median(m[phase] for m in runs) for phase in runs[0]}}
+
+
+def _fresh_engine_rounds(task, name: str, fused, compiled: bool, rounds: int):
+    """``(round, "off" | "on", task(name, parts, compiled, seed=round))`` in :func:`_abba` order, each call in a
+    fresh spawned process: nothing of one engine outlives it (vLLM's engine core ``gc.freeze()``s the heap;
+    re-created in-process engines kept ~0.9 GB each), and a round's two engines get the same seed."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                max_tasks_per_child=1) as pool:
+        for r, key in _abba(rounds):
+            yield r, key, pool.submit(task, name, fused if key == "on" else (), compiled, r).result()
 
 
 # Where an engine step's time goes, by the profiler's self CPU time: the weight GEMMs and the MoE experts (the
@@ -545,37 +565,30 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
     and 1.59x). Rows: the medians, plugin on and off, and the median of the per-round ratios off/on of the rest.
     The allocator keeps freed pages (:func:`_heap_only_malloc`); vLLM's compile cache makes every compiled engine
     after the first load its graphs."""
-    import concurrent.futures
-    import multiprocessing
-
     rows = []
     mode = "compiled" if compiled else "eager"
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                                max_tasks_per_child=1) as pool:
-        for name in names:
-            parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
-            for r, key in _abba(rounds):
-                # seed r: a round's two engines get the same prompts
-                measured = pool.submit(_profile_engine, name, fused if key == "on" else (), compiled, r).result()
-                heap_only = heap_only and measured["heap_only_malloc"]
-                for phase, _, _ in _PROFILED:
-                    parts[(key, phase)].append(measured[phase])
-                    log(f"{name} {mode} round {r + 1}/{rounds} {key:3s} {phase:8s} ms per step: "
-                        + "  ".join(f"{p} {v:8.2f}" for p, v in measured[phase].items()))
+    for name in names:
+        parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
+        for r, key, measured in _fresh_engine_rounds(_profile_engine, name, fused, compiled, rounds):
+            heap_only = heap_only and measured["heap_only_malloc"]
             for phase, _, _ in _PROFILED:
-                on, off = parts[("on", phase)], parts[("off", phase)]
-                ratios = [b["rest"] / a["rest"] for a, b in zip(on, off)]
-                row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "fused": list(fused),
-                       "rounds": rounds, "heap_only_malloc": heap_only,
-                       **{f"{k}_{p}_ms": statistics.median(s[p] for s in v)
-                          for k, v in (("on", on), ("off", off)) for p in on[0]},
-                       "rest_off_over_on": statistics.median(ratios), "rest_ratios": ratios}
-                rows.append(row)
-                log(f"{name} {mode} {phase:8s} ms per step (self CPU, medians): rest off {row['off_rest_ms']:8.2f} "
-                    f"on {row['on_rest_ms']:8.2f} (paired x{row['rest_off_over_on']:.2f}; rounds "
-                    + " ".join(f"{x:.2f}" for x in ratios) + f"); GEMM/MoE off {row['off_gemm_ms']:8.2f} "
-                    f"on {row['on_gemm_ms']:8.2f}; attention off {row['off_attention_ms']:6.2f} "
-                    f"on {row['on_attention_ms']:6.2f}")
+                parts[(key, phase)].append(measured[phase])
+                log(f"{name} {mode} round {r + 1}/{rounds} {key:3s} {phase:8s} ms per step: "
+                    + "  ".join(f"{p} {v:8.2f}" for p, v in measured[phase].items()))
+        for phase, _, _ in _PROFILED:
+            on, off = parts[("on", phase)], parts[("off", phase)]
+            ratios = [b["rest"] / a["rest"] for a, b in zip(on, off)]
+            row = {"part": "profile", "model": name, "mode": mode, "phase": phase, "fused": list(fused),
+                   "rounds": rounds, "heap_only_malloc": heap_only,
+                   **{f"{k}_{p}_ms": statistics.median(s[p] for s in v)
+                      for k, v in (("on", on), ("off", off)) for p in on[0]},
+                   "rest_off_over_on": statistics.median(ratios), "rest_ratios": ratios}
+            rows.append(row)
+            log(f"{name} {mode} {phase:8s} ms per step (self CPU, medians): rest off {row['off_rest_ms']:8.2f} "
+                f"on {row['on_rest_ms']:8.2f} (paired x{row['rest_off_over_on']:.2f}; rounds "
+                + " ".join(f"{x:.2f}" for x in ratios) + f"); GEMM/MoE off {row['off_gemm_ms']:8.2f} "
+                f"on {row['on_gemm_ms']:8.2f}; attention off {row['off_attention_ms']:6.2f} "
+                f"on {row['on_attention_ms']:6.2f}")
     return rows
 
 
@@ -601,8 +614,9 @@ def main(argv=None) -> int:
     fused = tuple(args.fuse or PLUGIN_PARTS)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    # latency: an engine-core process per engine, two side by side; profile: the engine in its worker's process
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.part == "profile" else "1")
+    # latency side by side: an engine-core process per engine; profile and --one-engine: the engine in its own
+    # fresh process (_fresh_engine_rounds)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.part == "profile" or args.one_engine else "1")
     print(json.dumps(machine_info()))
     from ..backends import cpu
 
