@@ -34,6 +34,12 @@ eager and (``--mode compiled|both``) with vLLM's torch.compile; prefix caching o
 median per-round ratio off/on and the ratio of the fastest rounds. ``--one-engine``: one engine alive at a time,
 re-created every round. ``--fuse attention|add_rmsnorm``: only those parts of the plugin in the "on" engine.
 
+``--part graph`` (not in ``all``): vLLM's compiled mode in one layer, without an engine -- the input norm, the QKV
+GEMM, the prepare, an opaque attention stand-in, o_proj and the post-attention norm compiled with qkvfuse's
+in-place ops and with vLLM's native code (which inductor fuses into its own kernels), T in {1, 16, 512}, the two
+compiled functions alternating; and the cost of one op call from Python after the caches were evicted (what each
+extern call in inductor's wrapper pays after a GEMM); :func:`graph_rows`.
+
 ``--part profile`` (not in ``all``): where a step's time goes, plugin on and off -- both engines re-created every
 round, each in a fresh process, ABBA; :func:`profile_rows`.
 """
@@ -345,6 +351,177 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
 
 
 # --------------------------------------------------------------------------------------------------------
+# One layer inside a compiled graph.
+# --------------------------------------------------------------------------------------------------------
+GRAPH_PRESETS = ("Qwen3-8B", "GLM-4.5")
+GRAPH_TOKENS = (1, 16, 512)
+_STAND_INS = {}
+
+
+def _attention_stand_in():
+    """An opaque op reading ``q, k, v`` and returning a copy of ``q``, in place of vLLM's attention op: as in an
+    engine's graph, inductor materialises the prepare's outputs before it (with ``q``, ``k`` only returned,
+    inductor fused their computation into the next kernel, recomputing it there: ~100 ms of a 512-token layer)."""
+    if "attention" not in _STAND_INS:
+        @torch.library.custom_op("qkvfuse_bench::attention", mutates_args=())
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return q.clone(memory_format=torch.contiguous_format)
+
+        @attention.register_fake
+        def _(q, k, v):
+            return q.new_empty(q.shape)
+
+        _STAND_INS["attention"] = attention
+    return _STAND_INS["attention"]
+
+
+def _graph_layer(p, use_qkvfuse: bool):
+    """A decoder layer's path around attention, as one function of ``(hidden, ids, positions)`` for
+    ``torch.compile``: the layer input from a GEMM (a stand-in for the previous layer's down projection) and the
+    residual from an embedding lookup (both graph intermediates, as in an engine's graph), the input norm (in place
+    with the residual), the QKV GEMM, the prepare (QK-norm + RoPE), a GEMM standing in for attention + o_proj, the
+    post-attention norm; attention is an opaque stand-in (:func:`_attention_stand_in`). ``use_qkvfuse``: the plugin's calls under compile (``add_rmsnorm_`` and
+    ``split_qkv_rmsnorm_rope_`` on the engine's own buffers); else vLLM's ``RMSNorm`` and rotary modules'
+    ``forward_native`` (what vLLM-CPU's compiled mode runs: its custom ops off, inductor fusing the code)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.ir import ops as ir_ops
+    from vllm.model_executor.layers.layernorm import RMSNorm
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, D, H = p.num_q_heads, p.num_kv_heads, p.head_dim, p.hidden_size
+    bf16 = torch.bfloat16
+
+    def weight(*shape):
+        return (torch.randn(*shape, generator=g) / shape[0] ** 0.5).to(bf16)
+
+    w_down, w_qkv, w_o, embedding = weight(H, H), weight(H, p.qkv_width), weight(hq * D, H), weight(1024, H)
+    with set_current_vllm_config(VllmConfig()):
+        norms = [RMSNorm(n, eps=p.rms_norm_eps, dtype=bf16) for n in (H, H, D, D)]
+        rope = get_rope(head_size=D, max_position=8192, dtype=bf16, rope_parameters={
+            "rope_type": "default", "rope_theta": p.rope_theta, "partial_rotary_factor": p.rotary_dim / D})
+    for n in norms:
+        n.weight.data.copy_((1 + 0.1 * torch.randn(n.weight.shape[0], generator=g)).to(bf16))
+    in_norm, post_norm, q_norm, k_norm = norms
+    cache = rope.cos_sin_cache.to(bf16)
+    sizes = [hq * D, hkv * D, hkv * D]
+    attention = _attention_stand_in()
+
+    def with_qkvfuse(hidden, ids, positions):
+        x, residual = hidden @ w_down, embedding[ids]
+        h, residual = qkvfuse.add_rmsnorm_(x, residual, in_norm.weight, p.rms_norm_eps)
+        q, k, v = qkvfuse.split_qkv_rmsnorm_rope_(h @ w_qkv, positions, cache, hq, hkv, D, q_weight=q_norm.weight,
+                                                  k_weight=k_norm.weight, eps=p.rms_norm_eps)
+        out, residual = qkvfuse.add_rmsnorm_(attention(q, k, v) @ w_o, residual, post_norm.weight, p.rms_norm_eps)
+        return out, residual
+
+    # RMSNorm.forward_native calls vLLM's IR ops, which the engine's compile passes replace by their native
+    # implementations before inductor sees them (IrOpPriorityConfig "native"): those, as the graph gets them.
+    rms_norm, add_rms_norm = (op.impls["native"].impl_fn for op in (ir_ops.rms_norm, ir_ops.fused_add_rms_norm))
+    eps = p.rms_norm_eps
+
+    def with_vllm(hidden, ids, positions):
+        x, residual = hidden @ w_down, embedding[ids]
+        h, residual = add_rms_norm(x, residual, in_norm.weight, eps)
+        q, k, v = (h @ w_qkv).split(sizes, dim=-1)
+        q = rms_norm(q.reshape(-1, D), q_norm.weight, eps).view(q.shape)
+        k = rms_norm(k.reshape(-1, D), k_norm.weight, eps).view(k.shape)
+        q, k = rope.forward_native(positions, q, k)
+        out, residual = add_rms_norm(attention(q, k, v) @ w_o, residual, post_norm.weight, eps)
+        return out, residual
+
+    return with_qkvfuse if use_qkvfuse else with_vllm
+
+
+def _cold_call_rows(p, log, rounds: int = 200) -> List[Dict[str, object]]:
+    """One call each after a 96 MB copy has evicted the caches (a step's GEMMs do that before every op), T = 1:
+    qkvfuse's in-place ops, ``aten.add_`` and ``aten.detach`` (one argument), from Python as inductor's wrapper
+    calls them. Medians in µs."""
+    import random
+
+    hq, hkv, D, H = p.num_q_heads, p.num_kv_heads, p.head_dim, p.hidden_size
+    big = torch.empty(96 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(big)
+    x, residual = torch.randn(1, H).to(torch.bfloat16), torch.randn(1, H).to(torch.bfloat16)
+    qkv, positions = torch.randn(1, p.qkv_width).to(torch.bfloat16), torch.zeros(1, dtype=torch.long)
+    w, wd = fixed_point_weights(torch.empty(H, dtype=torch.bfloat16)), fixed_point_weights(torch.empty(D, dtype=torch.bfloat16))
+    cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta).to(torch.bfloat16)
+    split, norm = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default, torch.ops.qkvfuse.add_rmsnorm_inplace.default
+    calls = {"qkvfuse split_qkv_rmsnorm_rope_inplace": lambda: split(qkv, positions, cache, wd, wd, None, None, hq, hkv,
+                                                                     p.rms_norm_eps, encode_rope(True)),
+             "qkvfuse add_rmsnorm_inplace": lambda: norm(x, residual, w, None, p.rms_norm_eps),
+             "aten add_": lambda: torch.ops.aten.add_.Tensor(x, residual),
+             "aten detach (one argument)": lambda: torch.ops.aten.detach.default(x)}
+    samples = {name: [] for name in calls}
+    order = list(calls)
+    with torch.inference_mode():
+        for call in calls.values():
+            call()
+        for _ in range(rounds):
+            random.shuffle(order)
+            for name in order:
+                dst.copy_(big)
+                t0 = time.perf_counter()
+                calls[name]()
+                samples[name].append((time.perf_counter() - t0) * 1e6)
+    rows = []
+    for name, us in samples.items():
+        rows.append({"part": "graph", "preset": p.name, "T": 1, "what": "cold call", "impl": name,
+                     "us": statistics.median(us), "rounds": rounds})
+        log(f"graph {p.name} cold call (after a 96 MB copy) {name:40s} {rows[-1]['us']:8.1f} us")
+    return rows
+
+
+def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
+               cold_rounds: int = 200) -> List[Dict[str, object]]:
+    """vLLM's compiled-mode question in one layer: the layer of :func:`_graph_layer` compiled (``fullgraph``, the
+    token dim dynamic) with qkvfuse's in-place ops and with vLLM's native code; per T the two compiled functions
+    called alternately for about ``seconds`` (ABBA), rows with the medians and the median per-call difference
+    (qkvfuse - vLLM's code) and ratio (vLLM / qkvfuse). qkvfuse's compiled outputs are first checked bit for bit
+    against the same function run eagerly (a result never depends on the mode). Then the cold-call costs
+    (:func:`_cold_call_rows`): why the opaque ops' extern calls can lose to inductor's own code at T = 1.
+    ``presets`` (default :data:`GRAPH_PRESETS`), ``tokens`` and ``cold_rounds`` make it small for a test."""
+    rows = []
+    for p in presets or [qkvfuse.get_preset(name) for name in GRAPH_PRESETS]:
+        name = p.name
+        fns = {key: _graph_layer(p, key == "qkvfuse") for key in ("qkvfuse", "vLLM native")}
+        # The token dim dynamic (every argument's dim 0, marked below), the rest static: as vLLM compiles
+        # (dynamic=True would make the weights' and the table's sizes symbolic too, and inductor's kernels slow).
+        compiled = {key: torch.compile(fn, fullgraph=True) for key, fn in fns.items()}
+        for T in tokens:
+            g = torch.Generator().manual_seed(T)
+            args = (torch.randn(T, p.hidden_size, generator=g).to(torch.bfloat16),
+                    torch.randint(0, 1024, (T,), generator=g), torch.randint(0, 8192, (T,), generator=g))
+            for a in args:
+                torch._dynamo.mark_dynamic(a, 0)
+            with torch.inference_mode():
+                eager, got = fns["qkvfuse"](*args), compiled["qkvfuse"](*args)
+                if not all(torch.equal(a, b) for a, b in zip(eager, got)):
+                    raise AssertionError(f"graph {name} T={T}: qkvfuse compiled differs from eager")
+                compiled["vLLM native"](*args)  # warm-up (compiles the dynamic graph once)
+                samples = {key: [] for key in compiled}
+                t_end = time.perf_counter() + seconds
+                r = 0
+                while time.perf_counter() < t_end or r < 6:
+                    for key in (("qkvfuse", "vLLM native") if r % 2 else ("vLLM native", "qkvfuse")):
+                        t0 = time.perf_counter()
+                        compiled[key](*args)
+                        samples[key].append((time.perf_counter() - t0) * 1e6)
+                    r += 1
+            ours, theirs = samples["qkvfuse"], samples["vLLM native"]
+            row = {"part": "graph", "preset": name, "T": T, "what": "compiled layer", "qkvfuse_us": statistics.median(ours),
+                   "vllm_native_us": statistics.median(theirs),
+                   "qkvfuse_minus_native_us": statistics.median(a - b for a, b in zip(ours, theirs)),
+                   "native_over_qkvfuse": statistics.median(b / a for a, b in zip(ours, theirs)), "rounds": r}
+            rows.append(row)
+            log(f"graph {name} T={T:4d} compiled layer: qkvfuse {row['qkvfuse_us']:10.1f} us  vLLM native "
+                f"{row['vllm_native_us']:10.1f} us  paired diff {row['qkvfuse_minus_native_us']:+8.1f} us  "
+                f"x{row['native_over_qkvfuse']:.3f} ({r} rounds)")
+        rows += _cold_call_rows(p, log, cold_rounds)
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------
 # Engine latency.
 # --------------------------------------------------------------------------------------------------------
 VOCAB = 10240
@@ -597,8 +774,10 @@ _COMPILED = {"eager": (False,), "compiled": (True,), "both": (False, True)}  # -
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.vllm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["split", "norm", "gated", "latency", "profile", "all"], default="all",
-                        help="profile: where an engine step's time goes, plugin on and off (not part of all)")
+    parser.add_argument("--part", choices=["split", "norm", "gated", "graph", "latency", "profile", "all"],
+                        default="all", help="graph: one layer compiled, qkvfuse vs vLLM's native code, and cold "
+                                            "calls; profile: where an engine step's time goes, plugin on and off "
+                                            "(neither is part of all)")
     parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
     parser.add_argument("--rounds", type=int, default=5, help="latency and profile rounds (after one warm-up request)")
     parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
@@ -628,6 +807,8 @@ def main(argv=None) -> int:
         rows += norm_rows(Budget(cell_s=args.seconds))
     if args.part in ("gated", "all"):
         rows += gated_rows(Budget(cell_s=args.seconds))
+    if args.part == "graph":
+        rows += graph_rows(args.seconds)
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
         for compiled in _COMPILED[args.mode]:

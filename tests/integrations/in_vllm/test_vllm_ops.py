@@ -117,3 +117,28 @@ def test_add_rmsnorm_matches_vllm_rmsnorm_with_residual(vllm_context, hidden, dt
             oracle = oracle_add_rmsnorm(x, residual, norm.weight.detach(), 1e-5)
             report = check_norm_outputs((fx, fr), oracle, (want_y, want_r), x, residual)
             assert report.ok, report
+
+
+@pytest.mark.parametrize("preset", ["Qwen3-8B", "GLM-4.5"])
+def test_graph_benchmark_layers_compute_the_same_layer(preset):
+    """``make bench-vllm``'s graph part times one layer written twice, with qkvfuse's in-place ops and with vLLM's
+    native code: on a small geometry of the preset (its head_dim, rotary dim, eps) the two agree within a couple
+    of bf16 ulps, and the part's own check (qkvfuse compiled bit for bit against eager) passes."""
+    import dataclasses
+
+    from qkvfuse.benchmarks import vllm as bench_vllm
+
+    p = dataclasses.replace(qkvfuse.get_preset(preset), hidden_size=256, num_q_heads=4, num_kv_heads=2)
+    ids, positions = torch.tensor([0, 5, 1023, 7, 7]), torch.tensor([0, 1, 4097, 8191, 3])
+    hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        ours, theirs = (bench_vllm._graph_layer(p, use)(hidden, ids, positions) for use in (True, False))
+    for got, want in zip(ours, theirs):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5)
+    rows = bench_vllm.graph_rows(0.0, log=lambda line: None, presets=[p], tokens=(1, 5), cold_rounds=3)
+    layers = [r for r in rows if r["what"] == "compiled layer"]
+    assert [r["T"] for r in layers] == [1, 5] and all(r["rounds"] >= 6 and r["qkvfuse_us"] > 0 for r in layers)
+    assert {r["impl"] for r in rows if r["what"] == "cold call"} == {
+        "qkvfuse split_qkv_rmsnorm_rope_inplace", "qkvfuse add_rmsnorm_inplace", "aten add_",
+        "aten detach (one argument)"}
