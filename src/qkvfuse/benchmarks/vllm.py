@@ -355,6 +355,7 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
 # --------------------------------------------------------------------------------------------------------
 GRAPH_PRESETS = ("Qwen3-8B", "GLM-4.5")
 GRAPH_TOKENS = (1, 16, 512)
+PROFILED_ROUNDS = 8  # per T, the graph part's profiled calls of each layer
 _STAND_INS = {}
 
 
@@ -477,7 +478,8 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
     """vLLM's compiled-mode question in one layer: the layer of :func:`_graph_layer` compiled (``fullgraph``, the
     token dim dynamic) with qkvfuse's in-place ops and with vLLM's native code; per T the two compiled functions
     called alternately for about ``seconds`` (ABBA), rows with the medians and the median per-call difference
-    (qkvfuse - vLLM's code) and ratio (vLLM / qkvfuse). qkvfuse's compiled outputs are first checked bit for bit
+    (qkvfuse - vLLM's code) and ratio (vLLM / qkvfuse), then the same for the time outside the GEMMs (profiled,
+    :data:`PROFILED_ROUNDS` calls each, alternating). qkvfuse's compiled outputs are first checked bit for bit
     against the same function run eagerly (a result never depends on the mode). Then the cold-call costs
     (:func:`_cold_call_rows`): why the opaque ops' extern calls can lose to inductor's own code at T = 1.
     ``presets`` (default :data:`GRAPH_PRESETS`), ``tokens`` and ``cold_rounds`` make it small for a test."""
@@ -508,15 +510,31 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                         compiled[key](*args)
                         samples[key].append((time.perf_counter() - t0) * 1e6)
                     r += 1
+                # The GEMMs' variance swamps the rest at T = 512: also, per call, the self CPU time of everything
+                # but the GEMMs and the stand-in (step_parts' "rest": inductor's kernels, qkvfuse's ops, the
+                # wrapper), one profiled call of each per round, alternating.
+                rest = {key: [] for key in compiled}
+                for i in range(PROFILED_ROUNDS):
+                    for key in (("qkvfuse", "vLLM native") if i % 2 else ("vLLM native", "qkvfuse")):
+                        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                            compiled[key](*args)
+                        rest[key].append(
+                            1e3 * step_parts((e.key, e.self_cpu_time_total) for e in prof.key_averages())["rest"])
             ours, theirs = samples["qkvfuse"], samples["vLLM native"]
             row = {"part": "graph", "preset": name, "T": T, "what": "compiled layer", "qkvfuse_us": statistics.median(ours),
                    "vllm_native_us": statistics.median(theirs),
                    "qkvfuse_minus_native_us": statistics.median(a - b for a, b in zip(ours, theirs)),
-                   "native_over_qkvfuse": statistics.median(b / a for a, b in zip(ours, theirs)), "rounds": r}
+                   "native_over_qkvfuse": statistics.median(b / a for a, b in zip(ours, theirs)), "rounds": r,
+                   "qkvfuse_rest_us": statistics.median(rest["qkvfuse"]),
+                   "vllm_native_rest_us": statistics.median(rest["vLLM native"]),
+                   "rest_native_over_qkvfuse": statistics.median(b / a for a, b in zip(rest["qkvfuse"],
+                                                                                      rest["vLLM native"]))}
             rows.append(row)
             log(f"graph {name} T={T:4d} compiled layer: qkvfuse {row['qkvfuse_us']:10.1f} us  vLLM native "
                 f"{row['vllm_native_us']:10.1f} us  paired diff {row['qkvfuse_minus_native_us']:+8.1f} us  "
-                f"x{row['native_over_qkvfuse']:.3f} ({r} rounds)")
+                f"x{row['native_over_qkvfuse']:.3f} ({r} rounds); without the GEMMs (profiled): qkvfuse "
+                f"{row['qkvfuse_rest_us']:8.1f} us  vLLM native {row['vllm_native_rest_us']:8.1f} us  "
+                f"x{row['rest_native_over_qkvfuse']:.3f}")
         rows += _cold_call_rows(p, log, cold_rounds)
     return rows
 
