@@ -112,6 +112,12 @@ def _select(backend: Optional[str], device_type: str, source: str) -> str:
     return hit
 
 
+# A constant for Dynamo too (its arguments are constants in a traced call): traced, the cache lookup guarded the
+# graph on the cache's contents, and the entry the first call added failed that guard -- every torch.compile'd
+# function calling qkvfuse was compiled twice in a process (tests/test_modes.py counts the compiles).
+_select._dynamo_marked_constant = True
+
+
 def _select_uncached(backend: Optional[str], device_type: str, source: str) -> str:
     if backend is None or backend == "auto":
         return "auto"
