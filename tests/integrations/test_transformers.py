@@ -112,6 +112,33 @@ def test_remove_restores_bit_identical_outputs(name):
     assert report, report.detail
 
 
+@pytest.mark.parametrize("name", ["Qwen3", "GLM-4.7", "Qwen3.5"])
+def test_torch_compile_right_after_apply_and_of_a_deep_copy(name):
+    """``torch.compile(model, fullgraph=True)`` as the first thing after ``apply_qkvfuse`` (no eager forward), and
+    of a ``copy.deepcopy`` of the patched model: the cos/sin table exists before tracing (building it cannot be
+    traced), one compile serves three prompt lengths (dynamic), and the logits are the eager patched model's."""
+    import copy
+
+    model = build_tiny_model(name)
+    hf.apply_qkvfuse(model)
+    for target in (model, copy.deepcopy(model)):
+        compiles = []
+
+        def counting(gm, example_inputs):
+            compiles.append(gm)
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(target, backend=counting, fullgraph=True, dynamic=True)
+        with torch.no_grad():
+            for length in (5, 9, 13):
+                ids = tiny_prompt(1, length, seed=length)
+                got = compiled(ids).logits
+                torch.testing.assert_close(got, target(ids).logits, rtol=0, atol=0)
+        assert len(compiles) == 1, f"{len(compiles)} compiles"
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("name", ["Qwen3-VL", "GLM-4.7"])
 def test_torch_compile_of_a_patched_model(name):
     """``torch.compile(model, fullgraph=True)`` after ``apply_qkvfuse``: one graph holding every layer's fused

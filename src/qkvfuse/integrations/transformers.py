@@ -181,8 +181,12 @@ class _Rope:
         self.state: Optional["_PatchState"] = None  # the patch that owns this text model
 
     def __getstate__(self):
-        # deepcopy / pickle: no capture outlives a forward, and the tables are rebuilt on first use.
+        # deepcopy / pickle: no capture outlives a forward, and the tables are rebuilt (prebuild, on first use).
         return {**self.__dict__, "captured": None, "_tables": {}}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.prebuild()  # the copied rotary module is complete by now (deepcopy copies the state first)
 
     def _check_against(self, rotary: nn.Module) -> None:
         try:
@@ -230,15 +234,28 @@ class _Rope:
             setattr(self, name, getattr(fresh, name))
         self._tables = {}
         self.unfused = None
+        self.prebuild()
         rotary._qkvfuse_rope = self
         rotary.forward = functools.partial(_capturing_rotary_forward, rotary)
         if state is not None:
             state.rotaries.append(rotary)
 
+    def prebuild(self) -> None:
+        """Build the table on the rotary module's device now (none for a meta model): a model compiled right after
+        ``apply_qkvfuse`` finds it, where a build inside the traced forward cannot be traced."""
+        inv_freq = getattr(self.rotary, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor) and not inv_freq.is_meta:
+            self.table(inv_freq.device)
+
     def table(self, device: torch.device) -> torch.Tensor:
-        """``[rows, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use)."""
+        """``[rows, rotary_dim]`` fp32 cos/sin table on ``device`` (built on first use, or by :meth:`prebuild`)."""
         table = self._tables.get(device)
         if table is None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"qkvfuse: no cos/sin table on {device} yet, and it cannot be built inside torch.compile; run the "
+                    f"model once eagerly on {device}, or call apply_qkvfuse(model) again after moving it, before "
+                    f"compiling")
             table = build_cos_sin_cache(self.rotary_dim, self.rows, self.theta, self.rope_parameters,
                                         dtype=torch.float32, device=device)
             self._tables[device] = table
@@ -961,6 +978,7 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         eager = getattr(sys.modules[_base(type(text_model.layers[0]), family.decoder_layer).__module__],
                         "eager_attention_forward")
         rope.state = state
+        rope.prebuild()
         rotary = text_model.rotary_emb
         # Plain attributes (not submodules), shared by the rotary forward and the text model's clearing hook.
         text_model._qkvfuse_rope = rotary._qkvfuse_rope = rope
