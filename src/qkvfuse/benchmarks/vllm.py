@@ -361,8 +361,7 @@ _STAND_INS = {}
 
 def _attention_stand_in():
     """An opaque op reading ``q, k, v`` and returning a copy of ``q``, in place of vLLM's attention op: as in an
-    engine's graph, inductor materialises the prepare's outputs before it (with ``q``, ``k`` only returned,
-    inductor fused their computation into the next kernel, recomputing it there: ~100 ms of a 512-token layer)."""
+    engine's graph, inductor materialises the prepare's outputs before it."""
     if "attention" not in _STAND_INS:
         @torch.library.custom_op("qkvfuse_bench::attention", mutates_args=())
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -380,10 +379,11 @@ def _graph_layer(p, use_qkvfuse: bool):
     """A decoder layer's path around attention, as one function of ``(hidden, ids, positions)`` for
     ``torch.compile``: the layer input from a GEMM (a stand-in for the previous layer's down projection) and the
     residual from an embedding lookup (both graph intermediates, as in an engine's graph), the input norm (in place
-    with the residual), the QKV GEMM, the prepare (QK-norm + RoPE), a GEMM standing in for attention + o_proj, the
-    post-attention norm; attention is an opaque stand-in (:func:`_attention_stand_in`). ``use_qkvfuse``: the plugin's calls under compile (``add_rmsnorm_`` and
-    ``split_qkv_rmsnorm_rope_`` on the engine's own buffers); else vLLM's ``RMSNorm`` and rotary modules'
-    ``forward_native`` (what vLLM-CPU's compiled mode runs: its custom ops off, inductor fusing the code)."""
+    with the residual), the QKV GEMM, the prepare (QK-norm + RoPE), attention (:func:`_attention_stand_in`), the
+    o_proj GEMM and the post-attention norm. ``use_qkvfuse``: the plugin's calls under compile (``add_rmsnorm_``
+    and ``split_qkv_rmsnorm_rope_`` on the graph's own buffers); else vLLM's native code -- its RMSNorm IR ops'
+    native implementations and its rotary module's ``forward_native``, what vLLM-CPU's compiled mode runs (its
+    custom ops off), which inductor fuses into its own kernels."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.ir import ops as ir_ops
     from vllm.model_executor.layers.layernorm import RMSNorm
@@ -445,11 +445,13 @@ def _cold_call_rows(p, log, rounds: int = 200) -> List[Dict[str, object]]:
     dst = torch.empty_like(big)
     x, residual = torch.randn(1, H).to(torch.bfloat16), torch.randn(1, H).to(torch.bfloat16)
     qkv, positions = torch.randn(1, p.qkv_width).to(torch.bfloat16), torch.zeros(1, dtype=torch.long)
-    w, wd = fixed_point_weights(torch.empty(H, dtype=torch.bfloat16)), fixed_point_weights(torch.empty(D, dtype=torch.bfloat16))
+    w, wd = (fixed_point_weights(torch.empty(n, dtype=torch.bfloat16)) for n in (H, D))
     cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta).to(torch.bfloat16)
-    split, norm = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default, torch.ops.qkvfuse.add_rmsnorm_inplace.default
-    calls = {"qkvfuse split_qkv_rmsnorm_rope_inplace": lambda: split(qkv, positions, cache, wd, wd, None, None, hq, hkv,
-                                                                     p.rms_norm_eps, encode_rope(True)),
+    split = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default
+    norm = torch.ops.qkvfuse.add_rmsnorm_inplace.default
+    rope = encode_rope(True)
+    calls = {"qkvfuse split_qkv_rmsnorm_rope_inplace": lambda: split(qkv, positions, cache, wd, wd, None, None, hq,
+                                                                     hkv, p.rms_norm_eps, rope),
              "qkvfuse add_rmsnorm_inplace": lambda: norm(x, residual, w, None, p.rms_norm_eps),
              "aten add_": lambda: torch.ops.aten.add_.Tensor(x, residual),
              "aten detach (one argument)": lambda: torch.ops.aten.detach.default(x)}
@@ -521,8 +523,8 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                         rest[key].append(
                             1e3 * step_parts((e.key, e.self_cpu_time_total) for e in prof.key_averages())["rest"])
             ours, theirs = samples["qkvfuse"], samples["vLLM native"]
-            row = {"part": "graph", "preset": name, "T": T, "what": "compiled layer", "qkvfuse_us": statistics.median(ours),
-                   "vllm_native_us": statistics.median(theirs),
+            row = {"part": "graph", "preset": name, "T": T, "what": "compiled layer",
+                   "qkvfuse_us": statistics.median(ours), "vllm_native_us": statistics.median(theirs),
                    "qkvfuse_minus_native_us": statistics.median(a - b for a, b in zip(ours, theirs)),
                    "native_over_qkvfuse": statistics.median(b / a for a, b in zip(ours, theirs)), "rounds": r,
                    "qkvfuse_rest_us": statistics.median(rest["qkvfuse"]),
@@ -796,7 +798,8 @@ def main(argv=None) -> int:
                         default="all", help="graph: one layer compiled, qkvfuse vs vLLM's native code, and cold "
                                             "calls; profile: where an engine step's time goes, plugin on and off "
                                             "(neither is part of all)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="per norm cell")
+    parser.add_argument("--seconds", type=float, default=4.0,
+                        help="per split / norm / gated cell, and per T of the graph part")
     parser.add_argument("--rounds", type=int, default=5, help="latency and profile rounds (after one warm-up request)")
     parser.add_argument("--mode", choices=["eager", "compiled", "both"], default="eager",
                         help="latency engines: eager (enforce_eager), vLLM's torch.compile, or both")
