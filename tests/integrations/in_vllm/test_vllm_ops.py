@@ -121,9 +121,10 @@ def test_add_rmsnorm_matches_vllm_rmsnorm_with_residual(vllm_context, hidden, dt
 
 @pytest.mark.parametrize("preset", ["Qwen3-8B", "GLM-4.5"])
 def test_graph_benchmark_layers_compute_the_same_layer(preset):
-    """The vLLM benchmark's graph part (``--part graph``) times one layer written twice, with qkvfuse's in-place ops and with vLLM's
-    native code: on a small geometry of the preset (its head_dim, rotary dim, eps) the two agree within a couple
-    of bf16 ulps, and the part's own check (qkvfuse compiled bit for bit against eager) passes."""
+    """The vLLM benchmark's graph part (``--part graph``) times one layer written twice, with qkvfuse's in-place
+    ops and with vLLM's native code: on a small geometry of the preset (its head_dim, rotary dim, eps) the two
+    agree within a couple of bf16 ulps, and the part's own check (qkvfuse compiled bit for bit against eager)
+    passes."""
     import dataclasses
 
     from qkvfuse.benchmarks import vllm as bench_vllm
