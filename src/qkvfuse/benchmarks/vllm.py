@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -350,29 +351,41 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     return rows
 
 
+def _round_order(r: int, keys=("off", "on")):
+    """The order of round ``r``'s pair: ``keys`` on even rounds, reversed on odd ones (ABBA): a setting's samples
+    are never all first or all last of their pair."""
+    return keys[::-1] if r % 2 else keys
+
+
+def _abba(rounds: int):
+    """``(round, "off" | "on")`` for ``rounds`` rounds in :func:`_round_order`."""
+    for r in range(rounds):
+        for key in _round_order(r):
+            yield r, key
+
+
 # --------------------------------------------------------------------------------------------------------
 # One layer inside a compiled graph.
 # --------------------------------------------------------------------------------------------------------
 GRAPH_PRESETS = ("Qwen3-8B", "GLM-4.5")
 GRAPH_TOKENS = (1, 16, 512)
+GRAPH_KEYS = ("vLLM native", "qkvfuse")  # the graph part's pair, in the order of its even rounds
 PROFILED_ROUNDS = 8  # per T, the graph part's profiled calls of each layer
-_STAND_INS = {}
 
 
+@functools.lru_cache(maxsize=None)  # the op is defined once per process
 def _attention_stand_in():
     """An opaque op reading ``q, k, v`` and returning a copy of ``q``, in place of vLLM's attention op: as in an
     engine's graph, inductor materialises the prepare's outputs before it."""
-    if "attention" not in _STAND_INS:
-        @torch.library.custom_op("qkvfuse_bench::attention", mutates_args=())
-        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return q.clone(memory_format=torch.contiguous_format)
+    @torch.library.custom_op("qkvfuse_bench::attention", mutates_args=())
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return q.clone(memory_format=torch.contiguous_format)
 
-        @attention.register_fake
-        def _(q, k, v):
-            return q.new_empty(q.shape)
+    @attention.register_fake
+    def _(q, k, v):
+        return q.new_empty(q.shape)
 
-        _STAND_INS["attention"] = attention
-    return _STAND_INS["attention"]
+    return attention
 
 
 def _graph_layer(p, use_qkvfuse: bool):
@@ -407,19 +420,19 @@ def _graph_layer(p, use_qkvfuse: bool):
     cache = rope.cos_sin_cache.to(bf16)
     sizes = [hq * D, hkv * D, hkv * D]
     attention = _attention_stand_in()
+    eps = p.rms_norm_eps
 
     def with_qkvfuse(hidden, ids, positions):
         x, residual = hidden @ w_down, embedding[ids]
-        h, residual = qkvfuse.add_rmsnorm_(x, residual, in_norm.weight, p.rms_norm_eps)
+        h, residual = qkvfuse.add_rmsnorm_(x, residual, in_norm.weight, eps)
         q, k, v = qkvfuse.split_qkv_rmsnorm_rope_(h @ w_qkv, positions, cache, hq, hkv, D, q_weight=q_norm.weight,
-                                                  k_weight=k_norm.weight, eps=p.rms_norm_eps)
-        out, residual = qkvfuse.add_rmsnorm_(attention(q, k, v) @ w_o, residual, post_norm.weight, p.rms_norm_eps)
+                                                  k_weight=k_norm.weight, eps=eps)
+        out, residual = qkvfuse.add_rmsnorm_(attention(q, k, v) @ w_o, residual, post_norm.weight, eps)
         return out, residual
 
     # RMSNorm.forward_native calls vLLM's IR ops, which the engine's compile passes replace by their native
     # implementations before inductor sees them (IrOpPriorityConfig "native"): those, as the graph gets them.
     rms_norm, add_rms_norm = (op.impls["native"].impl_fn for op in (ir_ops.rms_norm, ir_ops.fused_add_rms_norm))
-    eps = p.rms_norm_eps
 
     def with_vllm(hidden, ids, positions):
         x, residual = hidden @ w_down, embedding[ids]
@@ -488,7 +501,7 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
     rows = []
     for p in presets or [qkvfuse.get_preset(name) for name in GRAPH_PRESETS]:
         name = p.name
-        fns = {key: _graph_layer(p, key == "qkvfuse") for key in ("qkvfuse", "vLLM native")}
+        fns = {key: _graph_layer(p, key == "qkvfuse") for key in GRAPH_KEYS}
         # The token dim dynamic (every argument's dim 0, marked below), the rest static: as vLLM compiles
         # (dynamic=True would make the weights' and the table's sizes symbolic too, and inductor's kernels slow).
         compiled = {key: torch.compile(fn, fullgraph=True) for key, fn in fns.items()}
@@ -507,7 +520,7 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                 t_end = time.perf_counter() + seconds
                 r = 0
                 while time.perf_counter() < t_end or r < 6:
-                    for key in (("qkvfuse", "vLLM native") if r % 2 else ("vLLM native", "qkvfuse")):
+                    for key in _round_order(r, GRAPH_KEYS):
                         t0 = time.perf_counter()
                         compiled[key](*args)
                         samples[key].append((time.perf_counter() - t0) * 1e6)
@@ -517,7 +530,7 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                 # wrapper), one profiled call of each per round, alternating.
                 rest = {key: [] for key in compiled}
                 for i in range(PROFILED_ROUNDS):
-                    for key in (("qkvfuse", "vLLM native") if i % 2 else ("vLLM native", "qkvfuse")):
+                    for key in _round_order(i, GRAPH_KEYS):
                         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                             compiled[key](*args)
                         rest[key].append(
@@ -604,14 +617,6 @@ def _time_request(llm, prompt: List[int]) -> Dict[str, float]:
         raise RuntimeError("vLLM returned no request timestamps (disable_log_stats=False is needed)")
     return {"prefill": (m.first_token_ts - m.scheduled_ts) * 1e3,
             "decode": (m.last_token_ts - m.first_token_ts) * 1e3 / (NEW_TOKENS - 1)}
-
-
-def _abba(rounds: int):
-    """``(round, "off" | "on")`` for ``rounds`` rounds, the order flipping each round (off on, on off, ...): a
-    setting's samples are never all first or all last of their pair."""
-    for r in range(rounds):
-        for key in (("on", "off") if r % 2 else ("off", "on")):
-            yield r, key
 
 
 def _paired_row(name: str, mode: str, phase: str, on: List[float], off: List[float]) -> Dict[str, object]:
