@@ -25,13 +25,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from _support.devices import BackendDevice, pair_id, pairs, unsupported  # noqa: E402
-from qkvfuse.backends import BACKEND_NAMES, available_backends  # noqa: E402
+from qkvfuse.backends import BACKEND_NAMES, backend_unavailable  # noqa: E402
 
 REQUIRED = {b for b in os.environ.get("QKVFUSE_REQUIRE_BACKENDS", "").split(",") if b}
 
 
 def _backend_or_skip(name: str) -> str:
-    reason = available_backends()[name]
+    reason = backend_unavailable(name)
     if reason:
         if name in REQUIRED:
             pytest.fail(f"backend {name!r} is required (QKVFUSE_REQUIRE_BACKENDS) but unavailable: {reason}")

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..backends import available_backends
+from ..backends import backend_unavailable
 from ..presets import PRESETS, get_preset
 from .accuracy import check_norm_outputs, check_split_outputs
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
@@ -87,7 +87,7 @@ def failed_row(what: str, exc: BaseException):
 
 
 def _triton_unavailable(title: str) -> Optional[Section]:
-    reason = available_backends()["triton"]
+    reason = backend_unavailable("triton")
     if not reason:
         return None
     return Section(title, ("check", "pass"), [row(check="triton backend available", **{"pass": False},

@@ -28,7 +28,8 @@ from typing import Dict, Optional, Tuple
 
 from .. import _library, reference
 
-__all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "get_backend"]
+__all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "backend_unavailable",
+           "get_backend"]
 
 BACKEND_NAMES = ("reference", "cpu", "triton")
 _MODULES = {"reference": "qkvfuse.reference", "cpu": "qkvfuse.backends.cpu", "triton": "qkvfuse.backends.triton"}
@@ -66,7 +67,13 @@ def _load(name: str) -> Tuple[Optional[object], str]:
 
 def available_backends() -> Dict[str, str]:
     """``{name: ""}`` for usable backends and ``{name: reason}`` for unusable ones (builds/imports them)."""
-    return {name: _load(name)[1] for name in BACKEND_NAMES}
+    return {name: backend_unavailable(name) for name in BACKEND_NAMES}
+
+
+def backend_unavailable(name: str) -> str:
+    """``""`` once backend ``name`` is usable, else the reason (builds/imports that backend alone: on a GPU
+    machine, asking about ``triton`` does not compile the native CPU library)."""
+    return _load(name)[1]
 
 
 def get_backend(name: str):

@@ -158,7 +158,7 @@ def run_device_bench(args) -> int:
     if reason:
         print(f"bench: --cpu-interpreter: {reason}")
         return 2
-    from ..backends import available_backends
+    from ..backends import backend_unavailable
 
     try:
         presets = tuple(get_preset(name).name for name in args.preset or ())
@@ -167,7 +167,7 @@ def run_device_bench(args) -> int:
         return 2
     info = header(opts)
     print(json.dumps(info))
-    reason = available_backends()["triton"]
+    reason = backend_unavailable("triton")
     if reason:
         print(f"bench: triton backend unavailable: {reason}")
         return 1

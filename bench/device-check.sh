@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Every GPU-side check in one call, for a lent GPU machine (its own python3 with torch + Triton, no install):
+#   verify --device cuda --quick   conformance vs the float64 oracle, determinism, CUDA graphs, torch.compile,
+#                                  the MoE shared-expert stream race check
+#   bench --device cuda --quick    Triton launcher vs eager / compiled unfused reference and a same-size copy
+#   the shared suite's cuda rows   tests/test_ops.py and tests/test_failure_modes.py, -k cuda
+# Each step has its own time cap (seconds: VERIFY_S, BENCH_S, TESTS_S) so one that hangs leaves the others
+# their time; logs and JSON go to $OUT (default /tmp/qkvfuse-device). Usage, from the repository root:
+#   bash bench/device-check.sh
+set -u
+OUT=${OUT:-/tmp/qkvfuse-device}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/env.txt"
+$PY -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/env.txt"
+
+step() {  # step NAME SECONDS COMMAND...: run with a cap, log to $OUT/NAME.log, print the exit status
+    local name=$1 cap=$2 t0=$SECONDS
+    shift 2
+    timeout "$cap" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: rc=$? in $((SECONDS - t0)) s (cap $cap s)" | tee -a "$OUT/env.txt"
+}
+step verify "${VERIFY_S:-300}" $PY -m qkvfuse verify --device cuda --quick --json "$OUT/verify.json"
+step bench "${BENCH_S:-150}" $PY -m qkvfuse bench --device cuda --quick --json "$OUT/bench.json"
+XDIST=$($PY -c "import xdist; print('-n 8')" 2>/dev/null)
+step tests "${TESTS_S:-110}" $PY -m pytest -q $XDIST -k cuda \
+    tests/test_ops.py tests/test_failure_modes.py
+
+# The reply shows the end of the output: the summaries last.
+grep -E "FAIL|Error|error" "$OUT/verify.log" | head -20
+tail -n 25 "$OUT/bench.log"
+tail -n 8 "$OUT/tests.log"
+tail -n 3 "$OUT/verify.log"
+cat "$OUT/env.txt"
