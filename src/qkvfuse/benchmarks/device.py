@@ -3,7 +3,8 @@
 * :func:`timing_section` -- both ops per preset and T: the Triton launcher, the eager reference and
   ``torch.compile(reference, dynamic=True)`` on the same preallocated outputs, bytes moved, and the fraction of a
   same-size tensor copy's bandwidth (target >= 80 % for T >= 4096);
-* :func:`tile_sweep_section` -- full tier only: time per device tile size (``launch.GPU_TILE``), to tune it.
+* :func:`tile_sweep_section` -- full tier or ``--tile-sweep``, on a device only: time per device tile size and
+  elements per thread (``launch.GPU_TILE``, ``launch.GPU_ELEMENTS_PER_THREAD``), to tune them.
 
 Sizes by tier as for the device sections of ``verify`` (:mod:`qkvfuse._verify.device`): ``--quick``, the full
 default, and ``--cpu-interpreter`` (small sizes on CPU under ``TRITON_INTERPRET=1``: wall-clock medians of the
@@ -36,12 +37,28 @@ TIERS = {  # presets (None: every preset) and token counts of the timing table
 BANDWIDTH_TARGET = 0.8
 
 
+def _clocks_up(device: torch.device, ms: float = 50.0) -> None:
+    """Keep the device busy for ``ms`` before a timing: an idle GPU drops its clocks (an H200 reads 345 MHz idle,
+    1980 MHz busy), and do_bench's own 25 ms warm-up is too short to bring them back after a compile."""
+    a = torch.randn(2048, 2048, device=device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < ms:
+        for _ in range(8):
+            a @ a
+        synchronize(device)
+
+
 def _timer(device: torch.device):
-    """Median milliseconds of ``fn()``: triton.testing.do_bench on a device, a wall clock on CPU."""
+    """Median milliseconds of ``fn()``: triton.testing.do_bench on a device (after :func:`_clocks_up`), a wall
+    clock on CPU."""
     if device.type != "cpu":
         import triton.testing
 
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        def on_device(fn):
+            _clocks_up(device)
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+        return on_device
 
     def wall(fn, repeats=3):
         fn()
@@ -125,30 +142,35 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
                                      "copy GB/s", "of copy", "target"), rows, note)
 
 
-def tile_sweep_section(opts: Options) -> Optional[Section]:
-    """Full tier only (None otherwise): time per device tile size (launch.GPU_TILE), to tune its default."""
+def tile_sweep_section(opts: Options, force: bool = False) -> Optional[Section]:
+    """Full tier or ``force`` (``--tile-sweep``) only, else None: the split kernel's time per device tile size
+    (``launch.GPU_TILE``) and elements per thread (``launch.GPU_ELEMENTS_PER_THREAD``: the number of warps), to
+    tune their defaults."""
     from ..backends.triton import launch
 
-    if opts.tier != "full":
+    if (opts.tier != "full" and not force) or opts.torch_device.type == "cpu":  # the interpreter: nothing to tune
         return None
     rows = []
     device = opts.torch_device
-    bench, default = _timer(device), launch.GPU_TILE
+    bench, default = _timer(device), (launch.GPU_TILE, launch.GPU_ELEMENTS_PER_THREAD)
     try:
         for preset_name in ("Qwen3-8B", "GLM-4.7"):
             for T in (1, 16, 4096, 16384):
                 case = split_case(preset_name, T, torch.bfloat16)
                 kwargs = make_split_inputs(case, seed=T, device=device)
                 out = poisoned_outputs(case, device)
-                for tile in (512, 1024, 2048, 4096, 8192):
-                    launch.GPU_TILE = tile
-                    ms = bench(lambda: launch_direct(kwargs, out))
-                    rows.append(row(preset=preset_name, T=T, tile=tile, us=ms * 1e3,
-                                    **{"GB/s": _split_bytes(case) / ms / 1e6}))
+                for tile in (1024, 2048, 4096, 8192):
+                    for per_thread in (4, 8, 16, 32):
+                        launch.GPU_TILE, launch.GPU_ELEMENTS_PER_THREAD = tile, per_thread
+                        ms = bench(lambda: launch_direct(kwargs, out))
+                        rows.append(row(preset=preset_name, T=T, tile=tile, per_thread=per_thread,
+                                        warps=launch._num_warps(tile), us=ms * 1e3,
+                                        **{"GB/s": _split_bytes(case) / ms / 1e6}))
     finally:
-        launch.GPU_TILE = default
-    return Section("tile sweep (launch.GPU_TILE)", ("preset", "T", "tile", "us", "GB/s"), rows,
-                   f"default GPU_TILE = {default}")
+        launch.GPU_TILE, launch.GPU_ELEMENTS_PER_THREAD = default
+    return Section("tile sweep (launch.GPU_TILE x GPU_ELEMENTS_PER_THREAD)",
+                   ("preset", "T", "tile", "per_thread", "warps", "us", "GB/s"), rows,
+                   f"defaults GPU_TILE = {default[0]}, GPU_ELEMENTS_PER_THREAD = {default[1]}")
 
 
 def run_device_bench(args) -> int:
@@ -174,7 +196,7 @@ def run_device_bench(args) -> int:
     result = dict(info, sections=[])
     failures, start = 0, time.perf_counter()
     for name, make in (("timing", lambda: timing_section(opts, presets, args.tokens)),
-                       ("tile-sweep", lambda: tile_sweep_section(opts))):
+                       ("tile-sweep", lambda: tile_sweep_section(opts, getattr(args, "tile_sweep", False)))):
         t0 = time.perf_counter()
         try:
             section = make()

@@ -52,6 +52,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                             "layer geometry, patched vs unpatched (minutes)")
     bench.add_argument("--e2e-compile", action="store_true",
                        help="with --e2e: also torch.compile both models (slow: minutes per model)")
+    bench.add_argument("--tile-sweep", action="store_true",
+                       help="with --device: also sweep the Triton split kernel's tile size and warps (the full tier "
+                            "always does)")
     _device_arguments(bench, " (--preset, --tokens, --quick and --json apply there too)")
     sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
                                  "then print its path")

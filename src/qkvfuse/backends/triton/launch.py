@@ -31,8 +31,11 @@ INTERPRET = type(split_qkv_rmsnorm_rope_kernel).__name__ == "InterpretedFunction
 
 # Elements of fp32 work per program on a device (several heads of one token): large enough that each program
 # moves a few KiB, small enough that a decode batch of a few tokens still spreads over several programs.
-# `python -m qkvfuse bench --device cuda` (full tier) sweeps it.
+# `python -m qkvfuse bench --device cuda --tile-sweep` (and the full tier) sweeps it.
 GPU_TILE = 2048
+# fp32 elements of a program's tile per thread on a device (num_warps = tile / (32 * this), 1..16): more bytes in
+# flight per thread hide more memory latency, fewer threads per program; swept with GPU_TILE.
+GPU_ELEMENTS_PER_THREAD = 8
 # Under the interpreter each program costs Python overhead per operation: few, large programs.
 INTERPRETER_TILE = 1 << 15
 # Widest add_rmsnorm row held in one tile on a device; wider rows take two passes over chunks.
@@ -47,7 +50,7 @@ def _pow2(n: int) -> int:
 
 
 def _num_warps(tile_elements: int) -> int:
-    return max(1, min(16, tile_elements // 256))
+    return max(1, min(16, tile_elements // (32 * GPU_ELEMENTS_PER_THREAD)))
 
 
 def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, interpret: Optional[bool] = None,
