@@ -43,7 +43,8 @@ def blocks(request, monkeypatch):
     """
     if request.param == "device-blocks":
         monkeypatch.setattr(launch, "INTERPRET", False)
-        monkeypatch.setattr(launch, "GPU_TILE", 256)
+        monkeypatch.setattr(launch, "GPU_SPLIT_TILE", 256)
+        monkeypatch.setattr(launch, "GPU_NORM_TILE", 256)
         monkeypatch.setattr(launch, "GPU_MAX_ROW", 256)
         monkeypatch.setattr(launch, "GPU_MAX_GATED_Q", 256)
     return request.param
@@ -301,7 +302,7 @@ def test_gated_in_place_schemes(monkeypatch, scheme, num_q_heads, num_kv_heads, 
     buffer copied back. The interpreter runs programs one after another, so a program overwriting another's
     unread input shows here. Device blocks with a small tile: several Q blocks per token."""
     monkeypatch.setattr(launch, "INTERPRET", False)
-    monkeypatch.setattr(launch, "GPU_TILE", 128)
+    monkeypatch.setattr(launch, "GPU_SPLIT_TILE", 128)
     monkeypatch.setattr(launch, "GPU_MAX_GATED_Q", 1 << 12 if scheme == "whole-q-region" else 1)
     gated, _, _ = _gated_inputs(num_q_heads, num_kv_heads, head_dim, "mrope", T=3, row_pad=0)
     args, kw = _split_args(gated)

@@ -4,7 +4,7 @@
   ``torch.compile(reference, dynamic=True)`` on the same preallocated outputs, bytes moved, and the fraction of a
   same-size tensor copy's bandwidth (target >= 80 % for T >= 4096);
 * :func:`tile_sweep_section` -- full tier or ``--tile-sweep``, on a device only: time per device tile size and
-  elements per thread (``launch.GPU_TILE``, ``launch.GPU_ELEMENTS_PER_THREAD``), to tune them.
+  elements per thread (``launch.GPU_SPLIT_TILE``, ``launch.GPU_SPLIT_PER_THREAD``), to tune them.
 
 Sizes by tier as for the device sections of ``verify`` (:mod:`qkvfuse._verify.device`): ``--quick``, the full
 default, and ``--cpu-interpreter`` (small sizes on CPU under ``TRITON_INTERPRET=1``: wall-clock medians of the
@@ -144,7 +144,7 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
 
 def tile_sweep_section(opts: Options, force: bool = False) -> Optional[Section]:
     """Full tier or ``force`` (``--tile-sweep``) only, else None: the split kernel's time per device tile size
-    (``launch.GPU_TILE``) and elements per thread (``launch.GPU_ELEMENTS_PER_THREAD``: the number of warps), to
+    (``launch.GPU_SPLIT_TILE``) and elements per thread (``launch.GPU_SPLIT_PER_THREAD``: the number of warps), to
     tune their defaults."""
     from ..backends.triton import launch
 
@@ -152,7 +152,7 @@ def tile_sweep_section(opts: Options, force: bool = False) -> Optional[Section]:
         return None
     rows = []
     device = opts.torch_device
-    bench, default = _timer(device), (launch.GPU_TILE, launch.GPU_ELEMENTS_PER_THREAD)
+    bench, default = _timer(device), (launch.GPU_SPLIT_TILE, launch.GPU_SPLIT_PER_THREAD)
     try:
         for preset_name in ("Qwen3-8B", "GLM-4.7"):
             for T in (1, 16, 4096, 16384):
@@ -161,16 +161,16 @@ def tile_sweep_section(opts: Options, force: bool = False) -> Optional[Section]:
                 out = poisoned_outputs(case, device)
                 for tile in (1024, 2048, 4096, 8192):
                     for per_thread in (4, 8, 16, 32):
-                        launch.GPU_TILE, launch.GPU_ELEMENTS_PER_THREAD = tile, per_thread
+                        launch.GPU_SPLIT_TILE, launch.GPU_SPLIT_PER_THREAD = tile, per_thread
                         ms = bench(lambda: launch_direct(kwargs, out))
                         rows.append(row(preset=preset_name, T=T, tile=tile, per_thread=per_thread,
-                                        warps=launch._num_warps(tile), us=ms * 1e3,
+                                        warps=launch._num_warps(tile, per_thread), us=ms * 1e3,
                                         **{"GB/s": _split_bytes(case) / ms / 1e6}))
     finally:
-        launch.GPU_TILE, launch.GPU_ELEMENTS_PER_THREAD = default
-    return Section("tile sweep (launch.GPU_TILE x GPU_ELEMENTS_PER_THREAD)",
+        launch.GPU_SPLIT_TILE, launch.GPU_SPLIT_PER_THREAD = default
+    return Section("tile sweep (launch.GPU_SPLIT_TILE x GPU_SPLIT_PER_THREAD)",
                    ("preset", "T", "tile", "per_thread", "warps", "us", "GB/s"), rows,
-                   f"defaults GPU_TILE = {default[0]}, GPU_ELEMENTS_PER_THREAD = {default[1]}")
+                   f"defaults GPU_SPLIT_TILE = {default[0]}, GPU_SPLIT_PER_THREAD = {default[1]}")
 
 
 def run_device_bench(args) -> int:

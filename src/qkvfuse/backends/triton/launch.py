@@ -29,13 +29,17 @@ __all__ = ["INTERPRET", "split_config", "norm_config", "split_qkv_rmsnorm_rope_o
 # Kernels were decorated under TRITON_INTERPRET=1 (decided by triton when this module was imported).
 INTERPRET = type(split_qkv_rmsnorm_rope_kernel).__name__ == "InterpretedFunction"
 
-# Elements of fp32 work per program on a device (several heads of one token): large enough that each program
-# moves a few KiB, small enough that a decode batch of a few tokens still spreads over several programs.
-# `python -m qkvfuse bench --device cuda --tile-sweep` (and the full tier) sweeps it.
-GPU_TILE = 2048
-# fp32 elements of a program's tile per thread on a device (num_warps = tile / (32 * this), 1..16): more bytes in
-# flight per thread hide more memory latency, fewer threads per program; swept with GPU_TILE.
-GPU_ELEMENTS_PER_THREAD = 8
+# The split kernel on a device: fp32 elements of work per program (several heads of one token) and per thread
+# (num_warps = tile / (32 * per thread), 1..16). More bytes in flight per thread hide more memory latency: on an
+# H200 (`python -m qkvfuse bench --device cuda --tile-sweep`, which sweeps both; 2026-12-04) 1024 x 32 (one warp,
+# four 16-byte loads in flight per thread) moved 3.1-3.3 TB/s at T = 4096 / 16384 (Qwen3-8B, GLM-4.7), 2048 x 8
+# 1.8-2.0 TB/s, a same-size copy 4.1 TB/s.
+GPU_SPLIT_TILE = 1024
+GPU_SPLIT_PER_THREAD = 32
+# add_rmsnorm on a device: rows per program up to this many elements, 8 per thread (at a same-size copy's
+# bandwidth for T >= 4096 on an H200).
+GPU_NORM_TILE = 2048
+GPU_NORM_PER_THREAD = 8
 # Under the interpreter each program costs Python overhead per operation: few, large programs.
 INTERPRETER_TILE = 1 << 15
 # Widest add_rmsnorm row held in one tile on a device; wider rows take two passes over chunks.
@@ -49,8 +53,8 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-def _num_warps(tile_elements: int) -> int:
-    return max(1, min(16, tile_elements // (32 * GPU_ELEMENTS_PER_THREAD)))
+def _num_warps(tile_elements: int, per_thread: int) -> int:
+    return max(1, min(16, tile_elements // (32 * per_thread)))
 
 
 def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, interpret: Optional[bool] = None,
@@ -62,7 +66,7 @@ def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, int
     program owns its tokens' whole Q/gate region; the caller checks ``Q_HEADS >= num_q_heads``.
     """
     interpret = INTERPRET if interpret is None else interpret
-    tile = tile or (INTERPRETER_TILE if interpret else GPU_TILE)
+    tile = tile or (INTERPRETER_TILE if interpret else GPU_SPLIT_TILE)
     block_d = _pow2(head_dim)
     heads_cap = max(1, tile // block_d)
     q_heads = min(_pow2(num_q_heads), heads_cap)
@@ -73,13 +77,13 @@ def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, int
     if interpret:
         block_t = min(block_t, _pow2(T))
     return dict(BLOCK_D=block_d, BLOCK_T=block_t, Q_HEADS=q_heads, KV_HEADS=kv_heads, V_BLOCK=kv_heads * block_d,
-                num_warps=_num_warps(block_t * q_heads * block_d))
+                num_warps=_num_warps(block_t * q_heads * block_d, GPU_SPLIT_PER_THREAD))
 
 
 def norm_config(T: int, H: int, interpret: Optional[bool] = None, tile: Optional[int] = None) -> Dict[str, int]:
     """Block sizes (constexprs) and ``num_warps`` of the add_rmsnorm kernel; ``T`` used only when ``interpret``."""
     interpret = INTERPRET if interpret is None else interpret
-    tile = tile or (INTERPRETER_TILE if interpret else GPU_TILE)
+    tile = tile or (INTERPRETER_TILE if interpret else GPU_NORM_TILE)
     max_row = INTERPRETER_TILE if interpret else GPU_MAX_ROW
     block_h = _pow2(H)
     single = block_h <= max_row
@@ -88,7 +92,7 @@ def norm_config(T: int, H: int, interpret: Optional[bool] = None, tile: Optional
     block_t = max(1, tile // block_h) if single else 1
     if interpret:
         block_t = min(block_t, _pow2(T))
-    return dict(BLOCK_T=block_t, BLOCK_H=block_h, SINGLE_TILE=single, num_warps=_num_warps(block_t * block_h))
+    return dict(BLOCK_T=block_t, BLOCK_H=block_h, SINGLE_TILE=single, num_warps=_num_warps(block_t * block_h, GPU_NORM_PER_THREAD))
 
 
 def _on_device(t: torch.Tensor):
