@@ -6,8 +6,8 @@
 * :func:`stability_section` -- bitwise determinism over repeated runs; no recompilation for a new T; CUDA-graph
   capture and replay; ``torch.compile(fullgraph=True, dynamic=True)`` == eager, bitwise.
 
-Sizes come from :data:`TIERS` by ``opts.tier``: ``"quick"`` (``--quick``, about 5 minutes on an H200 with the
-timings and the MoE check), ``"full"`` (every preset and dtype) and ``"cpu"`` (``--cpu-interpreter``: small
+Sizes come from :data:`TIERS` by ``opts.tier``: ``"quick"`` (``--quick``: about 3 minutes on an H200 with
+the MoE check, the timings 1 more), ``"full"`` (every preset and dtype) and ``"cpu"`` (``--cpu-interpreter``: small
 sizes on CPU tensors under ``TRITON_INTERPRET=1``, a dry run of the same code; the recompilation, graph and
 compile rows need a device). The timings are ``python -m qkvfuse bench --device cuda``
 (:mod:`qkvfuse.benchmarks.device`), which uses the helpers here.
