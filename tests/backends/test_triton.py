@@ -488,9 +488,12 @@ def test_device_sections_cpu_interpreter_dry_run(tmp_path, capsys):
     assert "skipped" in sections["moe-streams"]["note"] and not sections["moe-streams"]["rows"]
     assert all(row["pass"] for s in result["sections"] for row in s["rows"])
 
-    assert main(["bench", "--cpu-interpreter", "--json", str(bench_json)]) == 0, capsys.readouterr().out[-3000:]
+    assert main(["bench", "--cpu-interpreter", "--tile-sweep", "--json", str(bench_json)]) == 0, \
+        capsys.readouterr().out[-3000:]
     timing = json.loads(bench_json.read_text())
-    assert [s["name"] for s in timing["sections"]] == ["timing"]  # the tile sweep is full-tier (device) only
+    assert [s["name"] for s in timing["sections"]] == ["timing", "tile-sweep"]
     rows = timing["sections"][0]["rows"]
     assert {r["op"] for r in rows} == {"split_qkv_rmsnorm_rope", "add_rmsnorm"}
     assert all(r["pass"] and r["triton us"] > 0 for r in rows)
+    sweep = timing["sections"][1]["rows"]
+    assert [(r["tile"], r["warps"]) for r in sweep] == [(1024, 1), (2048, 2)] and all(r["us"] > 0 for r in sweep)

@@ -3,8 +3,8 @@
 * :func:`timing_section` -- both ops per preset and T: the Triton launcher, the eager reference and
   ``torch.compile(reference, dynamic=True)`` on the same preallocated outputs, bytes moved, and the fraction of a
   same-size tensor copy's bandwidth (target >= 80 % for T >= 4096);
-* :func:`tile_sweep_section` -- full tier or ``--tile-sweep``, on a device only: time per device tile size and
-  elements per thread (``launch.GPU_SPLIT_TILE``, ``launch.GPU_SPLIT_PER_THREAD``), to tune them.
+* :func:`tile_sweep_section` -- full tier or ``--tile-sweep``: time per device tile size and elements per thread
+  (``launch.GPU_SPLIT_TILE``, ``launch.GPU_SPLIT_PER_THREAD``), to tune them.
 
 Sizes by tier as for the device sections of ``verify`` (:mod:`qkvfuse._verify.device`): ``--quick``, the full
 default, and ``--cpu-interpreter`` (small sizes on CPU under ``TRITON_INTERPRET=1``: wall-clock medians of the
@@ -142,25 +142,33 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
                                      "copy GB/s", "of copy", "target"), rows, note)
 
 
+# The tile sweep's grid: on a device, and under the CPU interpreter (a dry run: there the launcher ignores the
+# device tiles, so the rows time one configuration; the code path is what it checks).
+SWEEP = {"device": dict(presets=("Qwen3-8B", "GLM-4.7"), tokens=(1, 16, 4096, 16384), tiles=(1024, 2048, 4096, 8192),
+                        per_thread=(4, 8, 16, 32)),
+         "cpu": dict(presets=("Qwen3-8B",), tokens=(5,), tiles=(1024, 2048), per_thread=(32,))}
+
+
 def tile_sweep_section(opts: Options, force: bool = False) -> Optional[Section]:
     """Full tier or ``force`` (``--tile-sweep``) only, else None: the split kernel's time per device tile size
-    (``launch.GPU_SPLIT_TILE``) and elements per thread (``launch.GPU_SPLIT_PER_THREAD``: the number of warps), to
-    tune their defaults."""
+    (``launch.GPU_SPLIT_TILE``) and elements per thread (``launch.GPU_SPLIT_PER_THREAD``: the number of warps),
+    over :data:`SWEEP`, to tune their defaults."""
     from ..backends.triton import launch
 
-    if (opts.tier != "full" and not force) or opts.torch_device.type == "cpu":  # the interpreter: nothing to tune
+    if opts.tier != "full" and not force:
         return None
     rows = []
     device = opts.torch_device
+    grid = SWEEP["cpu" if device.type == "cpu" else "device"]
     bench, default = _timer(device), (launch.GPU_SPLIT_TILE, launch.GPU_SPLIT_PER_THREAD)
     try:
-        for preset_name in ("Qwen3-8B", "GLM-4.7"):
-            for T in (1, 16, 4096, 16384):
+        for preset_name in grid["presets"]:
+            for T in grid["tokens"]:
                 case = split_case(preset_name, T, torch.bfloat16)
                 kwargs = make_split_inputs(case, seed=T, device=device)
                 out = poisoned_outputs(case, device)
-                for tile in (1024, 2048, 4096, 8192):
-                    for per_thread in (4, 8, 16, 32):
+                for tile in grid["tiles"]:
+                    for per_thread in grid["per_thread"]:
                         launch.GPU_SPLIT_TILE, launch.GPU_SPLIT_PER_THREAD = tile, per_thread
                         ms = bench(lambda: launch_direct(kwargs, out))
                         rows.append(row(preset=preset_name, T=T, tile=tile, per_thread=per_thread,
