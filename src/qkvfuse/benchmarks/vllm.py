@@ -367,9 +367,14 @@ def _abba(rounds: int):
 # --------------------------------------------------------------------------------------------------------
 # One layer inside a compiled graph.
 # --------------------------------------------------------------------------------------------------------
+PLUGIN_PARTS = ("attention", "add_rmsnorm")  # the plugin's options (additional_config["qkvfuse"])
 GRAPH_PRESETS = ("Qwen3-8B", "GLM-4.5")
 GRAPH_TOKENS = (1, 16, 512)
-GRAPH_KEYS = ("vLLM native", "qkvfuse")  # the graph part's pair, in the order of its even rounds
+# The graph part's layers: vLLM's native code, and the plugin's parts fused (each alone, then both), in the order of
+# its even rounds (odd rounds reverse it).
+GRAPH_VARIANTS = {"vLLM native": (), "qkvfuse attention": ("attention",), "qkvfuse add_rmsnorm": ("add_rmsnorm",),
+                  "qkvfuse both": PLUGIN_PARTS}
+GRAPH_KEYS = tuple(GRAPH_VARIANTS)
 PROFILED_ROUNDS = 8  # per T, the graph part's profiled calls of each layer
 
 
@@ -388,15 +393,16 @@ def _attention_stand_in():
     return attention
 
 
-def _graph_layer(p, use_qkvfuse: bool):
+def _graph_layer(p, parts=PLUGIN_PARTS):
     """A decoder layer's path around attention, as one function of ``(hidden, ids, positions)`` for
     ``torch.compile``: the layer input from a GEMM (a stand-in for the previous layer's down projection) and the
     residual from an embedding lookup (both graph intermediates, as in an engine's graph), the input norm (in place
     with the residual), the QKV GEMM, the prepare (QK-norm + RoPE), attention (:func:`_attention_stand_in`), the
-    o_proj GEMM and the post-attention norm. ``use_qkvfuse``: the plugin's calls under compile (``add_rmsnorm_``
-    and ``split_qkv_rmsnorm_rope_`` on the graph's own buffers); else vLLM's native code -- its RMSNorm IR ops'
-    native implementations and its rotary module's ``forward_native``, what vLLM-CPU's compiled mode runs (its
-    custom ops off), which inductor fuses into its own kernels."""
+    o_proj GEMM and the post-attention norm. ``parts`` (of the plugin's options): ``"attention"`` makes the
+    prepare the plugin's call under compile (``split_qkv_rmsnorm_rope_`` on the graph's own buffers),
+    ``"add_rmsnorm"`` both norms (``add_rmsnorm_``); the rest is vLLM's native code -- its RMSNorm IR ops' native
+    implementations and its rotary module's ``forward_native``, what vLLM-CPU's compiled mode runs (its custom ops
+    off), which inductor fuses into its own kernels (``parts=()``: all of it)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.ir import ops as ir_ops
     from vllm.model_executor.layers.layernorm import RMSNorm
@@ -422,29 +428,28 @@ def _graph_layer(p, use_qkvfuse: bool):
     attention = _attention_stand_in()
     eps = p.rms_norm_eps
 
-    def with_qkvfuse(hidden, ids, positions):
-        x, residual = hidden @ w_down, embedding[ids]
-        h, residual = qkvfuse.add_rmsnorm_(x, residual, in_norm.weight, eps)
-        q, k, v = qkvfuse.split_qkv_rmsnorm_rope_(h @ w_qkv, positions, cache, hq, hkv, D, q_weight=q_norm.weight,
-                                                  k_weight=k_norm.weight, eps=eps)
-        out, residual = qkvfuse.add_rmsnorm_(attention(q, k, v) @ w_o, residual, post_norm.weight, eps)
-        return out, residual
-
     # RMSNorm.forward_native calls vLLM's IR ops, which the engine's compile passes replace by their native
     # implementations before inductor sees them (IrOpPriorityConfig "native"): those, as the graph gets them.
     rms_norm, add_rms_norm = (op.impls["native"].impl_fn for op in (ir_ops.rms_norm, ir_ops.fused_add_rms_norm))
+    add_norm = qkvfuse.add_rmsnorm_ if "add_rmsnorm" in parts else add_rms_norm
 
-    def with_vllm(hidden, ids, positions):
-        x, residual = hidden @ w_down, embedding[ids]
-        h, residual = add_rms_norm(x, residual, in_norm.weight, eps)
-        q, k, v = (h @ w_qkv).split(sizes, dim=-1)
+    def prepare(qkv, positions):
+        if "attention" in parts:
+            return qkvfuse.split_qkv_rmsnorm_rope_(qkv, positions, cache, hq, hkv, D, q_weight=q_norm.weight,
+                                                   k_weight=k_norm.weight, eps=eps)
+        q, k, v = qkv.split(sizes, dim=-1)
         q = rms_norm(q.reshape(-1, D), q_norm.weight, eps).view(q.shape)
         k = rms_norm(k.reshape(-1, D), k_norm.weight, eps).view(k.shape)
         q, k = rope.forward_native(positions, q, k)
-        out, residual = add_rms_norm(attention(q, k, v) @ w_o, residual, post_norm.weight, eps)
-        return out, residual
+        return q, k, v
 
-    return with_qkvfuse if use_qkvfuse else with_vllm
+    def layer(hidden, ids, positions):
+        x, residual = hidden @ w_down, embedding[ids]
+        h, residual = add_norm(x, residual, in_norm.weight, eps)
+        q, k, v = prepare(h @ w_qkv, positions)
+        return add_norm(attention(q, k, v) @ w_o, residual, post_norm.weight, eps)
+
+    return layer
 
 
 def _cold_call_rows(p, log, rounds: int = 200) -> List[Dict[str, object]]:
@@ -490,18 +495,28 @@ def _cold_call_rows(p, log, rounds: int = 200) -> List[Dict[str, object]]:
 
 def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                cold_rounds: int = 200) -> List[Dict[str, object]]:
-    """vLLM's compiled-mode question in one layer: the layer of :func:`_graph_layer` compiled (``fullgraph``, the
-    token dim dynamic) with qkvfuse's in-place ops and with vLLM's native code; per T the two compiled functions
-    called alternately for about ``seconds`` (ABBA), rows with the medians and the median per-call difference
-    (qkvfuse - vLLM's code) and ratio (vLLM / qkvfuse), then the same for the time outside the GEMMs (profiled,
-    :data:`PROFILED_ROUNDS` calls each, alternating). qkvfuse's compiled outputs are first checked bit for bit
-    against the same function run eagerly (a result never depends on the mode). Then the cold-call costs
+    """vLLM's compiled-mode question in one layer, per part of the plugin: the layer of :func:`_graph_layer`
+    compiled (``fullgraph``, the token dim dynamic) for each of :data:`GRAPH_VARIANTS` -- vLLM's native code, the
+    plugin's attention alone, its add_rmsnorm alone, both; per T the compiled functions called in turn for about
+    ``seconds`` (ABBA order), one row per fused variant with the medians and the median per-call difference
+    (variant - vLLM's code) and ratio (vLLM / variant), then the same for the time outside the GEMMs (profiled,
+    :data:`PROFILED_ROUNDS` calls each, in turn). The layer with both parts fused is first checked bit for bit
+    against the same function run eagerly (qkvfuse's results never depend on the mode; where vLLM's native code
+    remains, inductor's fusions change its bits). Then the cold-call costs
     (:func:`_cold_call_rows`): why the opaque ops' extern calls can lose to inductor's own code at T = 1.
     ``presets`` (default :data:`GRAPH_PRESETS`), ``tokens`` and ``cold_rounds`` make it small for a test."""
+    # The variants are closures of one function: each preset and T adds a compiled entry per variant to that one
+    # code object, past dynamo's default limit of 8.
+    with torch._dynamo.config.patch(recompile_limit=64):
+        return _graph_rows(seconds, log, presets, tokens, cold_rounds)
+
+
+def _graph_rows(seconds, log, presets, tokens, cold_rounds) -> List[Dict[str, object]]:
     rows = []
+    native = GRAPH_KEYS[0]
     for p in presets or [qkvfuse.get_preset(name) for name in GRAPH_PRESETS]:
         name = p.name
-        fns = {key: _graph_layer(p, key == "qkvfuse") for key in GRAPH_KEYS}
+        fns = {key: _graph_layer(p, parts) for key, parts in GRAPH_VARIANTS.items()}
         # The token dim dynamic (every argument's dim 0, marked below), the rest static: as vLLM compiles
         # (dynamic=True would make the weights' and the table's sizes symbolic too, and inductor's kernels slow).
         compiled = {key: torch.compile(fn, fullgraph=True) for key, fn in fns.items()}
@@ -512,10 +527,11 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
             for a in args:
                 torch._dynamo.mark_dynamic(a, 0)
             with torch.inference_mode():
-                eager, got = fns["qkvfuse"](*args), compiled["qkvfuse"](*args)
+                eager, got = fns[GRAPH_KEYS[-1]](*args), compiled[GRAPH_KEYS[-1]](*args)
                 if not all(torch.equal(a, b) for a, b in zip(eager, got)):
                     raise AssertionError(f"graph {name} T={T}: qkvfuse compiled differs from eager")
-                compiled["vLLM native"](*args)  # warm-up (compiles the dynamic graph once)
+                for key in GRAPH_KEYS[:-1]:  # warm-up (compiles each dynamic graph once)
+                    compiled[key](*args)
                 samples = {key: [] for key in compiled}
                 t_end = time.perf_counter() + seconds
                 r = 0
@@ -527,7 +543,7 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                     r += 1
                 # The GEMMs' variance swamps the rest at T = 512: also, per call, the self CPU time of everything
                 # but the GEMMs and the stand-in (step_parts' "rest": inductor's kernels, qkvfuse's ops, the
-                # wrapper), one profiled call of each per round, alternating.
+                # wrapper), one profiled call of each per round, in turn.
                 rest = {key: [] for key in compiled}
                 for i in range(PROFILED_ROUNDS):
                     for key in _round_order(i, GRAPH_KEYS):
@@ -535,21 +551,22 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                             compiled[key](*args)
                         rest[key].append(
                             1e3 * step_parts((e.key, e.self_cpu_time_total) for e in prof.key_averages())["rest"])
-            ours, theirs = samples["qkvfuse"], samples["vLLM native"]
-            row = {"part": "graph", "preset": name, "T": T, "what": "compiled layer",
-                   "qkvfuse_us": statistics.median(ours), "vllm_native_us": statistics.median(theirs),
-                   "qkvfuse_minus_native_us": statistics.median(a - b for a, b in zip(ours, theirs)),
-                   "native_over_qkvfuse": statistics.median(b / a for a, b in zip(ours, theirs)), "rounds": r,
-                   "qkvfuse_rest_us": statistics.median(rest["qkvfuse"]),
-                   "vllm_native_rest_us": statistics.median(rest["vLLM native"]),
-                   "rest_native_over_qkvfuse": statistics.median(b / a for a, b in zip(rest["qkvfuse"],
-                                                                                      rest["vLLM native"]))}
-            rows.append(row)
-            log(f"graph {name} T={T:4d} compiled layer: qkvfuse {row['qkvfuse_us']:10.1f} us  vLLM native "
-                f"{row['vllm_native_us']:10.1f} us  paired diff {row['qkvfuse_minus_native_us']:+8.1f} us  "
-                f"x{row['native_over_qkvfuse']:.3f} ({r} rounds); without the GEMMs (profiled): qkvfuse "
-                f"{row['qkvfuse_rest_us']:8.1f} us  vLLM native {row['vllm_native_rest_us']:8.1f} us  "
-                f"x{row['rest_native_over_qkvfuse']:.3f}")
+            theirs, theirs_rest = samples[native], rest[native]
+            for key in GRAPH_KEYS[1:]:
+                ours = samples[key]
+                row = {"part": "graph", "preset": name, "T": T, "what": "compiled layer", "impl": key,
+                       "fused": list(GRAPH_VARIANTS[key]), "us": statistics.median(ours),
+                       "vllm_native_us": statistics.median(theirs),
+                       "minus_native_us": statistics.median(a - b for a, b in zip(ours, theirs)),
+                       "native_over_this": statistics.median(b / a for a, b in zip(ours, theirs)), "rounds": r,
+                       "rest_us": statistics.median(rest[key]), "vllm_native_rest_us": statistics.median(theirs_rest),
+                       "rest_native_over_this": statistics.median(b / a for a, b in zip(rest[key], theirs_rest))}
+                rows.append(row)
+                log(f"graph {name} T={T:4d} compiled layer, {key:20s} {row['us']:10.1f} us  vLLM native "
+                    f"{row['vllm_native_us']:10.1f} us  paired diff {row['minus_native_us']:+8.1f} us  "
+                    f"x{row['native_over_this']:.3f} ({r} rounds); without the GEMMs (profiled): "
+                    f"{row['rest_us']:8.1f} us  vLLM native {row['vllm_native_rest_us']:8.1f} us  "
+                    f"x{row['rest_native_over_this']:.3f}")
         rows += _cold_call_rows(p, log, cold_rounds)
     return rows
 
@@ -582,9 +599,6 @@ def _model_dir(name: str):
         with open(os.path.join(model_dir, "config.json"), "w") as f:
             json.dump(_configs()[name], f)
         yield model_dir
-
-
-PLUGIN_PARTS = ("attention", "add_rmsnorm")  # the plugin's options (additional_config["qkvfuse"])
 
 
 def _engine(model_dir: str, fused, compiled: bool):

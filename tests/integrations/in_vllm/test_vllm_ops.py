@@ -121,10 +121,10 @@ def test_add_rmsnorm_matches_vllm_rmsnorm_with_residual(vllm_context, hidden, dt
 
 @pytest.mark.parametrize("preset", ["Qwen3-8B", "GLM-4.5"])
 def test_graph_benchmark_layers_compute_the_same_layer(preset):
-    """The vLLM benchmark's graph part (``--part graph``) times one layer written twice, with qkvfuse's in-place
-    ops and with vLLM's native code: on a small geometry of the preset (its head_dim, rotary dim, eps) the two
-    agree within a couple of bf16 ulps, and the part's own check (qkvfuse compiled bit for bit against eager)
-    passes."""
+    """The vLLM benchmark's graph part (``--part graph``) times one layer with vLLM's native code and with the
+    plugin's parts fused (each alone, both): on a small geometry of the preset (its head_dim, rotary dim, eps)
+    every fused variant agrees with the native layer within a couple of bf16 ulps, and the part's own check (both
+    parts fused, compiled bit for bit against eager) passes."""
     import dataclasses
 
     from qkvfuse.benchmarks import vllm as bench_vllm
@@ -133,14 +133,16 @@ def test_graph_benchmark_layers_compute_the_same_layer(preset):
     ids, positions = torch.tensor([0, 5, 1023, 7, 7]), torch.tensor([0, 1, 4097, 8191, 3])
     hidden = torch.randn(5, 256, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with torch.inference_mode():
-        ours, theirs = (bench_vllm._graph_layer(p, use)(hidden, ids, positions) for use in (True, False))
-    for got, want in zip(ours, theirs):
-        assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5)
+        theirs = bench_vllm._graph_layer(p, ())(hidden, ids, positions)
+        for parts in (("attention",), ("add_rmsnorm",), ("attention", "add_rmsnorm")):
+            for got, want in zip(bench_vllm._graph_layer(p, parts)(hidden, ids, positions), theirs):
+                assert torch.isfinite(got).all()
+                torch.testing.assert_close(got, want, rtol=2 ** -5, atol=2 ** -5)
     rows = bench_vllm.graph_rows(0.0, log=lambda line: None, presets=[p], tokens=(1, 5), cold_rounds=3)
     layers = [r for r in rows if r["what"] == "compiled layer"]
-    assert [r["T"] for r in layers] == [1, 5]
-    assert all(r["rounds"] >= 6 and r["qkvfuse_us"] > 0 and r["vllm_native_rest_us"] > 0 for r in layers)
+    assert [(r["T"], r["impl"]) for r in layers] == [(T, impl) for T in (1, 5) for impl in
+                                                     ("qkvfuse attention", "qkvfuse add_rmsnorm", "qkvfuse both")]
+    assert all(r["rounds"] >= 6 and r["us"] > 0 and r["vllm_native_rest_us"] > 0 for r in layers)
     assert {r["impl"] for r in rows if r["what"] == "cold call"} == {
         "qkvfuse split_qkv_rmsnorm_rope_inplace", "qkvfuse add_rmsnorm_inplace", "aten add_",
         "aten detach (one argument)"}
