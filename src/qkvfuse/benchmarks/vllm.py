@@ -27,18 +27,19 @@ T in {1, 16, 256, 4096}, the Qwen3.5-27B and Qwen3-Next-80B-A3B geometry; the ro
 
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
-(``{"attention": true, "add_rmsnorm": true}``) and off, two engines alive side by side, rounds interleaved (ABBA):
-per round one batch-1 request of 512 random tokens generating 33 on each engine, timed by the engine core's own
+(eager: ``{"attention": true, "add_rmsnorm": true}``; compiled: ``{"attention": true}``, :data:`COMPILED_PARTS`) and
+off, two engines alive side by side, rounds interleaved (ABBA): per round one batch-1 request of 512 random tokens generating 33 on each engine, timed by the engine core's own
 request timestamps -- ms of the prefill (scheduled to first token) and per decode step (first to last token) --
 eager and (``--mode compiled|both``) with vLLM's torch.compile; prefix caching off. Rows give the medians, the
 median per-round ratio off/on and the ratio of the fastest rounds. ``--one-engine``: one engine alive at a time,
 re-created every round. ``--fuse attention|add_rmsnorm``: only those parts of the plugin in the "on" engine.
 
 ``--part graph`` (not in ``all``): vLLM's compiled mode in one layer, without an engine -- the input norm, the QKV
-GEMM, the prepare, an opaque attention stand-in, o_proj and the post-attention norm compiled with qkvfuse's
-in-place ops and with vLLM's native code (which inductor fuses into its own kernels), T in {1, 16, 512}, the two
-compiled functions alternating; and the cost of one op call from Python after the caches were evicted (what each
-extern call in inductor's wrapper pays after a GEMM); :func:`graph_rows`.
+GEMM, the prepare, an opaque attention stand-in, o_proj and the post-attention norm compiled with vLLM's native
+code (which inductor fuses into its own kernels) and with each part of the plugin fused (the prepare, the norms,
+both: qkvfuse's in-place ops), T in {1, 16, 512}, the compiled functions in turn; and the cost of one op call
+from Python after the caches were evicted (what each extern call in inductor's wrapper pays after a GEMM);
+:func:`graph_rows`.
 
 ``--part profile`` (not in ``all``): where a step's time goes, plugin on and off -- both engines re-created every
 round, each in a fresh process, ABBA; :func:`profile_rows`.
@@ -368,6 +369,10 @@ def _abba(rounds: int):
 # One layer inside a compiled graph.
 # --------------------------------------------------------------------------------------------------------
 PLUGIN_PARTS = ("attention", "add_rmsnorm")  # the plugin's options (additional_config["qkvfuse"])
+# Under vLLM's torch.compile inductor fuses vLLM's own add+RMSNorm at least as well as the opaque op (the graph
+# part: add_rmsnorm alone slower at T = 1 and 16, both presets), while the fused prepare wins from T = 16 on: the
+# recommended compiled setting, and the compiled "on" engine of the latency and profile parts.
+COMPILED_PARTS = ("attention",)
 GRAPH_PRESETS = ("Qwen3-8B", "GLM-4.5")
 GRAPH_TOKENS = (1, 16, 512)
 # The graph part's layers: vLLM's native code, and the plugin's parts fused (each alone, then both), in the order of
@@ -811,6 +816,11 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
 _COMPILED = {"eager": (False,), "compiled": (True,), "both": (False, True)}  # --mode -> compiled settings
 
 
+def _parts(requested, compiled: bool):
+    """The plugin's parts on in the 'on' engine: ``--fuse``, else the recommended setting of the engine's mode."""
+    return tuple(requested) if requested else (COMPILED_PARTS if compiled else PLUGIN_PARTS)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["split", "norm", "gated", "graph", "latency", "profile", "all"],
@@ -827,10 +837,10 @@ def main(argv=None) -> int:
                         help="latency: one engine alive at a time, re-created per round, the creation order "
                              "alternating (side by side, the 'on' engine is always created first)")
     parser.add_argument("--fuse", action="append", choices=PLUGIN_PARTS,
-                        help="latency and profile: the plugin's parts on in the 'on' engine (default both)")
+                        help="latency and profile: the plugin's parts on in the 'on' engine (default: both for "
+                             "eager engines, attention alone for compiled ones, as recommended: COMPILED_PARTS)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    fused = tuple(args.fuse or PLUGIN_PARTS)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # latency side by side: an engine-core process per engine; profile and --one-engine: the engine in its own
@@ -852,10 +862,10 @@ def main(argv=None) -> int:
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
         for compiled in _COMPILED[args.mode]:
-            rows += latency_rows(names, compiled, args.rounds, args.one_engine, fused)
+            rows += latency_rows(names, compiled, args.rounds, args.one_engine, _parts(args.fuse, compiled))
     if args.part == "profile":
         for compiled in _COMPILED[args.mode]:
-            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds, fused)
+            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds, _parts(args.fuse, compiled))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
