@@ -15,7 +15,9 @@ Options (``additional_config["qkvfuse"]``): ``attention`` (bool) fuses each qual
 QK-RMSNorm + RoPE/mRoPE into one :class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder
 layer's two norms with :class:`qkvfuse.AddRMSNorm` (in place, as vLLM's own fused kernel writes); ``verify``
 (bool, eager only) also runs vLLM's own path on every fused call and raises past qkvfuse's accuracy rule;
-``backend`` (``"auto"``, ``"cpu"``, ``"triton"``, ``"reference"``).
+``backend`` (``"auto"``, ``"cpu"``, ``"triton"``, ``"reference"``). Under vLLM's ``torch.compile`` the recommended
+setting is ``{"attention": true}``: inductor fuses vLLM's own add+RMSNorm as well as ``add_rmsnorm`` does, and the
+opaque call costs more at decode (measured on CPU: ``bench/README.md``, the vLLM graph part).
 
 How it hooks in. :func:`register` is the ``vllm.general_plugins`` entry point, which vLLM calls in every process
 (front end, engine core, workers, the model-inspection subprocess): it only arranges for
