@@ -5,7 +5,8 @@
 #   bench --device cuda --quick    Triton launcher vs eager / compiled unfused reference and a same-size copy
 #   the shared suite's cuda rows   tests/test_fuzz.py -k cuda (fresh random geometries, every element checked)
 # Each step has its own time cap (seconds: VERIFY_S, BENCH_S, TESTS_S) so one that hangs leaves the others
-# their time (VERIFY_S=0 skips verify; BENCH_ARGS adds bench flags, e.g. --tile-sweep); logs and JSON go to $OUT (default /tmp/qkvfuse-device). Usage, from the repository root:
+# their time (VERIFY_S=0 skips verify; BENCH_ARGS adds bench flags, e.g. --tile-sweep); logs and JSON go to $OUT
+# (default /tmp/qkvfuse-device). Usage, from the repository root:
 #   bash bench/device-check.sh
 set -u
 OUT=${OUT:-/tmp/qkvfuse-device}
@@ -23,7 +24,8 @@ step() {  # step NAME SECONDS COMMAND...: run with a cap, log to $OUT/NAME.log, 
     timeout "$cap" "$@" >"$OUT/$name.log" 2>&1
     echo "== $name: rc=$? in $((SECONDS - t0)) s (cap $cap s)" | tee -a "$OUT/env.txt"
 }
-[ "${VERIFY_S:-300}" = 0 ] || step verify "${VERIFY_S:-300}" $PY -m qkvfuse verify --device cuda --quick --json "$OUT/verify.json"
+[ "${VERIFY_S:-300}" = 0 ] ||
+    step verify "${VERIFY_S:-300}" $PY -m qkvfuse verify --device cuda --quick --json "$OUT/verify.json"
 step bench "${BENCH_S:-150}" $PY -m qkvfuse bench --device cuda --quick --json "$OUT/bench.json" ${BENCH_ARGS:-}
 XDIST=$($PY -c "import xdist; print('-n 8')" 2>/dev/null)
 step tests "${TESTS_S:-110}" $PY -m pytest -q $XDIST -k cuda \

@@ -28,9 +28,10 @@ T in {1, 16, 256, 4096}, the Qwen3.5-27B and Qwen3-Next-80B-A3B geometry; the ro
 ``--part latency``: ``vllm bench latency``-style engines on 2-layer models with the published Qwen3-8B and GLM-4.7
 attention geometry (dummy weights, vocab 10 240, bf16, GLM with 16 of its 160 routed experts), plugin on
 (eager: ``{"attention": true, "add_rmsnorm": true}``; compiled: ``{"attention": true}``, :data:`COMPILED_PARTS`) and
-off, two engines alive side by side, rounds interleaved (ABBA): per round one batch-1 request of 512 random tokens generating 33 on each engine, timed by the engine core's own
-request timestamps -- ms of the prefill (scheduled to first token) and per decode step (first to last token) --
-eager and (``--mode compiled|both``) with vLLM's torch.compile; prefix caching off. Rows give the medians, the
+off, two engines alive side by side, rounds interleaved (ABBA): per round one batch-1 request of 512 random tokens
+generating 33 on each engine, timed by the engine core's own request timestamps -- ms of the prefill (scheduled
+to first token) and per decode step (first to last token) -- eager and (``--mode compiled|both``) with vLLM's
+torch.compile; prefix caching off. Rows give the medians, the
 median per-round ratio off/on and the ratio of the fastest rounds. ``--one-engine``: one engine alive at a time,
 re-created every round. ``--fuse attention|add_rmsnorm``: only those parts of the plugin in the "on" engine.
 

@@ -92,7 +92,8 @@ def norm_config(T: int, H: int, interpret: Optional[bool] = None, tile: Optional
     block_t = max(1, tile // block_h) if single else 1
     if interpret:
         block_t = min(block_t, _pow2(T))
-    return dict(BLOCK_T=block_t, BLOCK_H=block_h, SINGLE_TILE=single, num_warps=_num_warps(block_t * block_h, GPU_NORM_PER_THREAD))
+    return dict(BLOCK_T=block_t, BLOCK_H=block_h, SINGLE_TILE=single,
+                num_warps=_num_warps(block_t * block_h, GPU_NORM_PER_THREAD))
 
 
 def _on_device(t: torch.Tensor):
