@@ -396,6 +396,22 @@ def test_device_block_sizes_do_not_depend_on_t():
         assert len({str(launch.norm_config(T, H, interpret=False)) for T in (1, 3, 1000, 16384)}) == 1
 
 
+def test_host_arithmetic_and_cached_configs(monkeypatch):
+    """The launcher's plain-Python power of two and ceil division equal Triton's; a cached block configuration
+    follows a changed module setting and is not shared between callers (each gets its own dict)."""
+    import triton
+
+    assert all(launch._pow2(n) == triton.next_power_of_2(max(n, 1)) for n in range(-2, 5000))
+    assert all(launch._cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 300) for b in range(1, 40))
+    first = launch.split_config(1, 32, 8, 128, interpret=False)
+    first.pop("num_warps")
+    assert "num_warps" in launch.split_config(1, 32, 8, 128, interpret=False)
+    monkeypatch.setattr(launch, "GPU_SPLIT_TILE", 4 * launch.GPU_SPLIT_TILE)
+    assert launch.split_config(1, 32, 8, 128, interpret=False)["Q_HEADS"] == 4 * first["Q_HEADS"]
+    monkeypatch.setattr(launch, "GPU_NORM_PER_THREAD", 2 * launch.GPU_NORM_PER_THREAD)
+    assert launch.norm_config(1, 4096, interpret=False)["num_warps"] == 8
+
+
 def test_in_place_skips_v_and_matches_out_of_place(blocks):
     case = SplitCase(T=7, num_q_heads=6, num_kv_heads=2, head_dim=96, rotary_dim=48, bias=True, row_pad=8)
     kwargs = make_split_inputs(case)

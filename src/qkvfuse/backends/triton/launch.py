@@ -17,10 +17,10 @@ compiled, so there the token block follows T to keep the number of (slow, Python
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict, Optional, Sequence
 
 import torch
-import triton
 
 from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
 
@@ -49,8 +49,15 @@ GPU_MAX_ROW = 8192
 GPU_MAX_GATED_Q = 8192
 
 
+# Host arithmetic in plain Python: triton.next_power_of_2 and triton.cdiv are constexpr-function wrappers in recent
+# Triton (~2.5 us a call, four to seven calls a launch).
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two >= ``max(n, 1)``."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _num_warps(tile_elements: int, per_thread: int) -> int:
@@ -67,17 +74,27 @@ def split_config(T: int, num_q_heads: int, num_kv_heads: int, head_dim: int, int
     """
     interpret = INTERPRET if interpret is None else interpret
     tile = tile or (INTERPRETER_TILE if interpret else GPU_SPLIT_TILE)
+    max_q = INTERPRETER_TILE if interpret else GPU_MAX_GATED_Q
+    return dict(_split_config(_pow2(T) if interpret else 0, num_q_heads, num_kv_heads, head_dim, tile,
+                              whole_q_region, max_q, GPU_SPLIT_PER_THREAD))
+
+
+# The configurations, cached per geometry and setting (a launch's host time is what a decode step pays per call);
+# every module-level setting they read is an argument, so a changed setting (the tile sweep, tests) is a new key.
+@functools.lru_cache(maxsize=512)
+def _split_config(t_pow2: int, num_q_heads: int, num_kv_heads: int, head_dim: int, tile: int, whole_q_region: bool,
+                  max_q: int, per_thread: int) -> Dict[str, int]:
     block_d = _pow2(head_dim)
     heads_cap = max(1, tile // block_d)
     q_heads = min(_pow2(num_q_heads), heads_cap)
-    if whole_q_region and _pow2(num_q_heads) * block_d <= (INTERPRETER_TILE if interpret else GPU_MAX_GATED_Q):
+    if whole_q_region and _pow2(num_q_heads) * block_d <= max_q:
         q_heads = _pow2(num_q_heads)
     kv_heads = min(_pow2(num_kv_heads), heads_cap)
     block_t = max(1, tile // (q_heads * block_d))
-    if interpret:
-        block_t = min(block_t, _pow2(T))
+    if t_pow2:  # the interpreter: no more tokens per program than T
+        block_t = min(block_t, t_pow2)
     return dict(BLOCK_D=block_d, BLOCK_T=block_t, Q_HEADS=q_heads, KV_HEADS=kv_heads, V_BLOCK=kv_heads * block_d,
-                num_warps=_num_warps(block_t * q_heads * block_d, GPU_SPLIT_PER_THREAD))
+                num_warps=_num_warps(block_t * q_heads * block_d, per_thread))
 
 
 def norm_config(T: int, H: int, interpret: Optional[bool] = None, tile: Optional[int] = None) -> Dict[str, int]:
@@ -85,15 +102,20 @@ def norm_config(T: int, H: int, interpret: Optional[bool] = None, tile: Optional
     interpret = INTERPRET if interpret is None else interpret
     tile = tile or (INTERPRETER_TILE if interpret else GPU_NORM_TILE)
     max_row = INTERPRETER_TILE if interpret else GPU_MAX_ROW
+    return dict(_norm_config(_pow2(T) if interpret else 0, H, tile, max_row, GPU_NORM_PER_THREAD))
+
+
+@functools.lru_cache(maxsize=512)
+def _norm_config(t_pow2: int, H: int, tile: int, max_row: int, per_thread: int) -> Dict[str, int]:
     block_h = _pow2(H)
     single = block_h <= max_row
     if not single:
         block_h = max_row // 2
     block_t = max(1, tile // block_h) if single else 1
-    if interpret:
-        block_t = min(block_t, _pow2(T))
+    if t_pow2:
+        block_t = min(block_t, t_pow2)
     return dict(BLOCK_T=block_t, BLOCK_H=block_h, SINGLE_TILE=single,
-                num_warps=_num_warps(block_t * block_h, GPU_NORM_PER_THREAD))
+                num_warps=_num_warps(block_t * block_h, per_thread))
 
 
 def _on_device(t: torch.Tensor):
@@ -188,9 +210,9 @@ def split_qkv_rmsnorm_rope_out(
             q_out, gate_out = scratch[:, :q_width], scratch[:, q_width:]
     # v_out being qkv's own V slice (the in-place form) makes the copy a no-op: launch no V blocks.
     v_in_place = _is_column_view(v_out, qkv, k_col + kv_width)
-    v_blocks = 0 if v_in_place else triton.cdiv(kv_width, cfg["V_BLOCK"])
-    grid = (triton.cdiv(T, cfg["BLOCK_T"]),
-            triton.cdiv(num_q_heads, cfg["Q_HEADS"]) + triton.cdiv(num_kv_heads, cfg["KV_HEADS"]) + v_blocks)
+    v_blocks = 0 if v_in_place else _cdiv(kv_width, cfg["V_BLOCK"])
+    grid = (_cdiv(T, cfg["BLOCK_T"]),
+            _cdiv(num_q_heads, cfg["Q_HEADS"]) + _cdiv(num_kv_heads, cfg["KV_HEADS"]) + v_blocks)
     mrope = bool(mrope_section)
     s_t, s_h, s_w = mrope_section if mrope else (0, 0, 0)
     pos_stride_axis, pos_stride_tok = (positions.stride(0), positions.stride(1)) if mrope else (0, positions.stride(0))
@@ -241,7 +263,7 @@ def add_rmsnorm_out(
     res, res_out = (residual, residual_out) if has_res else (x, y_out)
     weight, bias = _dense(weight), _dense(bias)
     with _on_device(x):
-        add_rmsnorm_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
+        add_rmsnorm_kernel[(_cdiv(T, cfg["BLOCK_T"]),)](
             x, res, weight, bias if bias is not None else weight, y_out, res_out, T, H, float(eps),
             x.stride(0), res.stride(0), y_out.stride(0), res_out.stride(0),
             HAS_RESIDUAL=has_res, HAS_BIAS=bias is not None, GEMMA=bool(gemma), **cfg,
