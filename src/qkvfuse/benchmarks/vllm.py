@@ -499,6 +499,9 @@ def _cold_call_rows(p, log, rounds: int = 200) -> List[Dict[str, object]]:
     return rows
 
 
+# The variants are closures of one function: each preset and T adds a compiled entry per variant to that one code
+# object, past dynamo's default limit of 8.
+@torch._dynamo.config.patch(recompile_limit=64)
 def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
                cold_rounds: int = 200) -> List[Dict[str, object]]:
     """vLLM's compiled-mode question in one layer, per part of the plugin: the layer of :func:`_graph_layer`
@@ -511,13 +514,6 @@ def graph_rows(seconds: float, log=print, presets=None, tokens=GRAPH_TOKENS,
     remains, inductor's fusions change its bits). Then the cold-call costs
     (:func:`_cold_call_rows`): why the opaque ops' extern calls can lose to inductor's own code at T = 1.
     ``presets`` (default :data:`GRAPH_PRESETS`), ``tokens`` and ``cold_rounds`` make it small for a test."""
-    # The variants are closures of one function: each preset and T adds a compiled entry per variant to that one
-    # code object, past dynamo's default limit of 8.
-    with torch._dynamo.config.patch(recompile_limit=64):
-        return _graph_rows(seconds, log, presets, tokens, cold_rounds)
-
-
-def _graph_rows(seconds, log, presets, tokens, cold_rounds) -> List[Dict[str, object]]:
     rows = []
     native = GRAPH_KEYS[0]
     for p in presets or [qkvfuse.get_preset(name) for name in GRAPH_PRESETS]:
