@@ -311,26 +311,30 @@ def test_portable_default_vectors_build_and_match_oracle(tmp_path):
 
 
 def test_specialised_bf16_rounding_is_round_to_nearest_even():
-    """The specialised path's bf16 packing (Bf16Block::pack_rne, 16-bit word arithmetic) against torch's
-    ``.to(torch.bfloat16)``: every tie and near-tie pattern of the dropped half with both parities of the kept
-    one, carries into the exponent, the largest finite values, infinities and zeros of both signs, and 2^22
-    random bit patterns. NaNs must stay NaN (payload unspecified) where the path can meet them: a NaN reaching
-    it comes from a bf16 input (its dropped half is zero) or is the default NaN; a NaN with a non-zero dropped
-    half (an fp32 table or weight) sends the token to the generic path, whose stores are NaN-safe."""
+    """The specialised paths' bf16 packing (AVX2: Bf16Block::pack_rne, 16-bit word arithmetic; AVX-512:
+    avx512::round_lanes, the hardware conversion on AVX512-BF16 builds with pack_rne for blocks holding a
+    denormal) against torch's ``.to(torch.bfloat16)``: every tie and near-tie pattern of the dropped half with
+    both parities of the kept one, carries into the exponent, denormals, the largest finite values, infinities
+    and zeros of both signs, and 2^22 random bit patterns. NaNs must stay NaN (payload unspecified) where the
+    path can meet them: a NaN reaching it comes from a bf16 input (its dropped half is zero) or is the default
+    NaN; a NaN with a non-zero dropped half (an fp32 table or weight) sends the token to the generic path, whose
+    stores are NaN-safe."""
     if not hasattr(torch.ops.qkvfuse_cpu, "pack_rne_blocks"):
-        pytest.skip("the specialised path is built for AVX2 only")
+        pytest.skip("the specialised paths are built for AVX2 and AVX-512 only")
+    block = torch.ops.qkvfuse_cpu.pack_rne_block_size()
     g = torch.Generator().manual_seed(5)
     high = torch.randint(0, 1 << 16, (4096,), generator=g, dtype=torch.int64)
     high = torch.cat([high, torch.tensor([0x0000, 0x0001, 0x007F, 0x0080, 0x3F7F, 0x3F80, 0x7F7F, 0x7F7E, 0x7F80,
-                                          0x8000, 0x8001, 0xFF7F, 0xFF80])])
+                                          0x8000, 0x8001, 0x807F, 0xFF7F, 0xFF80])])
     low = torch.tensor([0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0xC000, 0x4000])
     patterns = (high[:, None] << 16 | low[None, :]).reshape(-1)
-    patterns = torch.cat([patterns, torch.randint(0, 1 << 32, (1 << 22,), generator=g, dtype=torch.int64)])
-    patterns = patterns[: patterns.numel() // 16 * 16]
+    normal = torch.randint(0x00800000, 0x7F800000, (1 << 16,), generator=g, dtype=torch.int64)  # blocks of no denormal
+    patterns = torch.cat([patterns, normal, torch.randint(0, 1 << 32, (1 << 22,), generator=g, dtype=torch.int64)])
+    patterns = patterns[: patterns.numel() // 32 * 32]
     x = patterns.to(torch.int32).view(torch.float32)  # wraps into int32's range: the same 32 bits
     got = torch.ops.qkvfuse_cpu.pack_rne_blocks(x)
-    blocks = x.reshape(-1, 2, 8)
-    expected = blocks.transpose(1, 2).reshape(-1).to(torch.bfloat16)  # out[16c + 2j + h] = x[16c + 8h + j]
+    blocks = x.reshape(-1, 2, block // 2)
+    expected = blocks.transpose(1, 2).reshape(-1).to(torch.bfloat16)  # out[B c + 2j + h] = x[B c + (B/2) h + j]
     nan = torch.isnan(expected)
     dropped = blocks.transpose(1, 2).reshape(-1).view(torch.int32) & 0xFFFF
     assert torch.isnan(got[nan & (dropped == 0)]).all()

@@ -116,13 +116,17 @@ def _measured_rows(fields: Dict[str, object], candidates: List[Candidate], copy_
     with torch.inference_mode():
         measured = measure(candidates, copies, budget)
     vllm_key, rows = candidates[-1].key, []
+    zentorch_key = next((c.key for c in candidates if c.impl.startswith("zentorch")), None)
     label = " ".join(f"{k}={v}" for k, v in fields.items() if k != "part")
     for c in candidates:
         m = measured[c.key]
         rows.append({**fields, "impl": c.impl, "us": m.us, "copy_us": m.copy_us, "roofline": m.roofline,
                      "vs_vllm": m.vs.get(vllm_key, 1.0), "rounds": m.rounds})
-        log(f"{fields['part']} {label} {c.impl:40s} {m.us:10.2f} us  {100 * m.roofline:5.1f}% of copy  "
-            f"x{rows[-1]['vs_vllm']:.2f} vs vLLM")
+        versus = f"x{rows[-1]['vs_vllm']:.2f} vs vLLM"
+        if zentorch_key is not None:  # the median of the per-round ratios, like vs_vllm
+            rows[-1]["vs_zentorch"] = m.vs.get(zentorch_key, 1.0)
+            versus += f"  x{rows[-1]['vs_zentorch']:.2f} vs zentorch"
+        log(f"{fields['part']} {label} {c.impl:40s} {m.us:10.2f} us  {100 * m.roofline:5.1f}% of copy  {versus}")
     return rows
 
 

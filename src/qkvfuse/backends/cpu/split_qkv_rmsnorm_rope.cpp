@@ -1029,20 +1029,34 @@ std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool
   return axes;
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
-// The specialised path's rounding on its own: x (fp32, a multiple of 16 values) in blocks of 16, the first 8
-// as Bf16Block's even lanes and the last 8 as its odd lanes, so out[16c + 2j] = bf16(x[16c + j]) and
-// out[16c + 2j + 1] = bf16(x[16c + 8 + j]).
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// The specialised paths' bf16 rounding on its own, for tests: x (fp32, a multiple of 32 values) in blocks of B
+// values (B = 16: AVX2's Bf16Block; B = 32: AVX-512's round_lanes), the first B/2 as even lanes and the last B/2 as
+// odd lanes, so out[B c + 2j] = bf16(x[B c + j]) and out[B c + 2j + 1] = bf16(x[B c + B/2 + j]).
 Tensor pack_rne_blocks(const Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() && x.numel() % 16 == 0,
-              "pack_rne_blocks: a contiguous 1-D fp32 tensor of 16k values");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() && x.numel() % 32 == 0,
+              "pack_rne_blocks: a contiguous 1-D fp32 tensor of 32k values");
   Tensor out = at::empty({x.numel()}, x.options().dtype(at::kBFloat16));
   const float* src = x.const_data_ptr<float>();
   auto* dst = out.mutable_data_ptr<c10::BFloat16>();
+#if defined(CPU_CAPABILITY_AVX512)
+  for (int64_t i = 0; i < x.numel(); i += 32) {
+    _mm512_storeu_si512(dst + i, avx512::round_lanes(_mm512_loadu_ps(src + i), _mm512_loadu_ps(src + i + 16)));
+  }
+#else
   for (int64_t i = 0; i < x.numel(); i += 16) {
     Bf16Block::store<false>(dst + i, _mm256_loadu_ps(src + i), _mm256_loadu_ps(src + i + 8));
   }
+#endif
   return out;
+}
+
+int64_t pack_rne_block_size() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return 32;
+#else
+  return 16;
+#endif
 }
 #endif
 
@@ -1064,7 +1078,8 @@ TORCH_LIBRARY(qkvfuse_cpu, m) {
         "Tensor? q_bias, Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope, Tensor(a!) q_out, "
         "Tensor(b!) k_out, Tensor(c!) v_out, Tensor(d!)? gate_out=None) -> ()",
         &qkvfuse_cpu::split_generic_out);
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   m.def("pack_rne_blocks(Tensor x) -> Tensor", &qkvfuse_cpu::pack_rne_blocks);
+  m.def("pack_rne_block_size() -> int", &qkvfuse_cpu::pack_rne_block_size);
 #endif
 }
