@@ -616,7 +616,8 @@ class AddRMSNorm:
                  gemma_norm: bool = False, backend: Optional[str] = None):
         c = self.config = _norm_config(weight, eps, bias, gemma_norm, backend)
         self._out_args, self._gemma = (c.weight, c.bias, c.eps), c.gemma_norm  # the out= schema: gemma after the outs
-        self._hidden, self._args = c.hidden, (*self._out_args, c.gemma_norm)
+        # gemma is passed only when set: the schema's default, one argument less to convert per call
+        self._hidden, self._args = c.hidden, (*self._out_args, True) if c.gemma_norm else self._out_args
         self._out, self._inplace = c.ops.norm_out, c.ops.norm_inplace
 
     # A call checks nothing itself: the op checks x against the bound weight (and an out= pair, with a residual,
