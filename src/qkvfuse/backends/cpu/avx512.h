@@ -11,6 +11,7 @@
 // bf16 rounding is to nearest even with denormals kept (torch's `.to(torch.bfloat16)`). With AVX512-BF16
 // (QKVFUSE_AVX512_BF16: the AVX512_BF16 capability) it is one VCVTNEPS2BF16, which flushes denormal inputs to
 // zero: a block holding a denormal (one VFPCLASSPS test) takes ATen's integer rounding instead.
+// In lane order (below) the same holds for VCVTNE2PS2BF16 (round_lanes) and the integer pack_rne.
 #pragma once
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -75,7 +76,7 @@ inline __m512 inv_rms(__m512 ss, int64_t n, float eps) {
 
 // ------------------------------------------------------------------------------------------------------
 // bf16 in "lane order" (the AVX2 kernels' idea at 512 bits): a block of 32 bf16 is one load; its even elements
-// widen as bits << 16 and its odd ones as bits & 0xffff0000 (no shuffle), and pack_rne writes both back in
+// widen as bits << 16 and its odd ones as bits & 0xffff0000 (no shuffle), and round_lanes writes both back in
 // memory order. Tables used with such blocks (weights, cos/sin) are kept in the same order (to_lanes).
 // ------------------------------------------------------------------------------------------------------
 struct Lanes {
