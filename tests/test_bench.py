@@ -363,6 +363,18 @@ def test_e2e_with_torch_compile():
     assert len(compiled) == 2 and all(r["check"] == "ok" and "compile s" in r for r in compiled)
 
 
+@pytest.mark.parametrize("part", ["latency", "profile", "all"])
+def test_vllm_bench_refuses_avx2_peers_for_engine_parts(part, capsys):
+    """``--peer-isa avx2`` swaps vLLM's library in the benchmark's own process only: the engine parts, whose
+    engines load the library vLLM picks, refuse it before anything is imported."""
+    from qkvfuse.benchmarks import vllm as bench_vllm
+
+    with pytest.raises(SystemExit) as exc:
+        bench_vllm.main(["--part", part, "--peer-isa", "avx2"])
+    assert exc.value.code == 2
+    assert "--peer-isa avx2 applies to the in-process parts" in capsys.readouterr().err
+
+
 def test_vllm_latency_rows_pair_rounds_and_profile_parts_split_by_name():
     """The vLLM bench's arithmetic (its engines run in ``make bench-vllm``): per-round ratios off/on, the ratio of
     the fastest rounds, and the profiler's split of a step into GEMM/MoE, attention and the rest."""

