@@ -9,6 +9,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import qkvfuse.benchmarks as benchmarks
 from qkvfuse.benchmarks.harness import BARE, COPY, CPU, EAGER, BenchConfig, Row
@@ -179,8 +180,9 @@ def test_percall_section_alone(tmp_path, capsys):
     assert main(["bench", "--op", "percall", "--preset", "GLM-4.7", "--hidden", "256", "--seconds", "0.02",
                  "--json", str(json_path)]) == 0
     text = capsys.readouterr().out
-    assert "== per-call cost: split_qkv_rmsnorm_rope: GLM-4.7, bf16, T=1" in text
-    assert "== per-call cost: add_rmsnorm: hidden 256, bf16, T=1" in text
+    for mode in ("default", "inference_mode"):
+        assert f"== per-call cost: split_qkv_rmsnorm_rope: GLM-4.7, bf16, T=1, {mode}" in text
+        assert f"== per-call cost: add_rmsnorm: hidden 256, bf16, T=1, {mode}" in text
     assert "summary against issue 12's per-call target" in text and "summary against issue 3" not in text
     payload = json.loads(json_path.read_text())
     assert payload["rows"] == []
@@ -190,6 +192,7 @@ def test_percall_section_alone(tmp_path, capsys):
         ("QKNormRope", "out="), ("QKNormRope", "in-place"), ("split_qkv_rmsnorm_rope", "out="),
         ("split_qkv_rmsnorm_rope", "in-place"), ("torch.ops", "out="), ("torch.ops", "in-place"), ("copy_", "out=")}
     assert {r["data"].split()[0] for r in rows} == {"hot", "rotated"}
+    assert {r["mode"] for r in rows} == {"default", "inference_mode"}
     for r in rows:
         assert math.isfinite(r["us"]) and r["us"] > 0 and r["rounds"] >= 3
         if r["impl"].startswith("copy_"):
@@ -203,7 +206,27 @@ def test_percall_section_alone(tmp_path, capsys):
         ("QKNormRope", "out="), ("QKNormRope", "in-place"), ("AddRMSNorm", "out="), ("AddRMSNorm", "in-place"),
         ("split_qkv_rmsnorm_rope", "out="), ("split_qkv_rmsnorm_rope", "in-place"), ("add_rmsnorm", "out="),
         ("add_rmsnorm", "in-place")}
-    assert len(summary) == 8 * 2 and all(s["verdict"].split()[0] in ("MET", "MISSED") for s in summary)
+    assert len(summary) == 8 * 2 * 2 and all(s["verdict"].split()[0] in ("MET", "MISSED") for s in summary)
+    assert {s["mode"] for s in summary} == {"default", "inference_mode"}
+
+
+def test_percall_modes_make_and_call_in_the_mode():
+    """The per-call rows' modes: inference_mode makes the tensors and the calls under torch.inference_mode()
+    (inference tensors, as vLLM's runner has them), default outside it; a mode of neither is an error."""
+    from qkvfuse.benchmarks import percall
+
+    seen = {}
+
+    def rows_of():
+        seen["inference"] = torch.is_inference_mode_enabled()
+        seen["tensor"] = torch.ones(1).is_inference()
+        return [percall.CallRow("op", "s", "bf16", 1, "hot", "impl", "out=", 1.0, None, None, None, 3, 1)]
+
+    for mode in percall.MODES:
+        (row,) = percall._in_mode(rows_of, mode)
+        assert row.mode == mode and seen == {"inference": mode == "inference_mode", "tensor": mode == "inference_mode"}
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        percall._in_mode(rows_of, "no_grad")
 
 
 def _tiny_cfg():

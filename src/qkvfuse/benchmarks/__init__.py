@@ -21,6 +21,7 @@ import torch
 from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
+from .percall import MODES as PERCALL_MODES
 from .percall import CallRow, percall_norm, percall_split, percall_summary, print_percall, print_percall_summary
 from .report import (BUSY_SHARE, configure, TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine,
                      print_summary, print_tables, summarize, write_json, write_plot)
@@ -129,10 +130,12 @@ def run_bench(args) -> int:
                  for preset in cfg.presets for dtype in cfg.dtypes for T in cfg.tokens]
         cells += [(bench_norm, hidden, f"add_rmsnorm hidden {hidden}", dtype, T)
                   for hidden in cfg.hidden_sizes for dtype in cfg.dtypes for T in cfg.tokens]
-        cells += [(lambda c, p, d, T: percall_split(c, p, d), preset, "per-call split " + preset.name, dtype, 1)
-                  for preset in cfg.percall_presets for dtype in cfg.percall_dtypes]
-        cells += [(lambda c, h, d, T: percall_norm(c, h, d), hidden, f"per-call add_rmsnorm hidden {hidden}", dtype, 1)
-                  for hidden in cfg.percall_hidden for dtype in cfg.percall_dtypes]
+        cells += [(lambda c, p, d, T, m=mode: percall_split(c, p, d, m), preset,
+                   f"per-call split {preset.name} ({mode})", dtype, 1)
+                  for preset in cfg.percall_presets for dtype in cfg.percall_dtypes for mode in PERCALL_MODES]
+        cells += [(lambda c, h, d, T, m=mode: percall_norm(c, h, d, m), hidden,
+                   f"per-call add_rmsnorm hidden {hidden} ({mode})", dtype, 1)
+                  for hidden in cfg.percall_hidden for dtype in cfg.percall_dtypes for mode in PERCALL_MODES]
         percall_rows: List[CallRow] = []
         run_start = cpu_snapshot()
         for bench, what, label, dtype, T in cells:

@@ -25,6 +25,10 @@ throughout. Each candidate's own result is checked once against the float64 orac
 timing. ``- bare`` is the median over rounds of (this time - the bare call's time in the same round), the bare
 call of the same form (``out=`` or in place); issue 12's target is a bound object within 2 us of it.
 Placements: ``hot`` (one buffer set, L1-resident) and ``rotated xN`` (N sets, > 4x L2, like successive layers).
+Modes: every row twice, ``default`` (tensors made and called in torch's default mode, as a script or
+``torch.no_grad()`` code such as transformers' ``generate`` pays; views track their base) and ``inference_mode``
+(tensors made and called under ``torch.inference_mode()``, as vLLM's model runner calls the plugin: inference
+tensors, whose views and version counters cost less).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from .harness import (CACHE_ROWS, BenchConfig, _more_sets, _nbytes, _rotation, _
                       bare_split_call, check_norm, check_split, dtype_name)
 from .timing import Candidate, fixed_point_weights, measure, paired
 
-__all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T"]
+__all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T", "MODES"]
 
 PERCALL_T = 1
 BOUND_MAX_OVER_BARE_US = 2.0  # issues 12 and 20: the bound object within 2 us of the bare torch.ops call
@@ -56,6 +60,7 @@ BOUND_NORM, FUNCTIONAL_NORM, BARE_NORM = ("AddRMSNorm (bound)", "add_rmsnorm (fu
 # The bare in-place call followed by the views the in-place forms return (qkv.split_with_sizes): the least any
 # in-place call that returns (q, k, v) can cost; "- bare" of this row is the views' own cost.
 BARE_VIEWS_SPLIT = "torch.ops ..._inplace.default + split_with_sizes"
+MODES = ("default", "inference_mode")  # the grad modes every per-call row is measured in (the module's docstring)
 BOUND = (BOUND_SPLIT, BOUND_NORM)
 FUNCTIONAL = (FUNCTIONAL_SPLIT, FUNCTIONAL_NORM)
 
@@ -80,6 +85,7 @@ class CallRow:
     calls_per_block: int
     check: str = ""
     others: Optional[float] = None
+    mode: str = MODES[0]
 
 
 @dataclasses.dataclass
@@ -111,8 +117,24 @@ def _rows(op: str, shape: str, dtype: torch.dtype, specs: Sequence[_Spec], copie
     return rows
 
 
-def percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype = torch.bfloat16) -> List[CallRow]:
-    """Per-call rows of ``split_qkv_rmsnorm_rope`` at T = 1 for ``preset`` (norm weights in ``dtype``)."""
+def _in_mode(rows_of: Callable[[], List[CallRow]], mode: str) -> List[CallRow]:
+    """The rows ``rows_of()`` measures, its tensors made and its calls made in ``mode`` (one of :data:`MODES`)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    with torch.inference_mode(mode == "inference_mode"):
+        rows = rows_of()
+    for r in rows:
+        r.mode = mode
+    return rows
+
+
+def percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype = torch.bfloat16,
+                  mode: str = MODES[0]) -> List[CallRow]:
+    """Per-call rows of ``split_qkv_rmsnorm_rope`` at T = 1 for ``preset`` (norm weights in ``dtype``), in ``mode``."""
+    return _in_mode(lambda: _percall_split(cfg, preset, dtype), mode)
+
+
+def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) -> List[CallRow]:
     T = PERCALL_T
     case = SplitCase.from_preset(preset, T, dtype=dtype, weight_dtype=dtype,
                                  max_position=min(preset.max_position, CACHE_ROWS))
@@ -211,8 +233,13 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
     return call
 
 
-def percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype = torch.bfloat16) -> List[CallRow]:
-    """Per-call rows of ``add_rmsnorm`` (with a residual) at T = 1 for ``hidden`` (weight in ``dtype``)."""
+def percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype = torch.bfloat16,
+                 mode: str = MODES[0]) -> List[CallRow]:
+    """Per-call rows of ``add_rmsnorm`` (with a residual) at T = 1 for ``hidden`` (weight in ``dtype``), in ``mode``."""
+    return _in_mode(lambda: _percall_norm(cfg, hidden, dtype), mode)
+
+
+def _percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype) -> List[CallRow]:
     T = PERCALL_T
     first = make_norm_inputs(T, hidden, dtype, residual=True, seed=0)
     first["weight"] = first["weight"].to(dtype)
@@ -290,7 +317,9 @@ PERCALL_NOTE = (
     "ratios). data: hot = one\n"
     "buffer set (stays in L1/L2); rotated xN = N sets (own activations, outputs, norm weights, bound objects) "
     "cycled, > 4x L2.\n"
-    "check: this candidate's own result vs the float64 oracle (accuracy rule), once, before timing."
+    "check: this candidate's own result vs the float64 oracle (accuracy rule), once, before timing.\n"
+    "Each table twice: default mode (a script, torch.no_grad() code) and inference_mode (inference tensors, called "
+    "under torch.inference_mode(), as vLLM's runner calls the plugin)."
 )
 
 
@@ -303,18 +332,18 @@ def _us(x: Optional[float], signed: bool = False) -> str:
 def print_percall(rows: Sequence[CallRow]) -> None:
     from .._verify.sections import Section, print_section
 
-    groups: Dict[Tuple[str, str, str], List[CallRow]] = {}
+    groups: Dict[Tuple[str, str, str, str], List[CallRow]] = {}
     for r in rows:
-        groups.setdefault((r.op, r.shape, r.dtype), []).append(r)
+        groups.setdefault((r.op, r.shape, r.dtype, r.mode), []).append(r)
     columns = ("data", "impl", "form", "us", "- bare us", "/bare", "x copy", "rounds", "check", "others")
-    for (op, shape, dtype), group in groups.items():
+    for (op, shape, dtype, mode), group in groups.items():
         cells = [{"data": r.data, "impl": r.impl, "form": r.form, "us": _us(r.us),
                   "- bare us": _us(r.minus_bare_us, signed=True),
                   "/bare": "" if r.vs_bare is None else f"{r.vs_bare:.2f}x",
                   "x copy": "" if r.copies is None else f"{r.copies:.1f}x", "rounds": str(r.rounds),
                   "check": r.check.split(":")[0], "others": "" if r.others is None else f"{100 * r.others:.0f}%"}
                  for r in group]
-        print_section(Section(f"per-call cost: {op}: {shape}, {dtype}, T={PERCALL_T}", columns, cells))
+        print_section(Section(f"per-call cost: {op}: {shape}, {dtype}, T={PERCALL_T}, {mode}", columns, cells))
 
 
 def percall_summary(rows: Sequence[CallRow], busy_share: float) -> List[Dict[str, object]]:
@@ -322,12 +351,12 @@ def percall_summary(rows: Sequence[CallRow], busy_share: float) -> List[Dict[str
     same placement, same rounds) at most :data:`BOUND_MAX_OVER_BARE_US`, each functional op's at most
     :data:`FUNCTIONAL_MAX_OVER_BARE_US`."""
     out = []
-    bare = {(r.op, r.shape, r.dtype, r.data, r.form): r for r in rows if "(bare)" in r.impl}
-    views = {(r.op, r.shape, r.dtype, r.data): r for r in rows if r.impl == BARE_VIEWS_SPLIT}
+    bare = {(r.op, r.shape, r.dtype, r.mode, r.data, r.form): r for r in rows if "(bare)" in r.impl}
+    views = {(r.op, r.shape, r.dtype, r.mode, r.data): r for r in rows if r.impl == BARE_VIEWS_SPLIT}
     for r in rows:
         if r.impl not in BOUND + FUNCTIONAL or r.minus_bare_us is None:
             continue
-        b = bare[(r.op, r.shape, r.dtype, r.data, r.form)]
+        b = bare[(r.op, r.shape, r.dtype, r.mode, r.data, r.form)]
         limit = BOUND_MAX_OVER_BARE_US if r.impl in BOUND else FUNCTIONAL_MAX_OVER_BARE_US
         verdict = "MET" if r.minus_bare_us <= limit else "MISSED"
         if r.check != "ok":
@@ -335,11 +364,11 @@ def percall_summary(rows: Sequence[CallRow], busy_share: float) -> List[Dict[str
         elif r.others is not None and r.others > busy_share:
             verdict += f" (noisy: others {r.others:.0%})"
         measured = f"{r.minus_bare_us:+.2f} us ({_us(r.us)} us vs bare {_us(b.us)} us)"
-        v = views.get((r.op, r.shape, r.dtype, r.data)) if r.form == "in-place" else None
+        v = views.get((r.op, r.shape, r.dtype, r.mode, r.data)) if r.form == "in-place" else None
         if v is not None and v.minus_bare_us is not None:
             measured += f"; the views alone {v.minus_bare_us:+.2f} us"
         out.append({"target": f"{r.impl.split()[0]} {r.form} - bare <= {limit:g} us",
-                    "shape": f"{r.shape} {r.dtype} T={r.T}", "data": r.data, "measured": measured,
+                    "shape": f"{r.shape} {r.dtype} T={r.T}", "mode": r.mode, "data": r.data, "measured": measured,
                     "verdict": verdict})
     return out
 
@@ -349,5 +378,5 @@ def print_percall_summary(summary: Sequence[Dict[str, object]]) -> None:
 
     if summary:
         print_section(Section("summary against issue 12's per-call target and issue 20's (bound and functional vs bare "
-                              "torch.ops, T=1)", ("target", "shape", "data", "measured", "verdict"),
+                              "torch.ops, T=1)", ("target", "shape", "mode", "data", "measured", "verdict"),
                               [dict(s) for s in summary]))
