@@ -398,6 +398,18 @@ def test_vllm_bench_refuses_avx2_peers_for_engine_parts(part, capsys):
     assert "--peer-isa avx2 applies to the in-process parts" in capsys.readouterr().err
 
 
+def test_vllm_bench_times_avx2_peers_only_against_the_avx2_build(monkeypatch, capsys):
+    """``--peer-isa avx2`` compares like with like: with qkvfuse's library built for anything but AVX2 it is an
+    error that says how to force the AVX2 build, before vLLM is imported."""
+    from qkvfuse.benchmarks import vllm as bench_vllm
+
+    monkeypatch.setenv("QKVFUSE_CPU_CAPABILITY", "DEFAULT")
+    with pytest.raises(SystemExit) as exc:
+        bench_vllm.main(["--part", "norm", "--peer-isa", "avx2"])
+    assert exc.value.code == 2
+    assert "set QKVFUSE_CPU_CAPABILITY=AVX2 (qkvfuse's build here: DEFAULT)" in capsys.readouterr().err
+
+
 def test_vllm_latency_rows_pair_rounds_and_profile_parts_split_by_name():
     """The vLLM bench's arithmetic (its engines run in ``make bench-vllm``): per-round ratios off/on, the ratio of
     the fastest rounds, and the profiler's split of a step into GEMM/MoE, attention and the rest."""

