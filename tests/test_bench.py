@@ -404,6 +404,8 @@ def test_vllm_bench_times_avx2_peers_only_against_the_avx2_build(monkeypatch, ca
     from qkvfuse.benchmarks import vllm as bench_vllm
 
     monkeypatch.setenv("QKVFUSE_CPU_CAPABILITY", "DEFAULT")
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(name, "")  # main's setdefaults stay inside this test
     with pytest.raises(SystemExit) as exc:
         bench_vllm.main(["--part", "norm", "--peer-isa", "avx2"])
     assert exc.value.code == 2
