@@ -21,8 +21,8 @@ import torch
 from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
-from .percall import MODES as PERCALL_MODES
-from .percall import CallRow, percall_norm, percall_split, percall_summary, print_percall, print_percall_summary
+from .percall import (MODES as PERCALL_MODES, CallRow, percall_norm, percall_split, percall_summary, print_percall,
+                      print_percall_summary)
 from .report import (BUSY_SHARE, configure, TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine,
                      print_summary, print_tables, summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, cpu_snapshot, machine_info, others_share

@@ -121,7 +121,7 @@ def _in_mode(rows_of: Callable[[], List[CallRow]], mode: str) -> List[CallRow]:
     """The rows ``rows_of()`` measures, its tensors made and its calls made in ``mode`` (one of :data:`MODES`)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    with torch.inference_mode(mode == "inference_mode"):
+    with torch.inference_mode(mode == MODES[1]):
         rows = rows_of()
     for r in rows:
         r.mode = mode
