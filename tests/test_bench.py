@@ -14,7 +14,7 @@ import torch
 import qkvfuse.benchmarks as benchmarks
 from qkvfuse.benchmarks.harness import BARE, COPY, CPU, EAGER, BenchConfig, Row
 from qkvfuse.benchmarks.report import summarize
-from qkvfuse.benchmarks.timing import Budget, Candidate, measure
+from qkvfuse.benchmarks.timing import Budget, Candidate, measure, restorer
 from qkvfuse.cli import main
 
 TINY = ["bench", "--preset", "Qwen3-8B", "--tokens", "1", "--dtype", "bf16", "--hidden", "256", "--no-compile",
@@ -83,6 +83,21 @@ def test_measure_rotates_over_every_buffer_set_in_every_block():
         assert 3 <= m.rounds <= 4 and m.calls_per_block >= 3 and set(m.vs) <= {"a [out=]", "b [out=]"}
     for per_set in counts.values():
         assert min(per_set) >= 1 + 3  # the warm-up pass plus at least one visit per round
+
+
+def test_measure_restores_an_in_place_candidates_inputs_before_each_block():
+    # An in-place candidate's inputs see one block's calls at most (timing.fixed_point_weights says why).
+    buf, seen = torch.zeros(1), []
+
+    def call():
+        seen.append(int(buf.item()))
+        buf.add_(1)
+
+    cand = Candidate("in place", "in place", [call], reset=restorer([buf]))
+    budget = Budget(block_s=1e-5, cell_s=1e-4, warm_s=1e-5, min_rounds=3, max_rounds=4)
+    m = measure([cand, Candidate("other", "out=", [lambda: None])], [lambda: None], budget)[cand.key]
+    assert seen[:1] == [0] and len(seen) > m.rounds * m.calls_per_block
+    assert seen[-m.rounds * m.calls_per_block:] == list(range(m.calls_per_block)) * m.rounds
 
 
 @pytest.mark.slow

@@ -97,11 +97,13 @@ class _Spec:
 
 
 def _rows(op: str, shape: str, dtype: torch.dtype, specs: Sequence[_Spec], copies_for: Callable[[int], list],
-          n_sets: int, cfg: BenchConfig) -> List[CallRow]:
+          n_sets: int, cfg: BenchConfig, reset_for: Callable[[int], Callable[[], None]]) -> List[CallRow]:
+    """``reset_for(n)``: restores the first ``n`` sets' in-place buffers (the in-place candidates' reset)."""
     checks = {(s.impl, s.form): s.check() for s in specs}  # before any timing
     rows: List[CallRow] = []
     for data, n in (("hot", 1), (f"rotated x{n_sets}", n_sets)):
-        cands = [Candidate(s.impl, s.form, [s.make(i) for i in range(n)]) for s in specs]
+        cands = [Candidate(s.impl, s.form, [s.make(i) for i in range(n)],
+                           reset=reset_for(n) if s.form == "in-place" else None) for s in specs]
         results = measure(cands, copies_for(n), cfg.budget)
         bare = {s.form: results[c.key] for s, c in zip(specs, cands) if "(bare)" in s.impl}
         copy_us = []
@@ -143,8 +145,8 @@ def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) ->
     n_sets = _rotation(2 * _nbytes(first["qkv"]), cfg.l2_bytes)
     sets = _more_sets(first, n_sets, shared=("positions", "cos_sin_cache"))
     outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
-    # The in-place forms rewrite their qkv: their own copies, so the out= candidates keep reading the originals,
-    # and unit norm weights, so repeated calls stay at a fixed point (timing.fixed_point_weights: no denormals).
+    # The in-place forms rewrite their qkv: their own copies, restored from the originals (which the out=
+    # candidates read) before each block, and unit norm weights (timing.fixed_point_weights: no denormals).
     inplace_sets = [dict(kw, qkv=kw["qkv"].clone(), q_weight=fixed_point_weights(kw.get("q_weight")),
                          k_weight=fixed_point_weights(kw.get("k_weight"))) for kw in sets]
     copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
@@ -224,7 +226,13 @@ def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) ->
     def copies_for(n):
         return [_copy(dst, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
 
-    return _rows("split_qkv_rmsnorm_rope", preset.name, dtype, specs, copies_for, n_sets, cfg)
+    def reset_for(n):
+        def reset():
+            for kw, original in zip(inplace_sets[:n], sets[:n]):
+                kw["qkv"].copy_(original["qkv"])
+        return reset
+
+    return _rows("split_qkv_rmsnorm_rope", preset.name, dtype, specs, copies_for, n_sets, cfg, reset_for)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
@@ -268,7 +276,7 @@ def _percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype) -> List[Cal
     def bare(i):
         return bare_norm_call(sets[i], outs[i])
 
-    # The in-place forms rewrite x and residual: their own copies (repeated calls keep the values finite).
+    # The in-place forms rewrite x and residual: their own copies, restored from the originals before each block.
     inplace_sets = [dict(kw, x=kw["x"].clone(), residual=kw["residual"].clone()) for kw in sets]
     op_inplace = torch.ops.qkvfuse.add_rmsnorm_inplace.default
 
@@ -302,7 +310,14 @@ def _percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype) -> List[Cal
     def copies_for(n):
         return [_copy(dst, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
 
-    return _rows("add_rmsnorm", f"hidden {hidden}", dtype, specs, copies_for, n_sets, cfg)
+    def reset_for(n):
+        def reset():
+            for kw, original in zip(inplace_sets[:n], sets[:n]):
+                kw["x"].copy_(original["x"])
+                kw["residual"].copy_(original["residual"])
+        return reset
+
+    return _rows("add_rmsnorm", f"hidden {hidden}", dtype, specs, copies_for, n_sets, cfg, reset_for)
 
 
 # --------------------------------------------------------------------------------------------------------

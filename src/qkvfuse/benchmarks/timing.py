@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["Candidate", "Measured", "Budget", "measure", "paired", "machine_info", "cache_bytes", "cpu_snapshot",
-           "others_share", "fixed_point_weights"]
+           "others_share", "fixed_point_weights", "restorer"]
 
 Call = Callable[[], object]
 
@@ -34,8 +34,11 @@ def fixed_point_weights(weight: Optional[torch.Tensor], gemma: bool = False) -> 
     ``1 + w = 1``) of ``weight``'s shape and dtype, so each call's output is a fixed point of the next call's
     normalisation. With other weights every call multiplies element ``i`` by ``w_i`` once more: after hundreds of
     calls the small ones are denormals, which Intel cores process far slower (measured on the Xeon VM: a T=16
-    Qwen3-Next in-place call went from 87 to 590 us over 1 200 calls) -- a benchmark artefact, never a user's
-    input. The kernels' cost does not depend on the weight values otherwise."""
+    Qwen3-Next in-place call went from 87 to 590 us over 1 200 calls) and which send the AVX512-BF16 rounding to
+    its exact fallback -- a benchmark artefact, never a user's input. Even at a fixed point the rotation's
+    rounding lets the elements' shares of a head drift (Zen 4, Qwen3-8B heads at T = 64 in place: the smallest
+    |value| 9e-6 at first, 2e-25 after 10 000 calls, a bf16 denormal after 20 000), so the in-place candidates
+    also restore their buffers before each timed block (:class:`Candidate`'s ``reset``, :func:`restorer`)."""
     if weight is None:
         return None
     return torch.zeros_like(weight) if gemma else torch.ones_like(weight)
@@ -43,11 +46,15 @@ def fixed_point_weights(weight: Optional[torch.Tensor], gemma: bool = False) -> 
 
 @dataclasses.dataclass
 class Candidate:
-    """One implementation under test: ``impl`` (what runs) and ``outputs`` (``"out="`` or ``"fresh"``)."""
+    """One implementation under test: ``impl`` (what runs) and ``outputs`` (``"out="`` or ``"fresh"``). A
+    candidate that rewrites its own inputs (the in-place forms) carries ``reset``, called untimed before its warm-up
+    and before each of its blocks: the inputs it restores see at most one block's calls (:func:`fixed_point_weights`
+    says why that matters)."""
 
     impl: str
     outputs: str
     calls: Sequence[Call]
+    reset: Optional[Call] = None
 
     @property
     def key(self) -> str:
@@ -85,6 +92,16 @@ class Budget:
     max_rounds: int = 25
 
 
+def restorer(buffers: Sequence[torch.Tensor]) -> Call:
+    """A :class:`Candidate` ``reset``: copies each of ``buffers``' current contents back into it when called."""
+    saved = [(b, b.clone()) for b in buffers]
+
+    def reset():
+        for b, original in saved:
+            b.copy_(original)
+    return reset
+
+
 def _schedule(calls: Sequence[Call], n: int) -> List[Call]:
     return [calls[i % len(calls)] for i in range(n)]
 
@@ -117,7 +134,14 @@ def measure(candidates: Sequence[Candidate], copy_calls: Sequence[Call], budget:
     Each block makes at least one full pass over the buffer sets, so a rotated block really rotates. The round
     order shifts by one candidate per round, so no candidate always runs right after the same neighbour.
     """
-    est = {c.key: _estimate_us(c.calls, budget.warm_s) for c in candidates}
+    def reset(c: Candidate):
+        if c.reset is not None:
+            c.reset()
+
+    est = {}
+    for c in candidates:
+        reset(c)
+        est[c.key] = _estimate_us(c.calls, budget.warm_s)
     copy_est = _estimate_us(copy_calls, budget.warm_s)
 
     def calls_for(us: float, n_buffers: int) -> int:
@@ -137,6 +161,7 @@ def measure(candidates: Sequence[Candidate], copy_calls: Sequence[Call], budget:
         for r in range(rounds):
             shift = r % len(candidates)
             for c in list(candidates[shift:]) + list(candidates[:shift]):
+                reset(c)  # before the copy block, which evicts what the reset brought into the caches
                 copies[c.key].append(_block_us(copy_sched))
                 times[c.key].append(_block_us(sched[c.key]))
     finally:

@@ -66,7 +66,7 @@ import torch
 import qkvfuse
 
 from .._library import encode_rope
-from .timing import Budget, Candidate, fixed_point_weights, machine_info, measure
+from .timing import Budget, Candidate, fixed_point_weights, machine_info, measure, restorer
 
 HIDDEN = (4096, 5120)
 TOKENS = (1, 16, 256, 4096)
@@ -194,26 +194,33 @@ def norm_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                 copy_src = [torch.randn(2, T, H).to(torch.bfloat16) for _ in range(n)]
                 candidates = [
                     Candidate("qkvfuse AddRMSNorm.inplace", "in place",
-                              [lambda s=s: bound.inplace(s["x"], s["residual"]) for s in ours]),
+                              [lambda s=s: bound.inplace(s["x"], s["residual"]) for s in ours], _norm_reset(ours)),
                     Candidate("qkvfuse add_rmsnorm_", "in place",
-                              [lambda s=s: qkvfuse.add_rmsnorm_(s["x"], s["residual"], weight, 1e-6) for s in funcs]),
+                              [lambda s=s: qkvfuse.add_rmsnorm_(s["x"], s["residual"], weight, 1e-6) for s in funcs],
+                              _norm_reset(funcs)),
                     Candidate("qkvfuse bare op", "in place",
-                              [lambda s=s: bare(s["x"], s["residual"], weight, None, 1e-6) for s in bares]),
+                              [lambda s=s: bare(s["x"], s["residual"], weight, None, 1e-6) for s in bares],
+                              _norm_reset(bares)),
                     Candidate("vLLM RMSNorm layer", "as vLLM runs it",
-                              [lambda s=s: vllm_layer(s["x"], s["residual"]) for s in lv]),
+                              [lambda s=s: vllm_layer(s["x"], s["residual"]) for s in lv], _norm_reset(lv)),
                     Candidate("vLLM RMSNorm layer + qkvfuse", "in place",
-                              [lambda s=s: fused_layer(s["x"], s["residual"]) for s in lf]),
+                              [lambda s=s: fused_layer(s["x"], s["residual"]) for s in lf], _norm_reset(lf)),
                 ]
                 if zentorch_op is not None:
                     candidates.append(Candidate("zentorch_add_rms_norm_", "in place",
                                                 [lambda s=s: zentorch_op(s["x"], weight, s["residual"], 1e-6)
-                                                 for s in zen]))
+                                                 for s in zen], _norm_reset(zen)))
                 candidates.append(Candidate("vLLM _C.fused_add_rms_norm", "in place",
                                             [lambda s=s: vllm_op(s["x"], s["residual"], weight, 1e-6)
-                                             for s in theirs]))
+                                             for s in theirs], _norm_reset(theirs)))
                 rows += _measured_rows({"part": "norm", "hidden": H, "T": T, "buffers": layout}, candidates,
                                        copy_src, budget, log)
     return rows
+
+
+def _norm_reset(sets):
+    """The reset of in-place norm candidates over ``sets``: their x and residual as first made."""
+    return restorer([s[k] for s in sets for k in ("x", "residual")])
 
 
 SPLIT_PRESETS = ("Qwen3-8B", "GLM-4.5")
@@ -232,8 +239,8 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
         qw, kw = hq * D, hkv * D
         cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
         cache16 = cache.to(torch.bfloat16)  # vLLM's RotaryEmbedding casts its table to the model dtype
-        # The in-place forms rewrite one buffer again and again: weights that keep it at a fixed point (no
-        # denormals: timing.fixed_point_weights), the same for every candidate.
+        # The in-place forms rewrite one buffer again and again: weights that keep it at a fixed point, and the
+        # buffer restored before each block (no denormals: timing.fixed_point_weights), the same for every candidate.
         wq = wk = fixed_point_weights(torch.empty(D, dtype=torch.bfloat16))
         prep = qkvfuse.QKNormRope(hq, hkv, D, cache, q_weight=wq, k_weight=wk, eps=p.rms_norm_eps)
         static = (cache, wq, wk, None, None, hq, hkv, p.rms_norm_eps, encode_rope(True))
@@ -265,13 +272,14 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
 
                 candidates = [
                     Candidate("qkvfuse QKNormRope.inplace", "in place",
-                              [lambda s=s: prep.inplace(s["qkv"], s["positions"]) for s in ours]),
+                              [lambda s=s: prep.inplace(s["qkv"], s["positions"]) for s in ours], _qkv_reset(ours)),
                     Candidate("qkvfuse split_qkv_rmsnorm_rope_", "in place",
                               [lambda s=s: qkvfuse.split_qkv_rmsnorm_rope_(
                                   s["qkv"], s["positions"], cache, hq, hkv, D, q_weight=wq, k_weight=wk,
-                                  eps=p.rms_norm_eps) for s in funcs]),
+                                  eps=p.rms_norm_eps) for s in funcs], _qkv_reset(funcs)),
                     Candidate("qkvfuse bare op", "in place",
-                              [lambda s=s: bare(s["qkv"], s["positions"], *static) for s in bares]),
+                              [lambda s=s: bare(s["qkv"], s["positions"], *static) for s in bares],
+                              _qkv_reset(bares)),
                     Candidate("vLLM _C.rms_norm + _C.rotary_embedding", "q/k out, v view",
                               [lambda s=s: vllm_call(s) for s in theirs]),
                 ]
@@ -279,6 +287,11 @@ def split_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
                 rows += _measured_rows({"part": "split", "preset": name, "T": T, "buffers": layout}, candidates,
                                        copy_src, budget, log)
     return rows
+
+
+def _qkv_reset(sets):
+    """The reset of in-place split candidates over ``sets``: their qkv as first made (vLLM's reads it only)."""
+    return restorer([s["qkv"] for s in sets])
 
 
 GATED_PRESETS = ("Qwen3.5-27B", "Qwen3-Next-80B-A3B")
@@ -350,8 +363,8 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
         width, qw = (2 * hq + 2 * hkv) * D, hq * D
         mrope = bool(p.mrope_section)
         cache = qkvfuse.build_cos_sin_cache(p.rotary_dim, 8192, p.rope_theta)
-        # Gemma weights (centred at 0) that keep the in-place forms' one buffer at a fixed point (no denormals:
-        # timing.fixed_point_weights), the same for every candidate.
+        # Gemma weights (centred at 0) that keep the in-place forms' one buffer at a fixed point, restored before
+        # each block (no denormals: timing.fixed_point_weights), the same for every candidate.
         wq = wk = fixed_point_weights(torch.empty(D), gemma=True)
         wq16, wk16 = wq.to(torch.bfloat16), wk.to(torch.bfloat16)
         kwargs = dict(q_weight=wq16, k_weight=wk16, eps=p.rms_norm_eps, mrope_section=p.mrope_section,
@@ -388,10 +401,10 @@ def gated_rows(budget: Budget, log=print) -> List[Dict[str, object]]:
 
             candidates = [
                 Candidate("qkvfuse QKNormRope.inplace", "in place, views",
-                          [lambda s=s: prep.inplace(s["qkv"], s["positions"]) for s in ours]),
+                          [lambda s=s: prep.inplace(s["qkv"], s["positions"]) for s in ours], _qkv_reset(ours)),
                 Candidate("qkvfuse QKNormRope out=", "q/k/gate out, v view", [lambda s=s: out_call(s) for s in outs]),
                 Candidate("qkvfuse bare op", "in place",
-                          [lambda s=s: bare(s["qkv"], s["positions"], *static) for s in bares]),
+                          [lambda s=s: bare(s["qkv"], s["positions"], *static) for s in bares], _qkv_reset(bares)),
                 Candidate("transformers eager (Qwen3_5Attention)", "as transformers runs it",
                           [lambda s=s: hf_call(s["qkv"], *s["cos_sin"]) for s in hfs]),
                 Candidate("vLLM-CPU _project_qkv_gate", "as vLLM-CPU runs it",
