@@ -337,7 +337,6 @@ template <int kD>
 inline __m256 fast_sum_squares(const c10::BFloat16* src, float* staged) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   for (int c = 0; c < kD / 16; ++c) {
-    if (c % 2 == 0) prefetch_ahead(src + 16 * c);  // a 64-byte line per two blocks
     const Bf16Block x = Bf16Block::load(src + 16 * c);
     _mm256_store_ps(staged + 16 * c, x.even);
     _mm256_store_ps(staged + 16 * c + 8, x.odd);
@@ -443,6 +442,8 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, int64_t src_stride, c10
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
+    // the memory one batch further on (avx512::request_next_batch's reasons)
+    for (int c = 0; c < kD; c += 32) prefetch_past(src + k * src_stride + c, n * src_stride * 2);
     if (bad >> k & 1) continue;
     fast_body<kD, kHalf, kNeox, kStream, true>(src + k * src_stride, staged[k], dst + k * kD, t, inv_k[k]);
   }
