@@ -34,12 +34,10 @@ constexpr int64_t kF = fVec::size();  // fp32 lanes per register (8 with AVX2, 1
 // Widest head a kernel's on-stack fp32 staging buffer holds (ops.MAX_HEAD_DIM).
 constexpr int64_t kMaxHeadDim = 512;
 
-// The specialised heads without QK-norm, and the AVX2 heads' first pass (the sums of squares), request the line
-// this many bytes past each line they read (the AVX-512 normed heads request the next batch instead:
-// avx512::request_next_batch). A row's V columns, which the in-place and V-aliased forms never touch, interrupt the hardware's
-// sequential prefetch at every token: measured on a 2-core Zen 4 (AVX-512 build), a Qwen3-8B in-place batch of
-// 4 096 cold tokens went from 81-92 % to 101-108 % of a same-bytes copy (GLM-4.5: +4-9 %). Requesting the next
-// token's same columns instead, or skipping the V columns, was slower; in-cache rows are unaffected.
+// The specialised heads without QK-norm (one pass) request the line this many bytes past each line they read: a
+// row's V columns, which the in-place and V-aliased forms never touch, interrupt the hardware's sequential prefetch
+// at every token. With QK-norm the heads request the next batch during their second pass instead
+// (avx512::request_next_batch says why; the AVX2 fast_heads do the same).
 constexpr int64_t kPrefetchAhead = 2048;
 
 // A prefetch never faults, so the address may lie past the tensor's end; it is formed as an integer.
