@@ -296,6 +296,7 @@ QKVFUSE_FLATTEN void lane_heads_impl(const c10::BFloat16* src, int64_t src_strid
   using bf16 = c10::BFloat16;
   const HeadTables t = tables;  // as in heads_impl
   constexpr bool stream = kStream;
+  constexpr bool kPack = kNorm > 0;  // store_lanes' rounding
   __m512 inv = _mm512_set1_ps(1.f);
   if constexpr (kNorm > 0) {
     __m512 ss = _mm512_setzero_ps();
@@ -338,17 +339,17 @@ QKVFUSE_FLATTEN void lane_heads_impl(const c10::BFloat16* src, int64_t src_strid
         const Lanes a = norm(j), b = norm(half + j);
         const __m512 c0 = _mm512_loadu_ps(t.cos + j), c1 = _mm512_loadu_ps(t.cos + j + 16);
         const __m512 s0 = _mm512_loadu_ps(t.sin + j), s1 = _mm512_loadu_ps(t.sin + j + 16);
-        store_lanes<(kNorm > 0)>(y + j, _mm512_fmsub_ps(a.even, c0, _mm512_mul_ps(b.even, s0)),
-                    _mm512_fmsub_ps(a.odd, c1, _mm512_mul_ps(b.odd, s1)), stream);
-        store_lanes<(kNorm > 0)>(y + half + j, _mm512_fmadd_ps(b.even, c0, _mm512_mul_ps(a.even, s0)),
-                    _mm512_fmadd_ps(b.odd, c1, _mm512_mul_ps(a.odd, s1)), stream);
+        store_lanes<kPack>(y + j, _mm512_fmsub_ps(a.even, c0, _mm512_mul_ps(b.even, s0)),
+                           _mm512_fmsub_ps(a.odd, c1, _mm512_mul_ps(b.odd, s1)), stream);
+        store_lanes<kPack>(y + half + j, _mm512_fmadd_ps(b.even, c0, _mm512_mul_ps(a.even, s0)),
+                           _mm512_fmadd_ps(b.odd, c1, _mm512_mul_ps(a.odd, s1)), stream);
       }
     } else {
       for (int64_t i = 0; i < 2 * half; i += 32) {
         const Lanes v = norm(i);  // pair i / 2 + l: even lane l and odd lane l
         const __m512 c = _mm512_loadu_ps(t.cos + i / 2), sn = _mm512_loadu_ps(t.sin + i / 2);
-        store_lanes<(kNorm > 0)>(y + i, _mm512_fmsub_ps(v.even, c, _mm512_mul_ps(v.odd, sn)),
-                    _mm512_fmadd_ps(v.odd, c, _mm512_mul_ps(v.even, sn)), stream);
+        store_lanes<kPack>(y + i, _mm512_fmsub_ps(v.even, c, _mm512_mul_ps(v.odd, sn)),
+                           _mm512_fmadd_ps(v.odd, c, _mm512_mul_ps(v.even, sn)), stream);
       }
     }
     for (int64_t i = 2 * half; i < D; i += 32) {
@@ -362,7 +363,7 @@ QKVFUSE_FLATTEN void lane_heads_impl(const c10::BFloat16* src, int64_t src_strid
         }
       } else {
         const Lanes v = norm(i);
-        store_lanes<(kNorm > 0)>(y + i, v.even, v.odd, stream);
+        store_lanes<kPack>(y + i, v.even, v.odd, stream);
       }
     }
   }
