@@ -226,13 +226,20 @@ def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) ->
     def copies_for(n):
         return [_copy(dst, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
 
+    return _rows("split_qkv_rmsnorm_rope", preset.name, dtype, specs, copies_for, n_sets, cfg,
+                 _restore_from(sets, inplace_sets, ("qkv",)))
+
+
+def _restore_from(originals: Sequence[dict], copies: Sequence[dict], keys: Sequence[str]):
+    """``_rows``' ``reset_for``: ``reset_for(n)`` copies ``keys`` of the first ``n`` ``originals`` (the sets the
+    ``out=`` candidates read) into the in-place candidates' ``copies``."""
     def reset_for(n):
         def reset():
-            for kw, original in zip(inplace_sets[:n], sets[:n]):
-                kw["qkv"].copy_(original["qkv"])
+            for copy, original in zip(copies[:n], originals[:n]):
+                for k in keys:
+                    copy[k].copy_(original[k])
         return reset
-
-    return _rows("split_qkv_rmsnorm_rope", preset.name, dtype, specs, copies_for, n_sets, cfg, reset_for)
+    return reset_for
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
@@ -310,14 +317,8 @@ def _percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype) -> List[Cal
     def copies_for(n):
         return [_copy(dst, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
 
-    def reset_for(n):
-        def reset():
-            for kw, original in zip(inplace_sets[:n], sets[:n]):
-                kw["x"].copy_(original["x"])
-                kw["residual"].copy_(original["residual"])
-        return reset
-
-    return _rows("add_rmsnorm", f"hidden {hidden}", dtype, specs, copies_for, n_sets, cfg, reset_for)
+    return _rows("add_rmsnorm", f"hidden {hidden}", dtype, specs, copies_for, n_sets, cfg,
+                 _restore_from(sets, inplace_sets, ("x", "residual")))
 
 
 # --------------------------------------------------------------------------------------------------------
