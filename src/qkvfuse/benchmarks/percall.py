@@ -44,7 +44,7 @@ from ..ops import AddRMSNorm, QKNormRope, add_rmsnorm, add_rmsnorm_, split_qkv_r
 from ..presets import ModelPreset
 from .harness import (CACHE_ROWS, BenchConfig, _more_sets, _nbytes, _rotation, _split_args, bare_norm_call,
                       bare_split_call, check_norm, check_split, dtype_name)
-from .timing import Candidate, fixed_point_weights, measure, paired
+from .timing import Candidate, fixed_point_weights, measure, paired, restorer
 
 __all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T", "MODES"]
 
@@ -145,8 +145,8 @@ def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) ->
     n_sets = _rotation(2 * _nbytes(first["qkv"]), cfg.l2_bytes)
     sets = _more_sets(first, n_sets, shared=("positions", "cos_sin_cache"))
     outs = [tuple(torch.empty(T, n * D, dtype=dtype) for n in (hq, hkv, hkv)) for _ in sets]
-    # The in-place forms rewrite their qkv: their own copies, restored from the originals (which the out=
-    # candidates read) before each block, and unit norm weights (timing.fixed_point_weights: no denormals).
+    # The in-place forms rewrite their qkv: their own copies (the out= candidates keep reading the originals),
+    # restored before each block, and unit norm weights (timing.fixed_point_weights: no denormals).
     inplace_sets = [dict(kw, qkv=kw["qkv"].clone(), q_weight=fixed_point_weights(kw.get("q_weight")),
                          k_weight=fixed_point_weights(kw.get("k_weight"))) for kw in sets]
     copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
@@ -227,19 +227,12 @@ def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) ->
         return [_copy(dst, kw["qkv"]) for dst, kw in zip(copy_dst[:n], sets[:n])]
 
     return _rows("split_qkv_rmsnorm_rope", preset.name, dtype, specs, copies_for, n_sets, cfg,
-                 _restore_from(sets, inplace_sets, ("qkv",)))
+                 _restore_from(inplace_sets, ("qkv",)))
 
 
-def _restore_from(originals: Sequence[dict], copies: Sequence[dict], keys: Sequence[str]):
-    """``_rows``' ``reset_for``: ``reset_for(n)`` copies ``keys`` of the first ``n`` ``originals`` (the sets the
-    ``out=`` candidates read) into the in-place candidates' ``copies``."""
-    def reset_for(n):
-        def reset():
-            for copy, original in zip(copies[:n], originals[:n]):
-                for k in keys:
-                    copy[k].copy_(original[k])
-        return reset
-    return reset_for
+def _restore_from(copies: Sequence[dict], keys: Sequence[str]):
+    """``_rows``' ``reset_for``: the in-place candidates' reset over the first ``n`` of ``copies`` (their ``keys``)."""
+    return lambda n: restorer([kw[k] for kw in copies[:n] for k in keys])
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], object]:
@@ -283,7 +276,7 @@ def _percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype) -> List[Cal
     def bare(i):
         return bare_norm_call(sets[i], outs[i])
 
-    # The in-place forms rewrite x and residual: their own copies, restored from the originals before each block.
+    # The in-place forms rewrite x and residual: their own copies, restored before each block.
     inplace_sets = [dict(kw, x=kw["x"].clone(), residual=kw["residual"].clone()) for kw in sets]
     op_inplace = torch.ops.qkvfuse.add_rmsnorm_inplace.default
 
@@ -318,7 +311,7 @@ def _percall_norm(cfg: BenchConfig, hidden: int, dtype: torch.dtype) -> List[Cal
         return [_copy(dst, src) for dst, src in zip(copy_dst[:n], copy_src[:n])]
 
     return _rows("add_rmsnorm", f"hidden {hidden}", dtype, specs, copies_for, n_sets, cfg,
-                 _restore_from(sets, inplace_sets, ("x", "residual")))
+                 _restore_from(inplace_sets, ("x", "residual")))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -142,19 +142,6 @@ struct HeadTables {  // one token's, for one weight set
 
 constexpr int64_t kMaxBatch = 16;
 
-// With QK-norm a batch's first pass (the sums of squares) makes no requests; its second pass requests, as it
-// reaches head k, the memory one batch further on (head k's lines + n * src_stride): the next batch of Q heads,
-// after the last one the K and V heads, after the K heads the V columns. A batch of 16 normed heads computes for
-// longer than a line takes to arrive, so the next batch's first pass finds its heads in cache, and the requests
-// stay sequential through the V columns (which nothing reads in place), so the hardware's stream prefetcher
-// carries on into the next token. Zen 4, Qwen3-8B T = 4096 in place, 2 threads, bf16: 2.85 ms with the first
-// pass's prefetch_ahead -> 1.70 ms (the copy of the same bytes: 2.6-2.8 ms; without QK-norm 1.6 ms); requesting
-// exactly the next heads instead (K, then the next token's Q) 2.2 ms. Without QK-norm (one pass, ~11 ns a head)
-// there is no computing to hide a request behind and prefetch_ahead stays the faster.
-inline void request_next_batch(const void* head, int64_t n, int64_t src_stride_bytes, int64_t head_bytes) {
-  for (int64_t b = 0; b < head_bytes; b += 64) prefetch_past(head, n * src_stride_bytes + b);
-}
-
 // Heads per batch for head_dim D: the staging buffer stays at 8 KB (16 heads of 128 dims).
 inline int64_t batch_heads(int64_t D) { return std::max<int64_t>(1, std::min(kMaxBatch, 2048 / D)); }
 

@@ -437,8 +437,7 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, int64_t src_stride, c10
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
-    // the memory one batch further on (avx512::request_next_batch's reasons)
-    for (int c = 0; c < kD; c += 32) prefetch_past(src + k * src_stride + c, n * src_stride * 2);
+    request_next_batch(src + k * src_stride, n, src_stride * 2, kD * 2);
     if (bad >> k & 1) continue;
     fast_body<kD, kHalf, kNeox, kStream, true>(src + k * src_stride, dst + k * kD, t, inv_k[k]);
   }
