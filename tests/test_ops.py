@@ -166,7 +166,7 @@ def test_gated_gemma_is_the_plain_op_on_the_q_heads_with_one_plus_w(backend, cas
 NORM_CASES = [
     (T, H, dtype, residual, bias, pad)
     for (T, H), dtype, (residual, bias, pad) in itertools.product(
-        [(0, 64), (1, 64), (7, 80), (33, 4096), (5, 5120), (3, 1)], DTYPES,
+        [(0, 64), (1, 64), (7, 80), (2, 160), (33, 4096), (5, 5120), (3, 1)], DTYPES,
         [(True, False, 0), (True, True, 8), (False, False, 0), (False, True, 4)])
 ]
 

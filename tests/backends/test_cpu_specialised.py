@@ -153,7 +153,7 @@ def _check_split(dtype, geometry, norm, rope, gated):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("hidden", [32, 4096, 4112])
+@pytest.mark.parametrize("hidden", [32, 4096, 4112, 4128])
 @pytest.mark.parametrize("weights", ["fp32", "own-dtype", "fp32+bias", "own-dtype+bias", "strided"])
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "no-residual"])
 def test_add_rmsnorm_specialised_rows_against_the_generic_rows(dtype, hidden, weights, residual):

@@ -134,6 +134,8 @@ void run_norm(const NormPlan& p) {
 // order, with the same fp32 values as the converted ones, so the bits are those of the fp32-weight rows. Any
 // NaN then also comes from a bf16 input (a weight) or is the default NaN: no finiteness check is needed, and the
 // call makes no conversion pass over the weights (~0.7-1 us of a decode row).
+// Both passes load ahead of their stores (ahead_of_stores): the sum pass two blocks of x and residual (four
+// would not fit AVX2's sixteen registers), the normalising pass four.
 template <bool kBf16Weights>
 QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
   using bf16 = c10::BFloat16;
@@ -142,51 +144,50 @@ QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
   const bf16* r = p.r != nullptr ? static_cast<const bf16*>(p.r) + t * p.r_rs : nullptr;
   bf16* r_out = p.r_out != nullptr ? static_cast<bf16*>(p.r_out) + t * p.r_out_rs : nullptr;
   bf16* y = static_cast<bf16*>(p.y) + t * p.y_rs;
+  struct XR {
+    __m256i x, r;
+  };
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  if (r != nullptr) {
-    for (int64_t i = 0; i < H; i += 16) {
-      const Bf16Block a = Bf16Block::load(x + i), b = Bf16Block::load(r + i);
-      const __m256i s = Bf16Block::pack_rne(_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + i), s);
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(s, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(s, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
-      acc0 = _mm256_fmadd_ps(even, even, acc0);
-      acc1 = _mm256_fmadd_ps(odd, odd, acc1);
-    }
-  } else {
-    for (int64_t i = 0; i < H; i += 16) {
-      const Bf16Block a = Bf16Block::load(x + i);
-      acc0 = _mm256_fmadd_ps(a.even, a.even, acc0);
-      acc1 = _mm256_fmadd_ps(a.odd, a.odd, acc1);
-    }
-  }
+  ahead_of_stores<16, 2, XR>(
+      H, [&](int64_t i) { return XR{Bf16Block::raw(x + i), r != nullptr ? Bf16Block::raw(r + i) : __m256i{}}; },
+      [&](int64_t i, const XR& v) {
+        Bf16Block a = Bf16Block::of(v.x);
+        if (r != nullptr) {
+          const Bf16Block c = Bf16Block::of(v.r);
+          const __m256i s = Bf16Block::pack_rne(_mm256_add_ps(a.even, c.even), _mm256_add_ps(a.odd, c.odd));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + i), s);
+          a = Bf16Block::of(s);
+        }
+        acc0 = _mm256_fmadd_ps(a.even, a.even, acc0);
+        acc1 = _mm256_fmadd_ps(a.odd, a.odd, acc1);
+      });
   double ss = 0.0;
   const __m256 inv = _mm256_set1_ps(inv_rms<bf16>(fVec(acc0), fVec(acc1), 0.0, H, p.eps, &ss));
   const bf16* s = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
-  for (int64_t i = 0; i < H; i += 16) {
-    const Bf16Block v = Bf16Block::load(s + i);
-    __m256 even, odd;
-    if constexpr (kBf16Weights) {
-      const Bf16Block w = Bf16Block::load(p.w16 + i);
-      even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), w.even);
-      odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), w.odd);
-      if (p.b16 != nullptr) {
-        const Bf16Block b = Bf16Block::load(p.b16 + i);
-        even = _mm256_add_ps(even, b.even);
-        odd = _mm256_add_ps(odd, b.odd);
-      }
-      Bf16Block::store<false>(y + i, even, odd);
-      continue;
-    } else {
-      even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), _mm256_loadu_ps(p.w + i));
-      odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), _mm256_loadu_ps(p.w + i + 8));
-    }
-    if (p.b != nullptr) {
-      even = _mm256_add_ps(even, _mm256_loadu_ps(p.b + i));
-      odd = _mm256_add_ps(odd, _mm256_loadu_ps(p.b + i + 8));
-    }
-    Bf16Block::store<false>(y + i, even, odd);
-  }
+  ahead_of_stores<16, 4, __m256i>(
+      H, [&](int64_t i) { return Bf16Block::raw(s + i); },
+      [&](int64_t i, __m256i sv) {
+        const Bf16Block v = Bf16Block::of(sv);
+        __m256 even, odd;
+        if constexpr (kBf16Weights) {
+          const Bf16Block w = Bf16Block::load(p.w16 + i);
+          even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), w.even);
+          odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), w.odd);
+          if (p.b16 != nullptr) {
+            const Bf16Block b = Bf16Block::load(p.b16 + i);
+            even = _mm256_add_ps(even, b.even);
+            odd = _mm256_add_ps(odd, b.odd);
+          }
+        } else {
+          even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), _mm256_loadu_ps(p.w + i));
+          odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), _mm256_loadu_ps(p.w + i + 8));
+          if (p.b != nullptr) {
+            even = _mm256_add_ps(even, _mm256_loadu_ps(p.b + i));
+            odd = _mm256_add_ps(odd, _mm256_loadu_ps(p.b + i + 8));
+          }
+        }
+        Bf16Block::store<false>(y + i, even, odd);
+      });
 }
 
 // The lane-order rows when they apply (see norm_row_bf16); returns whether they ran.

@@ -81,11 +81,11 @@ inline __m512 inv_rms(__m512 ss, int64_t n, float eps) {
 // ------------------------------------------------------------------------------------------------------
 struct Lanes {
   __m512 even, odd;
-  static Lanes load(const c10::BFloat16* p) {
-    const __m512i raw = _mm512_loadu_si512(p);
+  static Lanes of(__m512i raw) {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)),
             _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))))};
   }
+  static Lanes load(const c10::BFloat16* p) { return of(_mm512_loadu_si512(p)); }
 };
 
 // 32 values rounded to nearest even, in memory order (even's words low, odd's high), with integer operations
@@ -387,37 +387,47 @@ inline Lanes weight_lanes(const W* p) {
   }
 }
 
+// One add+RMSNorm row: the rounded sum over r_out (when r is given), then y. Both passes load four blocks ahead
+// of their stores (ahead_of_stores): r_out may lie just past x, or y just past r_out, modulo 4 KiB.
 template <typename W>
 QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* r, c10::BFloat16* r_out,
                                    c10::BFloat16* y, const W* w, const W* b, int64_t H, float eps) {
+  struct XR {
+    __m512i x, r;
+  };
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int64_t d = 0; d < H; d += 32) {
-    Lanes s = Lanes::load(x + d);
-    if (r != nullptr) {
-      const Lanes a = Lanes::load(r + d);
-      const __m512i packed = round_lanes(_mm512_add_ps(s.even, a.even), _mm512_add_ps(s.odd, a.odd));
-      _mm512_storeu_si512(r_out + d, packed);
-      s = Lanes::load(r_out + d);  // the rounded sum, as stored (store-to-load forwarded)
-    }
-    acc0 = _mm512_fmadd_ps(s.even, s.even, acc0);
-    acc1 = _mm512_fmadd_ps(s.odd, s.odd, acc1);
-  }
+  ahead_of_stores<32, 4, XR>(
+      H, [&](int64_t d) { return XR{_mm512_loadu_si512(x + d), r != nullptr ? _mm512_loadu_si512(r + d) : __m512i{}}; },
+      [&](int64_t d, const XR& v) {
+        Lanes s = Lanes::of(v.x);
+        if (r != nullptr) {
+          const Lanes a = Lanes::of(v.r);
+          const __m512i packed = round_lanes(_mm512_add_ps(s.even, a.even), _mm512_add_ps(s.odd, a.odd));
+          _mm512_storeu_si512(r_out + d, packed);
+          s = Lanes::of(packed);  // the rounded sum, as stored
+        }
+        acc0 = _mm512_fmadd_ps(s.even, s.even, acc0);
+        acc1 = _mm512_fmadd_ps(s.odd, s.odd, acc1);
+      });
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
   const c10::BFloat16* src = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
-  for (int64_t i = 0; i < H; i += 32) {
-    const Lanes v = Lanes::load(src + i), wv = weight_lanes(w + i);
-    __m512 even = _mm512_mul_ps(_mm512_mul_ps(v.even, inv), wv.even);
-    __m512 odd = _mm512_mul_ps(_mm512_mul_ps(v.odd, inv), wv.odd);
-    if (b != nullptr) {
-      const Lanes bv = weight_lanes(b + i);
-      even = _mm512_add_ps(even, bv.even);
-      odd = _mm512_add_ps(odd, bv.odd);
-    }
-    _mm512_storeu_si512(y + i, round_lanes(even, odd));
-  }
+  ahead_of_stores<32, 4, __m512i>(
+      H, [&](int64_t i) { return _mm512_loadu_si512(src + i); },
+      [&](int64_t i, __m512i sv) {
+        const Lanes v = Lanes::of(sv), wv = weight_lanes(w + i);
+        __m512 even = _mm512_mul_ps(_mm512_mul_ps(v.even, inv), wv.even);
+        __m512 odd = _mm512_mul_ps(_mm512_mul_ps(v.odd, inv), wv.odd);
+        if (b != nullptr) {
+          const Lanes bv = weight_lanes(b + i);
+          even = _mm512_add_ps(even, bv.even);
+          odd = _mm512_add_ps(odd, bv.odd);
+        }
+        _mm512_storeu_si512(y + i, round_lanes(even, odd));
+      });
 }
 
-// fp16 rows (natural order; the widening is one conversion either way): the generic row's sequence and bits.
+// fp16 rows (natural order; the widening is one conversion either way): the generic row's sequence and bits,
+// loaded ahead of the stores like the bf16 rows.
 template <typename W>
 QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::Half* r_out, c10::Half* y,
                                    const W* w, const W* b, int64_t H, float eps) {
@@ -429,27 +439,34 @@ QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::
       return Block<T>::load(p);
     }
   };
+  struct XR {
+    __m512i x, r;
+  };
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  for (int64_t d = 0; d < H; d += 32) {
-    __m512 a = Block<T>::load(x + d), c = Block<T>::load(x + d + 16);
-    if (r != nullptr) {
-      const __m256i sa = Block<T>::round(_mm512_add_ps(a, Block<T>::load(r + d)));
-      const __m256i sc = Block<T>::round(_mm512_add_ps(c, Block<T>::load(r + d + 16)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d), sa);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d + 16), sc);
-      a = Block<T>::widen(sa);
-      c = Block<T>::widen(sc);
-    }
-    acc0 = _mm512_fmadd_ps(a, a, acc0);
-    acc1 = _mm512_fmadd_ps(c, c, acc1);
-  }
+  ahead_of_stores<32, 4, XR>(
+      H, [&](int64_t d) { return XR{_mm512_loadu_si512(x + d), r != nullptr ? _mm512_loadu_si512(r + d) : __m512i{}}; },
+      [&](int64_t d, const XR& v) {
+        __m512 a = Block<T>::widen(_mm512_castsi512_si256(v.x)), c = Block<T>::widen(_mm512_extracti64x4_epi64(v.x, 1));
+        if (r != nullptr) {
+          const __m256i sa = Block<T>::round(_mm512_add_ps(a, Block<T>::widen(_mm512_castsi512_si256(v.r))));
+          const __m256i sc = Block<T>::round(_mm512_add_ps(c, Block<T>::widen(_mm512_extracti64x4_epi64(v.r, 1))));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d), sa);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + d + 16), sc);
+          a = Block<T>::widen(sa);
+          c = Block<T>::widen(sc);
+        }
+        acc0 = _mm512_fmadd_ps(a, a, acc0);
+        acc1 = _mm512_fmadd_ps(c, c, acc1);
+      });
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
   const T* s = r != nullptr ? r_out : x;
-  for (int64_t i = 0; i < H; i += 16) {
-    __m512 v = _mm512_mul_ps(_mm512_mul_ps(Block<T>::load(s + i), inv), weight(w + i));
-    if (b != nullptr) v = _mm512_add_ps(v, weight(b + i));
-    store<T>(y + i, v);
-  }
+  ahead_of_stores<16, 8, __m256i>(
+      H, [&](int64_t i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)); },
+      [&](int64_t i, __m256i sv) {
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(Block<T>::widen(sv), inv), weight(w + i));
+        if (b != nullptr) v = _mm512_add_ps(v, weight(b + i));
+        store<T>(y + i, v);
+      });
 }
 
 }  // namespace avx512
