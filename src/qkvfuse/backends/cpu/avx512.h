@@ -387,8 +387,10 @@ inline Lanes weight_lanes(const W* p) {
   }
 }
 
-// One add+RMSNorm row: the rounded sum over r_out (when r is given), then y. Both passes load four blocks ahead
-// of their stores (ahead_of_stores): r_out may lie just past x, or y just past r_out, modulo 4 KiB.
+// One add+RMSNorm row: the rounded sum over r_out (when r is given), then y. Each pass loads everything it reads
+// a group of blocks ahead of its stores (ahead_of_stores): r_out may lie just past x, y just past r_out or w, modulo
+// 4 KiB. Zen 4, T = 1, hidden 4096, in place, x 64 bytes past w and the residual 128 bytes before it: 4.0 us with
+// the weights loaded in the step, 2.7 us loaded ahead (like every other placement tried).
 template <typename W>
 QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* r, c10::BFloat16* r_out,
                                    c10::BFloat16* y, const W* w, const W* b, int64_t H, float eps) {
@@ -411,23 +413,37 @@ QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* 
       });
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
   const c10::BFloat16* src = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
-  ahead_of_stores<32, 4, __m512i>(
-      H, [&](int64_t i) { return _mm512_loadu_si512(src + i); },
-      [&](int64_t i, __m512i sv) {
-        const Lanes v = Lanes::of(sv), wv = weight_lanes(w + i);
-        __m512 even = _mm512_mul_ps(_mm512_mul_ps(v.even, inv), wv.even);
-        __m512 odd = _mm512_mul_ps(_mm512_mul_ps(v.odd, inv), wv.odd);
-        if (b != nullptr) {
-          const Lanes bv = weight_lanes(b + i);
-          even = _mm512_add_ps(even, bv.even);
-          odd = _mm512_add_ps(odd, bv.odd);
-        }
-        _mm512_storeu_si512(y + i, round_lanes(even, odd));
-      });
+  auto normalise = [&](auto bias) {
+    constexpr bool kBias = decltype(bias)::value;
+    struct SWB {
+      __m512i s;
+      Lanes w, b;
+    };
+    ahead_of_stores<32, kBias ? 2 : 4, SWB>(
+        H,
+        [&](int64_t i) {
+          return SWB{_mm512_loadu_si512(src + i), weight_lanes(w + i), kBias ? weight_lanes(b + i) : Lanes{}};
+        },
+        [&](int64_t i, const SWB& v) {
+          const Lanes s = Lanes::of(v.s);
+          __m512 even = _mm512_mul_ps(_mm512_mul_ps(s.even, inv), v.w.even);
+          __m512 odd = _mm512_mul_ps(_mm512_mul_ps(s.odd, inv), v.w.odd);
+          if constexpr (kBias) {
+            even = _mm512_add_ps(even, v.b.even);
+            odd = _mm512_add_ps(odd, v.b.odd);
+          }
+          _mm512_storeu_si512(y + i, round_lanes(even, odd));
+        });
+  };
+  if (b != nullptr) {
+    normalise(std::true_type{});
+  } else {
+    normalise(std::false_type{});
+  }
 }
 
 // fp16 rows (natural order; the widening is one conversion either way): the generic row's sequence and bits,
-// loaded ahead of the stores like the bf16 rows.
+// everything a pass reads loaded ahead of its stores, as in the bf16 rows.
 template <typename W>
 QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::Half* r_out, c10::Half* y,
                                    const W* w, const W* b, int64_t H, float eps) {
@@ -460,13 +476,29 @@ QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::
       });
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
   const T* s = r != nullptr ? r_out : x;
-  ahead_of_stores<16, 8, __m256i>(
-      H, [&](int64_t i) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)); },
-      [&](int64_t i, __m256i sv) {
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(Block<T>::widen(sv), inv), weight(w + i));
-        if (b != nullptr) v = _mm512_add_ps(v, weight(b + i));
-        store<T>(y + i, v);
-      });
+  auto normalise = [&](auto bias) {
+    constexpr bool kBias = decltype(bias)::value;
+    struct SWB {
+      __m256i s;
+      __m512 w, b;
+    };
+    ahead_of_stores<16, kBias ? 2 : 4, SWB>(
+        H,
+        [&](int64_t i) {
+          return SWB{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)), weight(w + i),
+                     kBias ? weight(b + i) : __m512{}};
+        },
+        [&](int64_t i, const SWB& v) {
+          __m512 out = _mm512_mul_ps(_mm512_mul_ps(Block<T>::widen(v.s), inv), v.w);
+          if constexpr (kBias) out = _mm512_add_ps(out, v.b);
+          store<T>(y + i, out);
+        });
+  };
+  if (b != nullptr) {
+    normalise(std::true_type{});
+  } else {
+    normalise(std::false_type{});
+  }
 }
 
 }  // namespace avx512
