@@ -135,7 +135,9 @@ void run_norm(const NormPlan& p) {
 // NaN then also comes from a bf16 input (a weight) or is the default NaN: no finiteness check is needed, and the
 // call makes no conversion pass over the weights (~0.7-1 us of a decode row).
 // Both passes load ahead of their stores (ahead_of_stores): the sum pass two blocks of x and residual (four
-// would not fit AVX2's sixteen registers), the normalising pass four.
+// would not fit AVX2's sixteen registers), the normalising pass four blocks of the sums; the weights are read in
+// the step (no register left for them), and no placement of x, residual and weight tried was slower for it (the
+// AVX-512 rows load them ahead: one was).
 template <bool kBf16Weights>
 QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
   using bf16 = c10::BFloat16;
