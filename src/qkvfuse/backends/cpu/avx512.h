@@ -387,6 +387,20 @@ inline Lanes weight_lanes(const W* p) {
   }
 }
 
+// f(std::true_type{}) for a row with a bias, f(std::false_type{}) without: the normalising pass is compiled for
+// each, so the bias-free one keeps its registers for blocks loaded ahead (kNormAhead of them; two with a bias).
+template <typename F>
+inline void with_bias(const void* b, const F& f) {
+  if (b != nullptr) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+template <bool kBias>
+constexpr int kNormAhead = kBias ? 2 : 4;
+
 // One add+RMSNorm row: the rounded sum over r_out (when r is given), then y. Each pass loads everything it reads
 // a group of blocks ahead of its stores (ahead_of_stores): r_out may lie just past x, y just past r_out or w, modulo
 // 4 KiB. Zen 4, T = 1, hidden 4096, in place, x 64 bytes past w and the residual 128 bytes before it: 4.0 us with
@@ -419,7 +433,7 @@ QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* 
       __m512i s;
       Lanes w, b;
     };
-    ahead_of_stores<32, kBias ? 2 : 4, SWB>(
+    ahead_of_stores<32, kNormAhead<kBias>, SWB>(
         H,
         [&](int64_t i) {
           return SWB{_mm512_loadu_si512(src + i), weight_lanes(w + i), kBias ? weight_lanes(b + i) : Lanes{}};
@@ -435,11 +449,7 @@ QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* 
           _mm512_storeu_si512(y + i, round_lanes(even, odd));
         });
   };
-  if (b != nullptr) {
-    normalise(std::true_type{});
-  } else {
-    normalise(std::false_type{});
-  }
+  with_bias(b, normalise);
 }
 
 // fp16 rows (natural order; the widening is one conversion either way): the generic row's sequence and bits,
@@ -482,7 +492,7 @@ QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::
       __m256i s;
       __m512 w, b;
     };
-    ahead_of_stores<16, kBias ? 2 : 4, SWB>(
+    ahead_of_stores<16, kNormAhead<kBias>, SWB>(
         H,
         [&](int64_t i) {
           return SWB{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)), weight(w + i),
@@ -494,11 +504,7 @@ QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::
           store<T>(y + i, out);
         });
   };
-  if (b != nullptr) {
-    normalise(std::true_type{});
-  } else {
-    normalise(std::false_type{});
-  }
+  with_bias(b, normalise);
 }
 
 }  // namespace avx512
