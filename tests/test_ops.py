@@ -259,6 +259,19 @@ def test_add_rmsnorm_in_place_refuses_shared_targets(backend, target):
     qkvfuse.add_rmsnorm_(left, right, torch.randn(48), backend=backend)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rmsnorm_in_place_on_neighbouring_columns(backend, dtype):
+    """x and the residual as the column halves of one buffer, each residual row ending where its x row starts: the
+    values of separate tensors (the CPU rows load a group of blocks ahead of their stores; that must not show)."""
+    kwargs = make_norm_inputs(6, 160, dtype, residual=True, bias=True)
+    want = qkvfuse.add_rmsnorm(**kwargs, backend=backend)
+    buf = torch.cat([kwargs["residual"], kwargs["x"]], 1)
+    x, residual = buf[:, 160:], buf[:, :160]
+    got = qkvfuse.add_rmsnorm_(x, residual, kwargs["weight"], kwargs["eps"], kwargs["bias"], backend=backend)
+    assert got[0] is x and got[1] is residual
+    assert torch.equal(x, want[0]) and torch.equal(residual, want[1])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # The exact output-overlap rule (qkvfuse._checks.share_elements), against brute force on element addresses.
 # ------------------------------------------------------------------------------------------------------------
