@@ -387,19 +387,21 @@ inline Lanes weight_lanes(const W* p) {
   }
 }
 
-// f(std::true_type{}) for a row with a bias, f(std::false_type{}) without: the normalising pass is compiled for
-// each, so the bias-free one keeps its registers for blocks loaded ahead (kNormAhead of them; two with a bias).
-template <typename F>
-inline void with_bias(const void* b, const F& f) {
+// The normalising pass of a row with bias b (or none): ahead_of_stores over load(i, bias) and step(i, v, bias),
+// bias a std::bool_constant saying whether b is given. The pass is compiled for each, so the bias-free one keeps
+// its registers for four blocks loaded ahead (two with a bias).
+template <int64_t kBlock, typename V, typename Load, typename Step>
+inline void normalising_pass(int64_t H, const void* b, const Load& load, const Step& step) {
+  auto run = [&](auto bias) {
+    ahead_of_stores<kBlock, decltype(bias)::value ? 2 : 4, V>(
+        H, [&](int64_t i) { return load(i, bias); }, [&](int64_t i, const V& v) { step(i, v, bias); });
+  };
   if (b != nullptr) {
-    f(std::true_type{});
+    run(std::true_type{});
   } else {
-    f(std::false_type{});
+    run(std::false_type{});
   }
 }
-
-template <bool kBias>
-constexpr int kNormAhead = kBias ? 2 : 4;
 
 // One add+RMSNorm row: the rounded sum over r_out (when r is given), then y. Each pass loads everything it reads
 // a group of blocks ahead of its stores (ahead_of_stores): r_out may lie just past x, y just past r_out or w, modulo
@@ -427,29 +429,25 @@ QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* 
       });
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
   const c10::BFloat16* src = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
-  auto normalise = [&](auto bias) {
-    constexpr bool kBias = decltype(bias)::value;
-    struct SWB {
-      __m512i s;
-      Lanes w, b;
-    };
-    ahead_of_stores<32, kNormAhead<kBias>, SWB>(
-        H,
-        [&](int64_t i) {
-          return SWB{_mm512_loadu_si512(src + i), weight_lanes(w + i), kBias ? weight_lanes(b + i) : Lanes{}};
-        },
-        [&](int64_t i, const SWB& v) {
-          const Lanes s = Lanes::of(v.s);
-          __m512 even = _mm512_mul_ps(_mm512_mul_ps(s.even, inv), v.w.even);
-          __m512 odd = _mm512_mul_ps(_mm512_mul_ps(s.odd, inv), v.w.odd);
-          if constexpr (kBias) {
-            even = _mm512_add_ps(even, v.b.even);
-            odd = _mm512_add_ps(odd, v.b.odd);
-          }
-          _mm512_storeu_si512(y + i, round_lanes(even, odd));
-        });
+  struct SWB {
+    __m512i s;
+    Lanes w, b;
   };
-  with_bias(b, normalise);
+  normalising_pass<32, SWB>(
+      H, b,
+      [&](int64_t i, auto bias) {
+        return SWB{_mm512_loadu_si512(src + i), weight_lanes(w + i), bias ? weight_lanes(b + i) : Lanes{}};
+      },
+      [&](int64_t i, const SWB& v, auto bias) {
+        const Lanes s = Lanes::of(v.s);
+        __m512 even = _mm512_mul_ps(_mm512_mul_ps(s.even, inv), v.w.even);
+        __m512 odd = _mm512_mul_ps(_mm512_mul_ps(s.odd, inv), v.w.odd);
+        if constexpr (decltype(bias)::value) {
+          even = _mm512_add_ps(even, v.b.even);
+          odd = _mm512_add_ps(odd, v.b.odd);
+        }
+        _mm512_storeu_si512(y + i, round_lanes(even, odd));
+      });
 }
 
 // fp16 rows (natural order; the widening is one conversion either way): the generic row's sequence and bits,
@@ -486,25 +484,21 @@ QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::
       });
   const __m512 inv = inv_rms(sum_all_lanes(_mm512_add_ps(acc0, acc1)), H, eps);
   const T* s = r != nullptr ? r_out : x;
-  auto normalise = [&](auto bias) {
-    constexpr bool kBias = decltype(bias)::value;
-    struct SWB {
-      __m256i s;
-      __m512 w, b;
-    };
-    ahead_of_stores<16, kNormAhead<kBias>, SWB>(
-        H,
-        [&](int64_t i) {
-          return SWB{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)), weight(w + i),
-                     kBias ? weight(b + i) : __m512{}};
-        },
-        [&](int64_t i, const SWB& v) {
-          __m512 out = _mm512_mul_ps(_mm512_mul_ps(Block<T>::widen(v.s), inv), v.w);
-          if constexpr (kBias) out = _mm512_add_ps(out, v.b);
-          store<T>(y + i, out);
-        });
+  struct SWB {
+    __m256i s;
+    __m512 w, b;
   };
-  with_bias(b, normalise);
+  normalising_pass<16, SWB>(
+      H, b,
+      [&](int64_t i, auto bias) {
+        return SWB{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)), weight(w + i),
+                   bias ? weight(b + i) : __m512{}};
+      },
+      [&](int64_t i, const SWB& v, auto bias) {
+        __m512 out = _mm512_mul_ps(_mm512_mul_ps(Block<T>::widen(v.s), inv), v.w);
+        if constexpr (decltype(bias)::value) out = _mm512_add_ps(out, v.b);
+        store<T>(y + i, out);
+      });
 }
 
 }  // namespace avx512
