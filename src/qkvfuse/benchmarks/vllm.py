@@ -45,6 +45,10 @@ from Python after the caches were evicted (what each extern call in inductor's w
 
 ``--part profile`` (not in ``all``): where a step's time goes, plugin on and off -- both engines re-created every
 round, each in a fresh process, ABBA; :func:`profile_rows`.
+
+At the end, issue 20's targets judged on the run's rows (:func:`targets`: the split's and the norm's bound in-place
+calls against the peers in every cell, the split at T = 4096 against the copy, engines with the plugin against
+without), each MET or MISSED; ``--json`` writes them too (``"part": "targets"``).
 """
 
 from __future__ import annotations
@@ -872,6 +876,68 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
     return rows
 
 
+# Issue 20's targets (items 3 and 4), judged on one run's rows by :func:`targets`: the one place they are written.
+SPLIT_MIN_VS_VLLM = 2.0  # QKNormRope.inplace against vLLM's composed _C.rms_norm + _C.rotary_embedding, every cell
+SPLIT_MIN_COPY_SHARE = 0.90  # QKNormRope.inplace at T = max(TOKENS) (4096) against a copy of the same bytes
+NORM_MIN_VS_PEERS = 1.0  # AddRMSNorm.inplace against vLLM's _C.fused_add_rms_norm and zentorch_add_rms_norm_
+ENGINE_MIN_OFF_OVER_ON = 1.0  # an engine with the plugin no slower than without (median of per-round ratios)
+_SPLIT_BOUND, _NORM_BOUND, _BARE = "qkvfuse QKNormRope.inplace", "qkvfuse AddRMSNorm.inplace", "qkvfuse bare op"
+
+
+def targets(rows, forced: str = "") -> List[Dict[str, object]]:
+    """Issue 20's verdicts on ``rows`` (any parts of one run): one dict per target and cell, with ``target``,
+    ``cell``, ``measured`` and ``verdict`` (``MET`` / ``MISSED``). The bound in-place calls are judged, the bare op
+    shown beside them. ``forced``: the qkvfuse build when it is not this CPU's own (``QKVFUSE_CPU_CAPABILITY``);
+    zentorch has no such switch, so its verdicts then say they need a CPU of that kind."""
+    out: List[Dict[str, object]] = []
+    by_cell: Dict[tuple, Dict[str, Dict[str, object]]] = {}
+    for r in rows:
+        if r.get("part") in ("split", "norm") and "impl" in r:
+            key = (r["part"], r.get("preset", r.get("hidden")), r["T"], r["buffers"])
+            by_cell.setdefault(key, {})[r["impl"]] = r
+
+    def add(target, cell, measured, ok, note=""):
+        out.append({"target": target, "cell": cell, "measured": measured,
+                    "verdict": ("MET" if ok else "MISSED") + (f" ({note})" if note else "")})
+
+    for (part, shape, T, buffers), impls in by_cell.items():
+        bound, bare = impls.get(_SPLIT_BOUND if part == "split" else _NORM_BOUND), impls.get(_BARE)
+        if bound is None:
+            continue
+        cell = f"{shape if part == 'split' else f'hidden {shape}'} T={T} {buffers}"
+        bare_note = "" if bare is None else f"; bare op x{bare['vs_vllm']:.2f}"
+        if part == "split":
+            add(f"split: QKNormRope.inplace >= {SPLIT_MIN_VS_VLLM:g}x vLLM", cell,
+                f"x{bound['vs_vllm']:.2f} ({bound['us']:.2f} us){bare_note}", bound["vs_vllm"] >= SPLIT_MIN_VS_VLLM)
+            if T == max(TOKENS):
+                add(f"split: T={T} >= {SPLIT_MIN_COPY_SHARE:.0%} of the copy", cell,
+                    f"{bound['roofline']:.1%} of the copy", bound["roofline"] >= SPLIT_MIN_COPY_SHARE)
+            continue
+        add(f"add+RMSNorm: AddRMSNorm.inplace >= {NORM_MIN_VS_PEERS:g}x vLLM", cell,
+            f"x{bound['vs_vllm']:.2f} ({bound['us']:.2f} us){bare_note}", bound["vs_vllm"] >= NORM_MIN_VS_PEERS)
+        if "vs_zentorch" in bound:
+            bare_note = "" if bare is None else f"; bare op x{bare['vs_zentorch']:.2f}"
+            add(f"add+RMSNorm: AddRMSNorm.inplace >= {NORM_MIN_VS_PEERS:g}x zentorch", cell,
+                f"x{bound['vs_zentorch']:.2f}{bare_note}", bound["vs_zentorch"] >= NORM_MIN_VS_PEERS,
+                f"zentorch runs this CPU's code: judge it where {forced} is the widest build" if forced else "")
+    for r in rows:
+        if r.get("part") == "latency":
+            ratios = [b / a for a, b in zip(r["on_samples"], r["off_samples"])]
+            add(f"engine: plugin on no slower (off/on >= {ENGINE_MIN_OFF_OVER_ON:g})",
+                f"{r['model']} {r['mode']} {r['phase']}",
+                f"x{r['off_over_on']:.3f} over {r['rounds']} rounds (rounds {min(ratios):.2f}-{max(ratios):.2f})",
+                r["off_over_on"] >= ENGINE_MIN_OFF_OVER_ON)
+    return out
+
+
+def print_targets(summary) -> None:
+    from .._verify.sections import Section, print_section
+
+    if summary:
+        print_section(Section("issue 20's targets on this run (x = median of per-round ratios; > 1: qkvfuse faster)",
+                              ("target", "cell", "measured", "verdict"), [dict(s) for s in summary]))
+
+
 _COMPILED = {"eager": (False,), "compiled": (True,), "both": (False, True)}  # --mode -> compiled settings
 
 
@@ -939,6 +1005,9 @@ def main(argv=None) -> int:
             rows += profile_rows(args.model or list(_configs()), compiled, args.rounds, _parts(args.fuse, compiled))
     for row in rows:
         row["peer_isa"] = args.peer_isa
+    summary = targets(rows, forced=cpu.capability() if cpu.capability() != cpu.detected_capability() else "")
+    print_targets(summary)
+    rows += [{"part": "targets", **s} for s in summary]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
