@@ -445,7 +445,7 @@ def test_vllm_bench_judges_issue_20_targets_per_cell():
     """The vLLM bench's verdicts: the bound in-place calls against each peer in every cell (the bare op shown, not
     judged), the split at T = 4096 against the copy, engines off/on (flagged when the rounds fall on both sides of
     the threshold); zentorch's verdicts carry a caveat when the qkvfuse build is forced (zentorch has no such
-    switch)."""
+    switch), and a run without zentorch says so instead of judging nothing."""
     from qkvfuse.benchmarks import vllm as bench_vllm
 
     def measured(part, impl, T, vs_vllm, roofline=0.5, **extra):
@@ -472,6 +472,10 @@ def test_vllm_bench_judges_issue_20_targets_per_cell():
     assert "bare op x2.90" in got[("split", "Qwen3-8B T=16 hot", "vLLM")]["measured"]
     assert "bare op x1.05" in got[("add+RMSNorm", "hidden 4096 T=1 hot", "zentorch")]["measured"]
     assert "rounds 0.99-1.10" in got[("engine", "Qwen3-8B compiled decode", "1)")]["measured"]
+    no_zentorch = [dict(r) for r in rows if r.get("part") == "norm"]
+    for r in no_zentorch:
+        del r["vs_zentorch"]
+    assert [t["verdict"] for t in bench_vllm.targets(no_zentorch)] == ["MET", "NOT MEASURED"]
     forced = bench_vllm.targets(rows, forced="AVX2")
     assert [t["verdict"] for t in forced if "zentorch" in t["target"]] == [
         "MISSED (zentorch runs this CPU's code: judge it where AVX2 is the widest build)"]

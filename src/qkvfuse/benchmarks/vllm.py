@@ -888,7 +888,8 @@ def targets(rows, forced: str = "") -> List[Dict[str, object]]:
     """Issue 20's verdicts on ``rows`` (any parts of one run): one dict per target and cell, with ``target``,
     ``cell``, ``measured`` and ``verdict`` (``MET`` / ``MISSED``). The bound in-place calls are judged, the bare op
     shown beside them. ``forced``: the qkvfuse build when it is not this CPU's own (``QKVFUSE_CPU_CAPABILITY``);
-    zentorch has no such switch, so its verdicts then say they need a CPU of that kind."""
+    zentorch has no such switch, so its verdicts then say they need a CPU of that kind. A norm cell without zentorch
+    (not importable) gets ``NOT MEASURED`` for that target, so a missing peer never reads as a met target."""
     out: List[Dict[str, object]] = []
     by_cell: Dict[tuple, Dict[str, Dict[str, object]]] = {}
     for r in rows:
@@ -897,8 +898,9 @@ def targets(rows, forced: str = "") -> List[Dict[str, object]]:
             by_cell.setdefault(key, {})[r["impl"]] = r
 
     def add(target, cell, measured, ok, note=""):
+        verdict = "NOT MEASURED" if ok is None else ("MET" if ok else "MISSED")
         out.append({"target": target, "cell": cell, "measured": measured,
-                    "verdict": ("MET" if ok else "MISSED") + (f" ({note})" if note else "")})
+                    "verdict": verdict + (f" ({note})" if note else "")})
 
     for (part, shape, T, buffers), impls in by_cell.items():
         bound, bare = impls.get(_SPLIT_BOUND if part == "split" else _NORM_BOUND), impls.get(_BARE)
@@ -915,11 +917,13 @@ def targets(rows, forced: str = "") -> List[Dict[str, object]]:
             continue
         add(f"add+RMSNorm: AddRMSNorm.inplace >= {NORM_MIN_VS_PEERS:g}x vLLM", cell,
             f"x{bound['vs_vllm']:.2f} ({bound['us']:.2f} us){bare_note}", bound["vs_vllm"] >= NORM_MIN_VS_PEERS)
-        if "vs_zentorch" in bound:
-            bare_note = "" if bare is None else f"; bare op x{bare['vs_zentorch']:.2f}"
-            add(f"add+RMSNorm: AddRMSNorm.inplace >= {NORM_MIN_VS_PEERS:g}x zentorch", cell,
-                f"x{bound['vs_zentorch']:.2f}{bare_note}", bound["vs_zentorch"] >= NORM_MIN_VS_PEERS,
-                f"zentorch runs this CPU's code: judge it where {forced} is the widest build" if forced else "")
+        zentorch_target = f"add+RMSNorm: AddRMSNorm.inplace >= {NORM_MIN_VS_PEERS:g}x zentorch"
+        if "vs_zentorch" not in bound:
+            add(zentorch_target, cell, "zentorch not importable here", None)
+            continue
+        bare_note = "" if bare is None else f"; bare op x{bare['vs_zentorch']:.2f}"
+        add(zentorch_target, cell, f"x{bound['vs_zentorch']:.2f}{bare_note}", bound["vs_zentorch"] >= NORM_MIN_VS_PEERS,
+            f"zentorch runs this CPU's code: judge it where {forced} is the widest build" if forced else "")
     for r in rows:
         if r.get("part") == "latency":
             ratios = [b / a for a, b in zip(r["on_samples"], r["off_samples"])]
@@ -934,6 +938,7 @@ def targets(rows, forced: str = "") -> List[Dict[str, object]]:
 
 
 def print_targets(summary) -> None:
+    """:func:`targets`' verdicts as one table (nothing when the run judged nothing)."""
     from .._verify.sections import Section, print_section
 
     if summary:
