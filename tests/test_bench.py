@@ -479,3 +479,18 @@ def test_vllm_bench_judges_issue_20_targets_per_cell():
     forced = bench_vllm.targets(rows, forced="AVX2")
     assert [t["verdict"] for t in forced if "zentorch" in t["target"]] == [
         "MISSED (zentorch runs this CPU's code: judge it where AVX2 is the widest build)"]
+
+
+@pytest.mark.parametrize("bench", ["vllm", "sglang"])
+def test_engine_benches_refuse_an_unwritable_json_before_the_run(bench, tmp_path, capsys):
+    """The vLLM and SGLang benches check ``--json`` before anything runs, as the CLI does (a folder not made yet,
+    like ``bench/results/`` in a fresh clone, would otherwise lose a long run's rows at its end)."""
+    import importlib
+
+    module = importlib.import_module(f"qkvfuse.benchmarks.{bench}")
+    path = tmp_path / "results" / "x.json"
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--json", str(path)])
+    assert exc.value.code == 2
+    assert f"--json {path}: cannot be written" in capsys.readouterr().err
+    assert not path.parent.exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -271,6 +272,23 @@ def write_json(path: str, machine: Dict[str, object], config: Dict[str, object],
                "rows": [dataclasses.asdict(r) for r in rows], "summary": list(summary), **(extra or {})}
     with open(path, "w") as fh:
         json.dump(payload, fh, indent=1)
+
+
+def unwritable(path: str) -> str:
+    """Why ``path`` cannot be written ("" when it can): opened for appending, and removed again if it was new. Every
+    command with ``--json`` / ``--plot`` asks before it runs, so a long run never fails at its end for its output
+    (a folder not made yet, e.g. ``bench/results/`` in a fresh clone, is such a path)."""
+    if os.path.isdir(path):
+        return "is a directory"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return f"cannot be written ({exc.strerror or exc})"
+    if not existed:
+        os.remove(path)
+    return ""
 
 
 def matplotlib_unavailable() -> str:

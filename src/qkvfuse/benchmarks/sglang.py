@@ -154,6 +154,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(json.loads(args.worker))
+    from .report import unwritable
+
+    reason = args.json and unwritable(args.json)
+    if reason:  # before the run, not after it
+        parser.error(f"--json {args.json}: {reason}")
     from .timing import machine_info
 
     print(json.dumps(machine_info()))

@@ -70,6 +70,7 @@ import torch
 import qkvfuse
 
 from .._library import encode_rope
+from .report import unwritable
 from .timing import Budget, Candidate, fixed_point_weights, machine_info, measure, restorer
 
 HIDDEN = (4096, 5120)
@@ -978,6 +979,9 @@ def main(argv=None) -> int:
                              "avx2 with the in-process parts only (split, norm, gated, graph)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    reason = args.json and unwritable(args.json)
+    if reason:  # before the run, not after it
+        parser.error(f"--json {args.json}: {reason}")
     if args.peer_isa != "native" and args.part in ("latency", "profile", "all"):
         parser.error("--peer-isa avx2 applies to the in-process parts (split, norm, gated, graph): engines load "
                      "the library vLLM picks")

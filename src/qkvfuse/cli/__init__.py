@@ -8,7 +8,6 @@ device timings; ``--cpu-interpreter`` is a dry run of those on CPU (small sizes,
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 
@@ -95,27 +94,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     return run_bench(args)
 
 
-def _unwritable(path: str) -> str:
-    """Why ``path`` cannot be written ("" when it can): opened for appending, and removed again if it was new."""
-    if os.path.isdir(path):
-        return "is a directory"
-    existed = os.path.exists(path)
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        return f"cannot be written ({exc.strerror or exc})"
-    if not existed:
-        os.remove(path)
-    return ""
-
-
 def _output_problem(args) -> str:
     """Checks of the output flags before anything runs: the paths can be written, the chart can be drawn."""
+    from ..benchmarks.report import unwritable
+
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
         if path:
-            reason = _unwritable(path)
+            reason = unwritable(path)
             if reason:
                 return f"--{flag} {path}: {reason}"
     if getattr(args, "plot", None):
