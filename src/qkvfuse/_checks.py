@@ -22,14 +22,22 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["FLOATS", "INTS", "MAX_HEAD_DIM", "fail", "check_split", "check_norm", "real_memory", "share_elements"]
+__all__ = ["FLOATS", "INTS", "MAX_HEAD_DIM", "MAX_HEADS", "HEADS_EXPECTED", "fail", "fail_gemma_without_weights",
+           "check_split", "check_norm",
+           "real_memory", "share_elements"]
 
 MAX_HEAD_DIM = 512
+# Head counts are bounded before anything is derived from them: with Hq, Hkv <= 2**20 and head_dim <= 512 every
+# derived size ((2 Hq + 2 Hkv) * head_dim, Hq * head_dim, T * heads) stays far inside int64, where the native
+# kernels compute them (unbounded, the products wrap to small numbers that pass the shape checks).
+MAX_HEADS = 1 << 20
+HEADS_EXPECTED = f"an int in [1, {MAX_HEADS}]"
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
 _FLOAT_NAMES = "torch.float32, torch.bfloat16 or torch.float16"
 _SPLIT_OUTS = ("q_out", "k_out", "v_out", "gate_out")
 _Q_GATE = 8  # qkvfuse._library.Q_GATE: the rope code's gated-Q bit (that module imports this one)
+_GEMMA = 16  # qkvfuse._library.GEMMA: the rope code's Gemma-norm bit
 
 
 def fail(arg: str, got, expected: str, exc=ValueError):
@@ -211,6 +219,12 @@ def _check_targets(targets, inputs) -> None:
 # --------------------------------------------------------------------------------------------------------
 # The ops' rules.
 # --------------------------------------------------------------------------------------------------------
+def fail_gemma_without_weights():
+    """The Gemma flag says how the q/k norm weights are stored: without weights it would be silently ignored."""
+    fail("gemma_norm", "True without norm weights",
+         "q_weight and k_weight when gemma_norm is set (norm weights stored centred at 0)")
+
+
 def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads: int,
                 num_kv_heads: int, rope: int, outs: Optional[Sequence[torch.Tensor]] = None, inplace: bool = False,
                 real: bool = True) -> int:
@@ -219,8 +233,8 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     if qkv.dtype not in FLOATS:
         fail("qkv", f"dtype {qkv.dtype}", _FLOAT_NAMES, TypeError)
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
-        if value < 1:
-            fail(name, value, "an int >= 1")
+        if not 1 <= value <= MAX_HEADS:
+            fail(name, value, HEADS_EXPECTED)
     q_gate = bool(rope & _Q_GATE)
     heads = (2 if q_gate else 1) * num_q_heads + 2 * num_kv_heads
     shape = qkv.shape
@@ -279,6 +293,8 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     if (q_bias is None) != (k_bias is None):
         given, missing = ("q_bias", "k_bias") if k_bias is None else ("k_bias", "q_bias")
         fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
+    if rope & _GEMMA and q_weight is None:
+        fail_gemma_without_weights()
     statics = (("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias))
     _io_dtype("qkv", qkv.dtype, statics)
     _no_grad((("qkv", qkv),) + statics + (("cos_sin_cache", cache),))

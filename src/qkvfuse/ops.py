@@ -36,15 +36,16 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import _library
+from . import _checks, _library
 from ._checks import FLOATS as _FLOATS
-from ._checks import MAX_HEAD_DIM
+from ._checks import HEADS_EXPECTED as _HEADS_EXPECTED
+from ._checks import MAX_HEAD_DIM, MAX_HEADS
 from ._checks import fail as _fail
 from ._library import encode_rope
 from .backends import select_ops
 
 __all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "add_rmsnorm_", "QKNormRope",
-           "AddRMSNorm", "MAX_HEAD_DIM"]
+           "AddRMSNorm", "MAX_HEAD_DIM", "MAX_HEADS"]
 
 _Tensor = torch.Tensor
 
@@ -74,6 +75,12 @@ def _ops_for(backend: Optional[str], device: torch.device) -> _Ops:
 def _check_int(arg: str, value, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         _fail(arg, repr(value), f"an int >= {minimum}", TypeError if not isinstance(value, int) else ValueError)
+
+
+def _check_heads(arg: str, value) -> None:
+    """A head count: the kernels' rule and message (qkvfuse._checks.MAX_HEADS)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_HEADS:
+        _fail(arg, repr(value), _HEADS_EXPECTED, TypeError if not isinstance(value, int) else ValueError)
 
 
 def _check_tensor(arg: str, t) -> None:
@@ -110,8 +117,8 @@ def _check_eps(eps) -> float:
 
 def _check_geometry(num_q_heads, num_kv_heads, head_dim, q_gate: bool = False) -> int:
     """The head geometry's ints; returns qkv's width (gated: each Q head followed by its gate head)."""
-    _check_int("num_q_heads", num_q_heads)
-    _check_int("num_kv_heads", num_kv_heads)
+    _check_heads("num_q_heads", num_q_heads)
+    _check_heads("num_kv_heads", num_kv_heads)
     _check_int("head_dim", head_dim, 2)
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         _fail("head_dim", head_dim, f"an even int <= {MAX_HEAD_DIM}")
@@ -233,6 +240,8 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
     if (q_bias is None) != (k_bias is None):
         given, missing = ("q_bias", "k_bias") if k_bias is None else ("k_bias", "q_bias")
         _fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
+    if gemma_norm and q_weight is None:
+        _checks.fail_gemma_without_weights()
     eps = _check_eps(eps)
     tensors = (cos_sin_cache, q_weight, k_weight, q_bias, k_bias)
     return _SplitConfig(num_q_heads, num_kv_heads, head_dim, width, _view_widths(num_q_heads, num_kv_heads, head_dim,
@@ -273,8 +282,9 @@ def _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_d
         _check_tensor("positions", positions)
         _check_tensor("cos_sin_cache", cos_sin_cache)
         _check_optional((("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias)))
-    if (type(num_q_heads) is int and type(num_kv_heads) is int and type(head_dim) is int and num_q_heads >= 1
-            and num_kv_heads >= 1 and 2 <= head_dim <= MAX_HEAD_DIM and not head_dim % 2 and q_gate is False):
+    if (type(num_q_heads) is int and type(num_kv_heads) is int and type(head_dim) is int
+            and 1 <= num_q_heads <= MAX_HEADS and 1 <= num_kv_heads <= MAX_HEADS and 2 <= head_dim <= MAX_HEAD_DIM
+            and not head_dim % 2 and q_gate is False):
         width = (num_q_heads + 2 * num_kv_heads) * head_dim
     else:
         width = _check_geometry(num_q_heads, num_kv_heads, head_dim, _check_flag("q_gate", q_gate))
@@ -299,7 +309,7 @@ class QKNormRope:
     Parameters
     ----------
     num_q_heads, num_kv_heads, head_dim : int
-        Head geometry; ``head_dim`` even, at most 512.
+        Head geometry; head counts in ``[1, 2**20]``, ``head_dim`` even, at most 512.
     cos_sin_cache : torch.Tensor
         Shape ``(max_position, rotary_dim)``, fp32/bf16/fp16 (keep it fp32 for accuracy). Row ``p`` is
         ``[cos(p*f_0..f_{R/2-1}) | sin(p*f_0..f_{R/2-1})]`` (:func:`qkvfuse.build_cos_sin_cache`). **The rotary
@@ -323,7 +333,7 @@ class QKNormRope:
         ``qkv [T, (2*Hq + 2*Hkv)*D]`` and return ``(q, k, v, gate)``.
     gemma_norm : bool
         ``q_weight`` / ``k_weight`` are stored centred at 0 (Gemma-style RMSNorm: Qwen3-Next, Qwen3.5); heads are
-        multiplied by ``1 + w`` in fp32.
+        multiplied by ``1 + w`` in fp32. Needs ``q_weight`` / ``k_weight`` (without them it raises ``ValueError``).
     backend : str, optional
         ``"reference"``, ``"cpu"``, ``"triton"`` or ``"auto"`` (default; also ``QKVFUSE_BACKEND``), resolved once
         here for the cache's device.
@@ -443,7 +453,7 @@ def split_qkv_rmsnorm_rope(
         **The rotary dim is read from this table** (even, at most ``head_dim``); dims past it pass
         through unrotated (partial rotary). Values are used as stored.
     num_q_heads, num_kv_heads, head_dim : int
-        Head geometry; ``head_dim`` even, at most 512.
+        Head geometry; head counts in ``[1, 2**20]``, ``head_dim`` even, at most 512.
     q_weight, k_weight : torch.Tensor, optional
         RMSNorm weights, shape ``(head_dim,)``, shared by all heads, fp32 or ``qkv``'s dtype. Both or
         neither (no QK-norm, e.g. GLM-4.5-Air).
@@ -467,7 +477,8 @@ def split_qkv_rmsnorm_rope(
     gemma_norm : bool
         ``q_weight`` / ``k_weight`` are stored centred at 0 (Gemma-style RMSNorm, ``Qwen3_5RMSNorm``, vLLM's
         ``GemmaRMSNorm``): heads are multiplied by ``1 + w`` computed in fp32, exactly the models' math. Passing
-        fp32 ``1 + w`` weights without this flag gives the same values.
+        fp32 ``1 + w`` weights without this flag gives the same values. Needs ``q_weight`` / ``k_weight`` (without
+        them it raises ``ValueError``).
     out : tuple of 3 (gated: 4) tensors, optional
         Preallocated ``(q, k, v)`` (gated: ``(q, k, v, gate)``) outputs with ``qkv``'s dtype, contiguous last dim,
         any row stride (e.g. column views of one packed ``[T, (Hq+2Hkv)*D]`` buffer). Each may exactly alias its

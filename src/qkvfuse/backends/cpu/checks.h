@@ -68,6 +68,23 @@ inline std::string py_dtype(at::ScalarType t) {
 
 inline bool is_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
+// Head counts are bounded before anything is derived from them (qkvfuse._checks.MAX_HEADS): with Hq, Hkv <= 2^20
+// and head_dim <= 512, (2 Hq + 2 Hkv) * head_dim, Hq * head_dim and T * heads stay far inside int64; unbounded,
+// they wrap to small numbers that pass every shape check and the kernel writes out of bounds.
+constexpr int64_t kMaxHeads = int64_t{1} << 20;
+
+inline void head_count(const char* arg, int64_t value) {
+  if (value < 1 || value > kMaxHeads) {
+    fail(Kind::Value, arg, std::to_string(value), "an int in [1, " + std::to_string(kMaxHeads) + "]");
+  }
+}
+
+// The Gemma flag says how the q/k norm weights are stored: without weights it would be silently ignored.
+inline void gemma_without_weights() {
+  fail(Kind::Value, "gemma_norm", "True without norm weights",
+       "q_weight and k_weight when gemma_norm is set (norm weights stored centred at 0)");
+}
+
 constexpr const char* kFloatNames = "torch.float32, torch.bfloat16 or torch.float16";
 
 inline void device(const char* arg, const Tensor& t, const c10::Device& dev, const char* anchor) {

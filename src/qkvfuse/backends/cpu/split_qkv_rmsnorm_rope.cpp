@@ -696,9 +696,10 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
                     int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
                     const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
                     bool mrope_interleaved, float* weight_buffers, bool gemma = false, bool q_gate = false) {
-  const int64_t width = ((q_gate ? 2 : 1) * hq + 2 * hkv) * D;
-  TORCH_CHECK(hq >= 1 && hkv >= 1 && D >= 2 && D % 2 == 0 && D <= kMaxHeadDim,
+  TORCH_CHECK(hq >= 1 && hkv >= 1 && hq <= checks::kMaxHeads && hkv <= checks::kMaxHeads && D >= 2 && D % 2 == 0 &&
+                  D <= kMaxHeadDim,
               "qkvfuse cpu kernel: bad head geometry");
+  const int64_t width = ((q_gate ? 2 : 1) * hq + 2 * hkv) * D;
   TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && is_float_type(qkv.scalar_type()) &&
                   (qkv.numel() == 0 || (qkv.stride(1) == 1 && qkv.stride(0) >= width)),
               "qkvfuse cpu kernel: bad qkv ", qkv.sizes(), " ", qkv.strides());
@@ -829,8 +830,8 @@ int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache
   if (!ck::is_float(qkv.scalar_type())) {
     ck::fail(Kind::Type, "qkv", "dtype " + ck::py_dtype(qkv.scalar_type()), ck::kFloatNames);
   }
-  if (hq < 1) ck::fail(Kind::Value, "num_q_heads", std::to_string(hq), "an int >= 1");
-  if (hkv < 1) ck::fail(Kind::Value, "num_kv_heads", std::to_string(hkv), "an int >= 1");
+  ck::head_count("num_q_heads", hq);
+  ck::head_count("num_kv_heads", hkv);
   const Rope r = decode_rope(rope);
   const int64_t heads = (r.q_gate ? 2 : 1) * hq + 2 * hkv;
   if (qkv.dim() != 2 || qkv.size(1) % heads != 0 || (qkv.size(1) / heads) % 2 != 0 || qkv.size(1) / heads <= 0 ||
@@ -909,6 +910,7 @@ int64_t head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache
              std::string("a tensor since ") + (q_given ? "q_bias" : "k_bias") +
                  " is given (a post-norm bias for Q and K: both or neither)");
   }
+  if (r.gemma && !q_weight.has_value()) ck::gemma_without_weights();
   auto opt = [](const OptTensor& t) { return t.has_value() ? &*t : nullptr; };
   const ck::Named qw{"q_weight", opt(q_weight)}, kw{"k_weight", opt(k_weight)}, qb{"q_bias", opt(q_bias)},
       kb{"k_bias", opt(k_bias)};
@@ -1019,6 +1021,17 @@ namespace {
 
 std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool interleaved) {
   TORCH_CHECK(section.size() == 3, "mrope_axis_map: three sections expected");
+  // The kernels' bounds (rotary_dim // 2 <= 256, sections in the rope code's 10 bits): the table stays small and
+  // 3 * s_h, s_t + s_h cannot wrap.
+  if (half < 0 || half > kMaxHalf) {
+    checks::fail(checks::Kind::Value, "half", std::to_string(half),
+                 "an int in [0, " + std::to_string(kMaxHalf) + "]");
+  }
+  for (const int64_t s : section) {
+    if (s < 0 || s > 1023) {
+      checks::fail(checks::Kind::Value, "mrope_section", checks::py_tuple(section), "three ints in [0, 1023]");
+    }
+  }
   std::vector<int64_t> axes(half);
   for (int64_t j = 0; j < half; ++j) axes[j] = mrope_axis(j, section[0], section[1], section[2], interleaved);
   return axes;
@@ -1068,7 +1081,12 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
 TORCH_LIBRARY(qkvfuse_cpu, m) {
   m.def("mrope_axis_map(int half, int[] mrope_section, bool interleaved) -> int[]", &qkvfuse_cpu::mrope_axis_map);
   m.def("decode_rope(int rope) -> int[]", &qkvfuse_cpu::decoded_rope);
-  m.def("grain_items(int elems_per_item) -> int", [](int64_t n) { return qkvfuse_cpu::grain_items(n); });
+  m.def("grain_items(int elems_per_item) -> int", [](int64_t n) {
+    // grain_items divides by n: the kernels pass head_dim or the hidden size, both >= 1.
+    namespace ck = qkvfuse_cpu::checks;
+    if (n < 1) ck::fail(ck::Kind::Value, "elems_per_item", std::to_string(n), "an int >= 1");
+    return qkvfuse_cpu::grain_items(n);
+  });
   m.def("split_generic_out(Tensor qkv, Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor? k_weight, "
         "Tensor? q_bias, Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope, Tensor(a!) q_out, "
         "Tensor(b!) k_out, Tensor(c!) v_out, Tensor(d!)? gate_out=None) -> ()",
