@@ -96,7 +96,7 @@ def test_bad_options_name_the_key(value, match):
 
 def test_report_speaks_of_sglang():
     report = plugin.Report()
-    plugin._vllm._count(report, "Qwen3Attention", None, "cpu, rotary 128, neox")
-    plugin._vllm._count(report, "Qwen3Attention", "a reason")
+    report.count("Qwen3Attention", None, "cpu, rotary 128, neox")
+    report.count("Qwen3Attention", "a reason")
     assert report.lines() == ["qkvfuse: fused 1/2 Qwen3Attention (cpu, rotary 128, neox)",
                               "qkvfuse: left 1/2 Qwen3Attention to SGLang: a reason"]

@@ -11,9 +11,12 @@ after any such change it must be rebuilt, never reused. :class:`Rebinding` does 
 
 ``get`` returns the object built from exactly these items, rebuilding it first when any item is not the object
 it was built from (identity) or, for a tensor, when its storage or layout changed: ``data_ptr()``, shape,
-strides, dtype or device. The check is a few attribute reads and comparisons per item -- no tensor op, no host
-sync -- so it runs on every eager call. Items that are not tensors (modules, None) are compared by identity. The
-items are held strongly, so an identity cannot be reused by another object while it is recorded.
+strides, dtype or device. Plain values -- the scalars a bound call was built with, such as a norm's eps, the
+rotary style, an mRoPE section list -- are compared by value: ``norm.variance_epsilon = 0.5`` keeps the norm
+object but changes what the engine's own forward computes, so it must re-bind too (a list is recorded as a copy,
+so an edit in place is seen). The check is a few attribute reads and comparisons per item -- no tensor op, no
+host sync -- so it runs on every eager call. Other items (modules, None) are compared by identity. The items are
+held strongly, so an identity cannot be reused by another object while it is recorded.
 
 Under ``torch.compile`` data pointers do not trace: compiled forwards read the parameters directly (the
 public functional and in-place ops) instead of a bound object.
@@ -27,6 +30,10 @@ import torch
 
 __all__ = ["Rebinding", "tensor_signature"]
 
+# Compared by value (an equal value built anew is the same setting); anything else by identity.
+_VALUE_TYPES = (bool, int, float, complex, str, bytes, tuple, list, frozenset)
+_BY_VALUE = object()  # the signature of an item compared by value
+
 
 def tensor_signature(t: torch.Tensor) -> tuple:
     """What a bound object relies on besides ``t``'s identity: where its elements are and how they are laid out,
@@ -35,7 +42,8 @@ def tensor_signature(t: torch.Tensor) -> tuple:
 
 
 class Rebinding:
-    """The object ``build(*items)`` returns, rebuilt when an item changed (identity; a tensor's storage/layout).
+    """The object ``build(*items)`` returns, rebuilt when an item changed (identity; a tensor's storage/layout; a
+    plain value's value).
 
     Parameters
     ----------
@@ -55,11 +63,15 @@ class Rebinding:
         self.builds = 0  # how many times build ran (tests, logs)
 
     def changed(self, items: Tuple) -> bool:
-        """Whether ``items`` differ from the recorded ones (identity, or a tensor's :func:`tensor_signature`)."""
+        """Whether ``items`` differ from the recorded ones (identity, a tensor's :func:`tensor_signature`, or a
+        plain value's value)."""
         if len(items) != len(self.items):
             return True
         for item, ref, sig in zip(items, self.items, self.signatures):
-            if item is not ref or (sig is not None and tensor_signature(item) != sig):
+            if sig is _BY_VALUE:
+                if item is not ref and item != ref:
+                    return True
+            elif item is not ref or (sig is not None and tensor_signature(item) != sig):
                 return True
         return False
 
@@ -67,8 +79,10 @@ class Rebinding:
         """The object built from ``items`` (rebuilt first if they changed since the last build)."""
         if self.changed(items):
             value = self.build(*items)
-            self.items = items
-            self.signatures = tuple(tensor_signature(i) if isinstance(i, torch.Tensor) else None for i in items)
+            # a list is recorded as a copy: the engine's own list edited in place must compare unequal
+            self.items = tuple(list(i) if type(i) is list else i for i in items)
+            self.signatures = tuple(tensor_signature(i) if isinstance(i, torch.Tensor) else
+                                    _BY_VALUE if isinstance(i, _VALUE_TYPES) else None for i in items)
             self.value = value
             self.builds += 1
         return self.value

@@ -6,7 +6,7 @@ Switched on per process environment, never by installing the package::
     QKVFUSE_SGLANG=1 python -m sglang.launch_server --model-path MODEL ...
     QKVFUSE_SGLANG='{"attention": true, "add_rmsnorm": true}' python -m sglang.launch_server ...
 
-``1`` means ``{"attention": true}``; a JSON object takes the vLLM plugin's options (:class:`Options`):
+``1`` means ``{"attention": true}``; a JSON object takes the engine plugins' options (:class:`Options`):
 ``attention`` (bool) fuses each qualifying attention layer's split + QK-RMSNorm + RoPE/mRoPE into one
 :class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder layer's two norms with
 :class:`qkvfuse.AddRMSNorm` (in place, as SGLang's CUDA kernel writes); ``verify`` (bool, eager only) also runs
@@ -15,7 +15,8 @@ SGLang's own path on every fused call and raises past qkvfuse's accuracy rule; `
 run their shared expert on a side stream beside the routed experts (:class:`qkvfuse.moe.SharedExpertOverlap`)
 where SGLang does not already overlap them -- SGLang's own dual-stream path runs only inside CUDA-graph capture
 on CUDA; the plugin's covers eager batches (extend/prefill, ``disable_cuda_graph``) and XPU/NPU, and is inline
-(SGLang's bits) on CPU. Unset, empty or ``0``: the plugin changes nothing.
+(SGLang's bits) on CPU. Unset, empty or ``0``: the plugin changes nothing. A bad key or value stops the engine
+with a ``ValueError`` naming it, whether or not any feature is on.
 
 How it hooks in. :func:`register` is the ``sglang.srt.plugins`` entry point, which SGLang calls in every process
 (engine, scheduler, detokenizer; ``SGLANG_PLUGINS`` whitelists by name, ``qkvfuse``). It only arranges for
@@ -35,7 +36,7 @@ boundaries, which the ``add_rmsnorm`` option does not take over).
 
 A layer is fused only when it qualifies, else it keeps SGLang's code and the log says why: the SGLang methods
 replaced and the code whose semantics they reproduce hash to a tested version (:data:`TESTED_SOURCES`, SGLang
-0.5.23); the rotary module is ``RotaryEmbedding`` or a subclass that changes only its table (YaRN, linear, NTK,
+0.5.23; ``python -m qkvfuse.integrations.tested_sources`` prints the installed SGLang's hashes); the rotary module is ``RotaryEmbedding`` or a subclass that changes only its table (YaRN, linear, NTK,
 Llama-3 scaling), or ``MRotaryEmbedding`` (sectioned or interleaved; not the GLM-interleaved layout), with a
 table that covers the engine's context length (a shorter one SGLang may grow: left to SGLang); the QK-norms are
 plain ``RMSNorm(head_dim)`` or both ``GemmaRMSNorm(head_dim)``; none of SGLang's own fused QK-norm+RoPE kernels
@@ -46,7 +47,12 @@ log line per process says what it fused or why not, e.g. ``qkvfuse: fused 36/36 
 128, neox)``.
 
 A bound object follows the layer: it is rebuilt when SGLang replaces the rotary module, the table or a norm
-weight, or gives one new storage (identity and ``data_ptr``; SGLang's weight updates and cache growth do both).
+weight, or gives one new storage (identity and ``data_ptr``; SGLang's weight updates and cache growth do both),
+or when a setting the call uses changes value (a norm's ``variance_epsilon``, the rotary style, the mRoPE section
+and interleaving). Every tensor a fused prepare returns has SGLang's shape and a layout SGLang's kernels read:
+q, k and v are views of the projection output, as SGLang's own fused QK-norm kernels return them; the gate is
+laid out as SGLang's own prepare returns it (Qwen3-Next: a contiguous ``[T, Hq*D]``, which its HIP
+``fused_sigmoid_mul`` assumes; Qwen3.5: ``[T, Hq, D]``, read by its strides).
 
 Numerics: the rotary table is SGLang's own (in the dtype SGLang keeps it); qkvfuse computes norm and rotation in
 fp32 and rounds once -- at least as accurate as SGLang's unfused path. Tensor parallelism works as it does for
@@ -61,35 +67,36 @@ import json
 import logging
 import os
 import sys
-import types
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import ops
 from ..backends import resolve_backend
 from ..moe.overlap import SharedExpertOverlap, process_runner
-from . import vllm as _vllm
-from ._engine_common import first_untested, when_imported
+from . import _engine_common as core
+from ._engine_common import first_untested, source_hash, when_imported
 
 
 @dataclasses.dataclass(frozen=True)
-class Options(_vllm.Options):
-    """The vLLM plugin's options, plus ``shared_expert_overlap`` (GLM-4.x MoE blocks; see the module docstring)."""
+class Options(core.Options):
+    """The engine plugins' options (:class:`._engine_common.Options`), plus ``shared_expert_overlap`` (GLM-4.x
+    MoE blocks; see the module docstring)."""
 
     shared_expert_overlap: bool = False
 
+    TYPES: ClassVar[Dict[str, type]] = dict(core.Options.TYPES, shared_expert_overlap=bool)
+
     @property
     def enabled(self) -> bool:
+        """Whether the plugin changes anything."""
         return self.attention or self.add_rmsnorm or self.shared_expert_overlap
 
 
-_OPTION_TYPES = dict(_vllm._OPTION_TYPES, shared_expert_overlap=bool)
-source_hash = _vllm.source_hash  # the same hash rule
-
-__all__ = ["register", "fuse_model", "Options", "options_from_env", "TESTED_SOURCES", "ENV_VAR", "Report"]
+__all__ = ["register", "fuse_model", "Options", "options_from_env", "TESTED_SOURCES", "ENV_VAR", "Report",
+           "source_hash"]
 
 ENV_VAR = "QKVFUSE_SGLANG"
+ENGINE, TESTED_VERSION = "SGLang", "0.5.23"
 logger = logging.getLogger("sglang.qkvfuse")  # SGLang's processes log the root logger at its --log-level
 
 # --------------------------------------------------------------------------------------------------------
@@ -145,6 +152,9 @@ _SHARED_ATTENTION_SOURCES = ("apply_qk_norm", "RotaryEmbedding.forward_native", 
                              "apply_interleaved_rope", "apply_rotary_emb", "RMSNorm.forward_native",
                              "GemmaRMSNorm.forward_native")
 _DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "Glm4MoeDecoderLayer": "glm4_moe"}
+# class -> (model module, the methods whose code the overlapped forward_normal reproduces or relies on)
+_MOE = {"Glm4MoeSparseMoeBlock": ("glm4_moe", ("forward", "forward_normal", "_forward_shared_experts"))}
+_MODELS = "sglang.srt.models"
 # RotaryEmbedding methods a subclass may not override to count as "changes only its table"
 _ROTARY_METHODS = ("forward", "forward_native", "forward_cpu", "forward_cuda", "forward_npu", "forward_xpu",
                    "forward_hip", "forward_musa", "_match_cos_sin_cache_dtype")
@@ -155,7 +165,8 @@ _ROTARY_METHODS = ("forward", "forward_native", "forward_cpu", "forward_cuda", "
 # --------------------------------------------------------------------------------------------------------
 def options_from_env(value: Optional[str] = None) -> Options:
     """Parse ``$QKVFUSE_SGLANG`` (or ``value``): unset / empty / ``0`` off, ``1`` attention only, or a JSON object
-    with the keys of :class:`Options`. Raises ``ValueError`` naming a bad key or value."""
+    with the keys of :class:`Options`. Raises ``ValueError`` naming a bad key or value
+    (:func:`._engine_common.parse_options`, whatever the features asked for)."""
     raw = (os.environ.get(ENV_VAR, "") if value is None else value).strip()
     if raw in ("", "0"):
         return Options()
@@ -169,12 +180,7 @@ def options_from_env(value: Optional[str] = None) -> Options:
         return Options(attention=parsed)
     if not isinstance(parsed, dict):
         raise ValueError(f"${ENV_VAR}: expected 1 or a JSON object such as {{\"attention\": true}}, got {raw!r}")
-    for key, val in parsed.items():
-        if key not in _OPTION_TYPES:
-            raise ValueError(f"${ENV_VAR}: unknown key {key!r} (expected {', '.join(_OPTION_TYPES)})")
-        if not isinstance(val, _OPTION_TYPES[key]) and not (key == "backend" and val is None):
-            raise ValueError(f"${ENV_VAR}[{key!r}]: expected a {_OPTION_TYPES[key].__name__}, got {val!r}")
-    return Options(**parsed)
+    return core.parse_options(Options, parsed, f"${ENV_VAR}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -223,9 +229,7 @@ _logged: set = set()
 
 
 def _log_once(message: str) -> None:
-    if message not in _logged:
-        _logged.add(message)
-        logger.info("%s", message)
+    core.log_once(logger, _logged, message)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -237,7 +241,7 @@ def _sglang_sources(module_name: str) -> Dict[str, Callable]:
     from sglang.srt.layers.rotary_embedding import base, mrope, utils
     from sglang.srt.models import utils as model_utils
 
-    models = importlib.import_module(f"sglang.srt.models.{module_name}")
+    models = importlib.import_module(f"{_MODELS}.{module_name}")
     found = {"apply_qk_norm": model_utils.apply_qk_norm,
              "RotaryEmbedding.forward_native": base.RotaryEmbedding.forward_native,
              "MRotaryEmbedding.forward_native": mrope.MRotaryEmbedding.forward_native,
@@ -259,14 +263,37 @@ def _sglang_sources(module_name: str) -> Dict[str, Callable]:
     return found
 
 
+def model_modules() -> List[str]:
+    """The SGLang model modules whose classes the plugin fuses (``tested_sources`` reads them all)."""
+    return sorted({mod for mod, _ in _ATTENTION.values()} | set(_DECODER.values()) | {m for m, _ in _MOE.values()})
+
+
 def _untested(names: List[str], module_name: str) -> Optional[str]:
     """The first of ``names`` whose source hash is not a tested one (as a reason), else None."""
-    return first_untested(names, _sglang_sources(module_name), TESTED_SOURCES, source_hash, "SGLang", "0.5.23")
+    module_name = module_name.rsplit(".", 1)[-1]
+    return first_untested(names, _sglang_sources(module_name), TESTED_SOURCES, source_hash, ENGINE, TESTED_VERSION)
 
 
 # --------------------------------------------------------------------------------------------------------
 # Attention layers.
 # --------------------------------------------------------------------------------------------------------
+class _Prepare(core.BoundPrepare):
+    """The core's bound prepare (:class:`._engine_common.BoundPrepare`) under SGLang's qualification rule
+    (:func:`_attention_reason`; ``context_len``: the engine's maximum context)."""
+
+    engine = ENGINE
+
+    def __init__(self, module, backend: Optional[str], verify: bool, context_len: Optional[int] = None):
+        self.context_len = context_len
+        super().__init__(module, backend, verify)
+
+    def qualifies(self, module) -> Optional[str]:
+        return _attention_reason(module, self.context_len, self.backend)[0]
+
+    def log(self, message: str) -> None:
+        _log_once(message)
+
+
 def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
     """``(q, k, v)`` of ``qkv`` [T, (Hq + 2 Hkv) * D], Q and K normed and rotated in place (a gated layer:
     ``(q, k, v, gate)`` of ``[q_gate | k | v]``); None when the layer no longer qualifies (the bound prepare
@@ -280,12 +307,8 @@ def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
     return state(qkv, positions)
 
 
-def _bind(module, backend: Optional[str], verify: bool, context_len: Optional[int]):
-    # The engine-neutral bound prepare (same attribute names), with SGLang's qualification rule.
-    state = _vllm._Prepare(module, backend, verify, engine="SGLang",
-                           qualifies=lambda m: _attention_reason(m, context_len, backend)[0])
-    state.context_len = context_len
-    module._qkvfuse = state
+def _bind(module, backend: Optional[str], verify: bool, context_len: Optional[int]) -> _Prepare:
+    state = module._qkvfuse = _Prepare(module, backend, verify, context_len)
     return state
 
 
@@ -323,8 +346,10 @@ def _fused_glm4_moe_prepare(self, positions: torch.Tensor, hidden_states, forwar
 
 def _fused_qwen3_next_prepare(self, positions: torch.Tensor, hidden_states: torch.Tensor):
     """``forward_prepare_native`` of Qwen3-Next's / Qwen3.5's full-attention decoder layer, fused: ``(q, k, v,
-    gate)`` (gate None when the layer has no output gate). Qwen3.5's gate is ``[T, Hq, D]``, as SGLang's own
-    (its ``fused_sigmoid_mul`` reads a 3-D gate by its strides; a 2-D one must be contiguous)."""
+    gate)`` (gate None when the layer has no output gate), the gate laid out as SGLang's own prepare returns it:
+    Qwen3.5's ``[T, Hq, D]`` (its ``fused_sigmoid_mul`` reads a 3-D gate by its strides: a view), Qwen3-Next's a
+    contiguous ``[T, Hq * D]`` (on HIP its ``fused_sigmoid_mul`` reads a 2-D gate with row stride ``Hq * D``: the
+    fused op's gate, a column view of the projection output, would be misread)."""
     if isinstance(hidden_states, tuple):  # a fused all-reduce + quant input: SGLang's code picks the operand
         return type(self).forward_prepare_native(self, positions, hidden_states)
     qkv, _ = self.qkv_proj(hidden_states)
@@ -336,6 +361,8 @@ def _fused_qwen3_next_prepare(self, positions: torch.Tensor, hidden_states: torc
     q, k, v, gate = out
     if type(self).__name__ == "Qwen3_5AttentionDecoderLayer":
         gate = gate.unflatten(1, (self.num_heads, self.head_dim))
+    else:
+        gate = gate.contiguous()
     return q, k, v, gate
 
 
@@ -364,8 +391,12 @@ def _competing_fusion(module) -> Optional[str]:
     return None
 
 
+_SHORT_TABLE = "rotary table of {rows} positions < context length {need} (SGLang grows it on demand)"
+
+
 def _attention_reason(module, context_len: Optional[int], backend: Optional[str]) -> Tuple[Optional[str], str]:
-    """``(None, description)`` when ``module`` qualifies, else ``(reason, "")``."""
+    """``(None, description)`` when ``module`` qualifies, else ``(reason, "")``: SGLang's competing fusions and
+    rotary rule, then the core's attention checks."""
     from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
     from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
 
@@ -382,33 +413,7 @@ def _attention_reason(module, context_len: Optional[int], backend: Optional[str]
         return "the GLM-interleaved mRoPE layout (mrope_interleaved_glm) is not one qkvfuse reproduces", ""
     if getattr(rot, "position_start", 0) != 0 or hasattr(rot, "sin_cos_cache"):
         return "the rotary module reads its table at an offset or from a precomputed sin_cos_cache", ""
-    cache = getattr(rot, "cos_sin_cache", None)
-    head_dim, rotary_dim = module.head_dim, getattr(rot, "rotary_dim", None)
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 2 or cache.shape[1] != rotary_dim:
-        return "the rotary module has no (max_position, rotary_dim) cos_sin_cache", ""
-    if context_len is not None and cache.shape[0] < context_len:
-        return (f"rotary table of {cache.shape[0]} positions < context length {context_len} (SGLang grows it on "
-                "demand)"), ""
-    if rot.head_size != head_dim:
-        return f"rotary head_size {rot.head_size} != head_dim {head_dim}", ""
-    if head_dim % 2 or head_dim > ops.MAX_HEAD_DIM or rotary_dim % 2 or rotary_dim > head_dim:
-        return f"head_dim {head_dim} / rotary_dim {rotary_dim} outside qkvfuse's rules (even, <= 512)", ""
-    if getattr(module, "use_qk_norm", True):
-        norms = (module.q_norm, module.k_norm)
-        if type(norms[0]) is not type(norms[1]) or any(_plain_norm(n, head_dim) is not None for n in norms):
-            return "q_norm/k_norm are not plain RMSNorm(head_dim) with a weight (or both GemmaRMSNorm(head_dim))", ""
-        if norms[0].variance_epsilon != norms[1].variance_epsilon:
-            return "q_norm and k_norm have different eps", ""
-    if cache.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"rotary table dtype {cache.dtype}", ""
-    name = resolve_backend(backend, cache.device.type)
-    if name == "reference" and backend != "reference":
-        return f"no fast qkvfuse backend for {cache.device.type} tensors", ""
-    style = "neox" if rot.is_neox_style else "gptj"
-    mrope = ""
-    if base is MRotaryEmbedding and rot.mrope_section:
-        mrope = f", mrope {list(rot.mrope_section)}{' interleaved' if rot.mrope_interleaved else ''}"
-    return None, f"{name}, rotary {rotary_dim}, {style}{mrope}"
+    return core.attention_reason(module, rot, backend, _plain_norm, context_len, _SHORT_TABLE)
 
 
 def _plain_norm(norm, size: int) -> Optional[str]:
@@ -441,32 +446,34 @@ def _plain_rmsnorm(norm, rmsnorm_cls, size: int) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------
 # Decoder-layer add + RMSNorm.
 # --------------------------------------------------------------------------------------------------------
+class _Norm(core.BoundNorm):
+    """The core's bound decoder norm (:class:`._engine_common.BoundNorm`) in SGLang's name and log."""
+
+    engine = ENGINE
+
+    def log(self, message: str) -> None:
+        _log_once(message)
+
+
 def _fused_norm_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None,
                         post_residual_addition: Optional[torch.Tensor] = None, quant_linear=None):
     """SGLang's ``RMSNorm.forward(x, residual)`` by qkvfuse; the forms qkvfuse does not take keep SGLang's code."""
     if (post_residual_addition is not None or quant_linear is not None or x.dim() != 2 or x.shape[0] == 0
             or (residual is not None and residual.shape != x.shape)):
         return type(self).forward(self, x, residual, post_residual_addition, quant_linear)
-    return self._qkvfuse(x, residual)  # re-binds itself when the weight is replaced or re-stored
+    return self._qkvfuse(x, residual)  # re-binds itself when the weight or eps changed
 
 
 def _norm_reason(norm, backend: Optional[str]) -> Optional[str]:
     from sglang.srt.layers.layernorm import RMSNorm
 
-    reason = _plain_rmsnorm(norm, RMSNorm, getattr(norm, "hidden_size", -1))
-    if reason:
-        return reason
-    name = resolve_backend(backend, norm.weight.device.type)
-    if name == "reference" and backend != "reference":
-        return f"no fast qkvfuse backend for {norm.weight.device.type} tensors"
-    return None
+    return (_plain_rmsnorm(norm, RMSNorm, getattr(norm, "hidden_size", -1))
+            or core.fast_backend_reason(backend, norm.weight.device.type))
 
 
 # --------------------------------------------------------------------------------------------------------
 # GLM-4.x MoE: the shared expert on a side stream.
 # --------------------------------------------------------------------------------------------------------
-# class -> (model module, the methods whose code the overlapped forward_normal reproduces or relies on)
-_MOE = {"Glm4MoeSparseMoeBlock": ("glm4_moe", ("forward", "forward_normal", "_forward_shared_experts"))}
 def _overlapped_forward_normal(self, hidden_states: torch.Tensor) -> torch.Tensor:
     """``Glm4MoeSparseMoeBlock.forward_normal`` with the shared expert on a side stream: the same calls in the same
     order (shared expert, router + top-k + routed experts and their scaling, the sum into a fresh tensor), the
@@ -510,8 +517,8 @@ def fuse_moe(block, report: Optional[Report] = None, untested: Optional[str] = N
     reason = untested or _moe_reason(block)
     if reason is None:
         block._qkvfuse_overlap = runner if runner is not None else process_runner()
-        block.forward_normal = types.MethodType(_overlapped_forward_normal, block)
-    _vllm._count(report, f"{type(block).__name__} shared-expert overlap", reason,
+        core.install(block, "forward_normal", _overlapped_forward_normal)
+    report.count(f"{type(block).__name__} shared-expert overlap", reason,
                  "side stream on cuda/xpu/npu, inline on cpu" if reason is None else "")
     return report
 
@@ -519,20 +526,10 @@ def fuse_moe(block, report: Optional[Report] = None, untested: Optional[str] = N
 # --------------------------------------------------------------------------------------------------------
 # The model walk.
 # --------------------------------------------------------------------------------------------------------
-class Report(_vllm.Report):
-    """What :func:`fuse_model` did (the vLLM plugin's report, in SGLang's name)."""
+class Report(core.Report):
+    """What :func:`fuse_model` did: per class, how many layers were fused and why others were not."""
 
-    def lines(self) -> List[str]:
-        return [line.replace(" to vLLM: ", " to SGLang: ", 1) for line in super().lines()]
-
-
-def _attention_class(module) -> Optional[str]:
-    """The supported attention class ``module`` is an instance of (exactly: a subclass may differ), else None."""
-    name = type(module).__name__
-    entry = _ATTENTION.get(name)
-    if entry is None or type(module).__module__ != f"sglang.srt.models.{entry[0]}":
-        return None
-    return name
+    engine = ENGINE
 
 
 def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
@@ -544,25 +541,25 @@ def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
     report = Report()
     if not opts.enabled:
         return report
-    untested: Dict[str, Optional[str]] = {}
-    for module in model.modules():
-        cls_name = type(module).__name__
-        if opts.attention and _attention_class(module):
-            mod = _ATTENTION[cls_name][0]
-            if cls_name not in untested:
-                names = [f"{cls_name}.{m}" for m in _ATTENTION_SOURCES[cls_name]] + list(_SHARED_ATTENTION_SOURCES)
-                untested[cls_name] = _untested(names, mod)
-            fuse_attention(module, opts, context_len, report, untested[cls_name])
-        elif opts.add_rmsnorm and cls_name in _DECODER and type(module).__module__ == \
-                f"sglang.srt.models.{_DECODER[cls_name]}":
-            if cls_name not in untested:
-                untested[cls_name] = _untested([f"{cls_name}.forward", "RMSNorm.forward_native"], _DECODER[cls_name])
-            _fuse_norms(module, cls_name, opts, untested[cls_name], report)
-        elif opts.shared_expert_overlap and cls_name in _MOE and type(module).__module__ == \
-                f"sglang.srt.models.{_MOE[cls_name][0]}":
-            if cls_name not in untested:
-                untested[cls_name] = _untested([f"{cls_name}.{m}" for m in _MOE[cls_name][1]], _MOE[cls_name][0])
-            fuse_moe(module, report, untested[cls_name])
+    targets = {}
+    if opts.attention:
+        for cls_name, (mod, _) in _ATTENTION.items():
+            targets[cls_name] = core.Target(
+                f"{_MODELS}.{mod}", tuple(f"{cls_name}.{m}" for m in _ATTENTION_SOURCES[cls_name])
+                + _SHARED_ATTENTION_SOURCES,
+                lambda module, cls_name, untested, report: fuse_attention(module, opts, context_len, report,
+                                                                          untested))
+    if opts.add_rmsnorm:
+        for cls_name, mod in _DECODER.items():
+            targets[cls_name] = core.Target(f"{_MODELS}.{mod}", (f"{cls_name}.forward", "RMSNorm.forward_native"),
+                                            lambda module, cls_name, untested, report: _fuse_norms(
+                                                module, cls_name, opts, untested, report))
+    if opts.shared_expert_overlap:
+        for cls_name, (mod, methods) in _MOE.items():
+            targets[cls_name] = core.Target(f"{_MODELS}.{mod}", tuple(f"{cls_name}.{m}" for m in methods),
+                                            lambda module, cls_name, untested, report: fuse_moe(
+                                                module, report, untested))
+    core.walk(model, targets, _untested, report)
     for line in report.lines():
         _log_once(line)
     return report
@@ -570,15 +567,15 @@ def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
 
 def fuse_attention(module, opts: Options, context_len: Optional[int] = None, report: Optional[Report] = None,
                    untested: Optional[str] = None) -> Report:
-    """Fuse one attention layer (``Qwen3Attention`` / ``Qwen3MoeAttention`` / ``Glm4MoeAttention``) if it
-    qualifies: its prepare method is replaced on the instance. Returns ``report`` (a new one if None)."""
+    """Fuse one attention layer (a class of the attention table) if it qualifies: its prepare method is replaced
+    on the instance. Returns ``report`` (a new one if None)."""
     report = Report() if report is None else report
     cls_name = type(module).__name__
     reason, detail = (untested, "") if untested else _attention_reason(module, context_len, opts.backend)
     if reason is None:
         _bind(module, opts.backend, opts.verify, context_len)
-        setattr(module, _ATTENTION[cls_name][1], types.MethodType(_FUSED[cls_name], module))
-    _vllm._count(report, cls_name, reason, detail)
+        core.install(module, _ATTENTION[cls_name][1], _FUSED[cls_name])
+    report.count(cls_name, reason, detail)
     return report
 
 
@@ -588,7 +585,6 @@ def _fuse_norms(layer, cls_name, opts: Options, untested: Optional[str], report:
         norm = getattr(layer, attr, None)
         reason = untested or (_norm_reason(norm, opts.backend) if norm is not None else f"no {attr}")
         if reason is None:
-            norm._qkvfuse = _vllm._Norm(norm, opts.backend, engine="SGLang")
-            norm.forward = types.MethodType(_fused_norm_forward, norm)
-        _vllm._count(report, name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None
-                     else "")
+            norm._qkvfuse = _Norm(norm, opts.backend)
+            core.install(norm, "forward", _fused_norm_forward)
+        report.count(name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None else "")

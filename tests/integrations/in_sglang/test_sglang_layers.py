@@ -319,7 +319,7 @@ def test_gated_fused_prepare_matches_sglangs_prepare(sglang_dist, monkeypatch, n
     qkvfuse's accuracy rule against a float64 oracle, SGLang's path as the unfused baseline), v and gate
     bit-exact (Qwen3.5's gate ``[T, Hq, D]`` as SGLang's)."""
     import qkvfuse
-    from qkvfuse.integrations.vllm import _ungated
+    from qkvfuse.integrations._engine_common import ungated as _ungated
 
     layer = _gated_layer(name, dtype)
     mrope = name == "qwen3.5"

@@ -524,3 +524,131 @@ def test_tested_sources_are_this_vllms():
     assert tested["Qwen3_5DecoderLayer.forward"] == tested["Qwen3NextDecoderLayer.forward"]
     for name, fn in found.items():
         assert plugin.source_hash(fn) in plugin.TESTED_SOURCES[name], name
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings changed in place: vLLM's forwards read a norm's eps and the rotary settings on every call, so the
+# fused forward must re-bind when one changes value (the module and its tensors stay the same objects).
+# ------------------------------------------------------------------------------------------------------------
+def _set_eps(value, *names):
+    def edit(layer):
+        for name in names:
+            getattr(layer, name).variance_epsilon = value
+    return edit
+
+
+def _set_rotary(**settings):
+    def edit(layer):
+        for name, value in settings.items():
+            setattr(layer.rotary_emb, name, value)
+    return edit
+
+
+def _mrope_section_in_place(layer):
+    layer.rotary_emb.mrope_section[:] = [20, 24, 20]  # the list the rotary module holds, edited in place
+
+
+SETTING_EDITS = {  # name -> (layer, edit, whether the layer stays fused)
+    "q/k eps 0.5": ("glm-4.7", _set_eps(0.5, "q_norm", "k_norm"), True),
+    "q eps only (unequal eps)": ("glm-4.7", _set_eps(0.5, "q_norm"), False),
+    "gptj rotation": ("glm-4.7", _set_rotary(is_neox_style=False), True),
+    "mrope section edited in place": ("qwen3-vl", _mrope_section_in_place, True),
+    "mrope not interleaved": ("qwen3-vl", _set_rotary(mrope_interleaved=False), True),
+    "qwen3-vl q/k eps 0.5": ("qwen3-vl", _set_eps(0.5, "q_norm", "k_norm"), True),
+}
+
+
+@pytest.mark.parametrize("what", list(SETTING_EDITS))
+def test_settings_changed_in_place_are_followed(vllm_config, what):
+    """After a first call, a setting changed on both twins (same modules, same tensors): the fused layer equals
+    vLLM's forward on the edited layer (fused with the new setting, or vLLM's code where the layer no longer
+    qualifies), and the edit changes vLLM's output (else the row proves nothing)."""
+    name, edit, stays_fused = SETTING_EDITS[what]
+    ref, fused = _twin_layers(vllm_config, name)
+    mrope = "mrope_section" in LAYERS[name][1]
+    cases = [_positions(mrope, 7)] + ([_positions(False, 8)] if mrope else [])
+    hidden = torch.randn(T, 96, generator=torch.Generator().manual_seed(3))
+
+    def run(layer):
+        with torch.inference_mode():
+            return [layer(p, hidden) if layer is fused else type(layer).forward(layer, p, hidden) for p in cases]
+
+    before = run(ref)
+    for got, want in zip(run(fused), before):
+        torch.testing.assert_close(got, want, rtol=3e-6, atol=3e-6)
+    for layer in (ref, fused):
+        edit(layer)
+    after = run(ref)
+    assert not torch.allclose(after[0], before[0]), f"{what} does not change vLLM's output"
+    for got, want in zip(run(fused), after):
+        torch.testing.assert_close(got, want, rtol=3e-6, atol=3e-6, msg=lambda m: f"{what}: {m}")
+    assert (fused._qkvfuse.prep is not None) == stays_fused, what
+
+
+def test_gated_layer_follows_its_norms_eps(vllm_config):
+    """Qwen3.5's gated attention (Gemma q/k norms): q/k eps set to 0.5 after a first call is followed."""
+    import copy
+
+    ref = _gated_layer(GATED["qwen3.5"])
+    fused, _ = _gated_fused(copy.deepcopy(ref), vllm_config)
+    positions, hidden = _positions(True, 1), torch.randn(T, 96, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(positions, hidden), type(ref).forward(ref, positions, hidden),
+                                   rtol=2e-6, atol=2e-6)
+        before = type(ref).forward(ref, positions, hidden)
+        for layer in (ref, fused):
+            _set_eps(0.5, "q_norm", "k_norm")(layer)
+        want = type(ref).forward(ref, positions, hidden)
+        got = fused(positions, hidden)
+    assert not torch.allclose(want, before)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert fused._qkvfuse.prep.config.eps == 0.5
+
+
+@pytest.mark.parametrize("kind", ["RMSNorm", "GemmaRMSNorm"])
+def test_decoder_norm_follows_its_eps(vllm_config, kind):
+    """The add_rmsnorm option's norms (plain and Gemma): eps set to 5 after a first call is followed, with and
+    without a residual."""
+    import copy
+
+    from vllm.model_executor.layers import layernorm
+
+    ref = getattr(layernorm, kind)(96, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(0.1 * torch.randn(96, generator=torch.Generator().manual_seed(1))
+                         + (1 if kind == "RMSNorm" else 0))
+    fused = copy.deepcopy(ref)
+    fused._qkvfuse = plugin._Norm(fused, None)
+    fused.forward = types.MethodType(plugin._fused_norm_forward, fused)
+    g = torch.Generator().manual_seed(2)
+    x, r = torch.randn(T, 96, generator=g), torch.randn(T, 96, generator=g)
+
+    def same():
+        with torch.inference_mode():
+            torch.testing.assert_close(fused(x.clone()), ref(x.clone()), rtol=2e-6, atol=2e-6)
+            got, want = fused(x.clone(), r.clone()), ref(x.clone(), r.clone())
+        torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=2e-6)
+        assert torch.equal(got[1], want[1])
+        return want[0]
+
+    before = same()
+    for norm in (ref, fused):
+        norm.variance_epsilon = 5.0
+    assert not torch.allclose(same(), before)
+    assert fused._qkvfuse.bound.config.eps == 5.0
+
+
+def test_compiled_fused_forward_follows_eps(vllm_config):
+    """Under torch.compile the fused forward reads the norms' eps as the trace does (dynamo guards on it): a
+    changed eps retraces and equals vLLM's forward."""
+    ref, fused = _twin_layers(vllm_config, "glm-4.7")
+    positions, hidden = _positions(False, 2), torch.randn(T, 96, generator=torch.Generator().manual_seed(5))
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    with torch.inference_mode():
+        torch.testing.assert_close(compiled(positions, hidden), type(ref).forward(ref, positions, hidden),
+                                   rtol=3e-6, atol=3e-6)
+        for layer in (ref, fused):
+            _set_eps(0.5, "q_norm", "k_norm")(layer)
+        torch.testing.assert_close(compiled(positions, hidden), type(ref).forward(ref, positions, hidden),
+                                   rtol=3e-6, atol=3e-6)
