@@ -7,7 +7,7 @@ propagate inside their head or row (documented in ``split_qkv_rmsnorm_rope``), t
 """
 
 import pytest
-from _support.child_records import assert_child_call_ok, child_records
+from _support.child_records import assert_child_call_ok, child_records, describe_exit
 
 import qkvfuse._verify.failure_modes as fm
 
@@ -23,6 +23,7 @@ def test_catalogue_covers_both_ops_and_the_cache_builder():
     args = {bad.arg for bad in fm.BAD_CALLS}
     for arg in ("qkv", "positions", "cos_sin_cache", "mrope_section", "q_weight", "k_bias", "q_out", "eps",  # split
                 "gate_out", "q_gate", "gemma_norm", "out",  # split, gated layout and Gemma norms
+                "num_q_heads", "num_kv_heads",  # head counts (bounded: their products must not wrap)
                 "x", "residual", "weight", "bias", "y_out", "residual_out",  # add_rmsnorm
                 "rotary_dim", "max_position", "base", "dtype", "rope_scaling"):  # build_cos_sin_cache
         assert arg in args, f"no bad call for {arg!r}"
@@ -49,3 +50,53 @@ def test_bad_call_gives_the_same_type_and_message_on_every_backend(backend):
 def test_nonfinite_input_propagates_inside_its_head(backend, value, geometry):
     head_dim, rotary_dim, norm = geometry
     fm.check_nonfinite_propagates(backend, value, head_dim, rotary_dim, norm)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Raw ops at int64 edge values (qkvfuse._verify.int_edges): head counts whose products wrap in int64 once passed
+# the native shape checks and wrote out of bounds.
+# --------------------------------------------------------------------------------------------------------
+def _registered_int_arguments():
+    """``namespace::op.argument`` of every integer argument of every op in qkvfuse's namespaces."""
+    import torch
+
+    from qkvfuse._library import NAMESPACES
+    from qkvfuse.backends import backend_unavailable
+
+    namespaces = set(NAMESPACES.values())
+    if not backend_unavailable("cpu"):  # loads the native library: its own namespace too
+        namespaces.add("qkvfuse_cpu")
+    found = set()
+    for qualified in torch._C._dispatch_get_all_op_names():
+        ns, _, op = qualified.partition("::")
+        if ns in namespaces:
+            for arg in torch._C._get_schema(qualified, "").arguments:
+                if "int" in str(arg.type).lower():
+                    found.add(f"{ns}::{op}.{arg.name}")
+    return found, namespaces
+
+
+def test_int_edge_sweep_covers_every_integer_argument_of_every_op():
+    from qkvfuse._verify import int_edges
+
+    registered, namespaces = _registered_int_arguments()
+    assert registered, "no integer arguments found: the schemas moved?"
+    assert registered <= int_edges.SWEPT, f"not swept: {sorted(registered - int_edges.SWEPT)}"
+    if "qkvfuse_cpu" in namespaces:
+        assert registered == int_edges.SWEPT, f"swept but not registered: {sorted(int_edges.SWEPT - registered)}"
+
+
+def test_raw_ops_at_int64_edges_refuse_like_the_reference_or_agree_with_it(backend):
+    """Every integer argument of every op (and both head counts at once) at 0, -1, 2**31 - 1, 2**31, 2**31 + 1,
+    2**62 + 1, 2**63 - 1, in every form, plus the calls whose wrapped sizes once wrote out of bounds: refused with
+    the reference's type and message, or run and agreeing with the reference; the public functions' refusals are
+    the raw op's, word for word. One child process per backend: a crash names the call it died in."""
+    results, returncode, running, stderr = child_records("qkvfuse._verify.int_edges", backend)
+    if running is not None or returncode != 0:
+        where = f"while running {running!r}" if running else "after the last call"
+        pytest.fail(f"the child process died ({describe_exit(returncode)}) {where}:\n{stderr}")
+    assert len(results) >= 200
+    failed = {name: detail for name, (ok, detail) in results.items() if not ok}
+    assert not failed, failed
+    refused = [detail for ok, detail in results.values() if "expected an int in [1, 1048576]" in detail]
+    assert len(refused) >= 100, "the head-count sweep refused too few calls by the head-count rule"
