@@ -687,6 +687,24 @@ def _raw_split_out(backend: str, gated: bool):
     return ops.split_out(kw["qkv"], kw["positions"], *static, *outs[:3], gate_out)
 
 
+def _raw_wrapping_heads(backend: str, inplace: bool):
+    """The raw op with head counts whose int64 products wrap, on tensors shaped for the wrapped sizes (unbounded,
+    the native kernel's shape checks passed and it wrote out of bounds)."""
+    from .._library import NAMESPACES, encode_rope
+    from ..backends import select_ops
+
+    ns = getattr(torch.ops, NAMESPACES[select_ops(backend, "cpu")])
+    qkv, positions, cache = torch.randn(2, 16), torch.zeros(2, dtype=torch.int64), torch.randn(8, 4)
+    if inplace:  # 3 + 2 * (2**63 - 1) heads wrap to 1
+        return ns.split_qkv_rmsnorm_rope_inplace(qkv, positions, cache, None, None, None, None, 3, 2**63 - 1, 1e-6,
+                                                 1)
+    huge = 2**62 + 1  # gated: 2 * huge + 2 * huge heads wrap to 4, huge * head_dim to 4
+    outs = [torch.empty(2, 4) for _ in range(4)]
+    return ns.split_qkv_rmsnorm_rope_out(qkv, positions, cache, None, None, None, None, huge, huge, 1e-6,
+                                         encode_rope(True, q_gate=True), *outs)
+
+
+_NO_NORM = dict(q_weight=None, k_weight=None, q_bias=None, k_bias=None)
 _META = torch.device("meta")
 _B = BadCall
 BAD_CALLS: List[BadCall] = [
@@ -704,6 +722,14 @@ BAD_CALLS: List[BadCall] = [
     _B("num_q_heads = 0", "num_q_heads", lambda b: _split(b, num_q_heads=0)),
     _B("num_kv_heads a float", "num_kv_heads", lambda b: _split(b, num_kv_heads=2.0)),
     _B("num_q_heads a bool", "num_q_heads", lambda b: _split(b, num_q_heads=True)),
+    _B("num_q_heads 2**20 + 1", "num_q_heads", lambda b: _split(b, num_q_heads=2**20 + 1)),
+    _B("num_kv_heads 2**63 - 1", "num_kv_heads", lambda b: _split(b, num_kv_heads=2**63 - 1)),
+    _B("QKNormRope num_kv_heads 2**62 + 1", "num_kv_heads",
+       lambda b: qkvfuse.QKNormRope(4, 2**62 + 1, 64, _split_kwargs()["cos_sin_cache"], backend=b)),
+    _B("raw out op: gated head counts 2**62 + 1 (products wrap)", "num_q_heads",
+       lambda b: _raw_wrapping_heads(b, False)),
+    _B("raw in-place op: num_kv_heads 2**63 - 1 (products wrap)", "num_kv_heads",
+       lambda b: _raw_wrapping_heads(b, True)),
     _B("head_dim odd", "head_dim", lambda b: _split(b, qkv=torch.zeros(3, 8 * 63, dtype=torch.bfloat16), head_dim=63,
                                                   cos_sin_cache=torch.zeros(8, 32))),
     _B("head_dim > 512", "head_dim", lambda b: _split(b, qkv=torch.zeros(3, 8 * 1024, dtype=torch.bfloat16),
@@ -778,6 +804,17 @@ BAD_CALLS: List[BadCall] = [
        lambda b: qkvfuse.QKNormRope(4, 2, 64, _gated_kwargs()["cos_sin_cache"], q_gate=None, backend=b)),
     _B("QKNormRope gemma_norm an int", "gemma_norm",
        lambda b: qkvfuse.QKNormRope(4, 2, 64, _gated_kwargs()["cos_sin_cache"], gemma_norm=0, backend=b)),
+    # gemma_norm says how the q/k norm weights are stored: without weights it would be ignored
+    _B("gemma_norm without norm weights", "gemma_norm", lambda b: _split(b, **_NO_NORM, gemma_norm=True)),
+    _B("gated gemma_norm without norm weights", "gemma_norm", lambda b: _gated(b, q_weight=None, k_weight=None)),
+    _B("out= gemma_norm without norm weights", "gemma_norm",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_split_kwargs(**_NO_NORM, gemma_norm=True),
+                                                out=_split_out(_split_kwargs()), backend=b)),
+    _B("in-place gemma_norm without norm weights", "gemma_norm",
+       lambda b: qkvfuse.split_qkv_rmsnorm_rope_(**dict(_split_kwargs(**_NO_NORM, gemma_norm=True),
+                                                        qkv=_split_kwargs()["qkv"].clone()), backend=b)),
+    _B("QKNormRope gemma_norm without norm weights", "gemma_norm",
+       lambda b: qkvfuse.QKNormRope(4, 2, 64, _split_kwargs()["cos_sin_cache"], gemma_norm=True, backend=b)),
     _B("gated out three tensors", "out", lambda b: _gated_with_out(b, "three")),
     _B("ungated out four tensors", "out",
        lambda b: qkvfuse.split_qkv_rmsnorm_rope(**_split_kwargs(), out=_split_out(_gated_kwargs()), backend=b)),
