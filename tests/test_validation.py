@@ -100,3 +100,27 @@ def test_raw_ops_at_int64_edges_refuse_like_the_reference_or_agree_with_it(backe
     assert not failed, failed
     refused = [detail for ok, detail in results.values() if "expected an int in [1, 1048576]" in detail]
     assert len(refused) >= 100, "the head-count sweep refused too few calls by the head-count rule"
+
+
+@pytest.mark.parametrize("q_gate", [False, True], ids=["plain", "gated"])
+def test_head_counts_at_the_limit_run_and_one_more_is_refused(backend, q_gate):
+    """2**20 Q and KV heads (head_dim 2, one token) run and agree with the reference: the bound refuses nothing a
+    caller can build; 2**20 + 1 is refused with the shared message."""
+    import torch
+
+    import qkvfuse
+    from qkvfuse._checks import MAX_HEADS
+
+    qkv = torch.randn(1, ((2 if q_gate else 1) * MAX_HEADS + 2 * MAX_HEADS) * 2)
+    positions, cache = torch.zeros(1, dtype=torch.int64), torch.randn(4, 2)
+    with torch.no_grad():
+        got = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cache, MAX_HEADS, MAX_HEADS, 2, q_gate=q_gate,
+                                             backend=backend)
+        want = qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cache, MAX_HEADS, MAX_HEADS, 2, q_gate=q_gate,
+                                              backend="reference")
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(got, want))
+        for arg in ("num_q_heads", "num_kv_heads"):
+            heads = {"num_q_heads": MAX_HEADS, "num_kv_heads": MAX_HEADS, arg: MAX_HEADS + 1}
+            with pytest.raises(ValueError, match=rf"^{arg}: expected an int in \[1, 1048576\], got 1048577$"):
+                qkvfuse.split_qkv_rmsnorm_rope(qkv, positions, cache, heads["num_q_heads"], heads["num_kv_heads"], 2,
+                                               q_gate=q_gate, backend=backend)
