@@ -100,3 +100,37 @@ def test_report_speaks_of_sglang():
     report.count("Qwen3Attention", "a reason")
     assert report.lines() == ["qkvfuse: fused 1/2 Qwen3Attention (cpu, rotary 128, neox)",
                               "qkvfuse: left 1/2 Qwen3Attention to SGLang: a reason"]
+
+
+@pytest.mark.parametrize("value", ['{"backend": "bogus"}', '{"attention": false, "backend": "bogus"}',
+                                   '{"attention": true, "backend": 3}'])
+def test_a_bad_backend_is_refused_with_every_feature_off(monkeypatch, value):
+    """``$QKVFUSE_SGLANG='{"backend": "bogus"}'`` stops the engine with a ValueError naming the key, even with every
+    feature off: the model runner's wrapper parses the options before anything else."""
+    import torch
+
+    with pytest.raises(ValueError, match=r"\$QKVFUSE_SGLANG\['backend'\]: expected "):
+        plugin.options_from_env(value)
+    monkeypatch.setenv(plugin.ENV_VAR, value)
+    with pytest.raises(ValueError, match=r"\['backend'\]"):
+        plugin.fuse_model(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "reference", "cpu", "triton"])
+def test_every_backend_name_is_accepted(backend):
+    import json
+
+    assert plugin.options_from_env(json.dumps({"backend": backend})).backend == backend
+
+
+def test_both_plugins_validate_options_with_one_rule():
+    """The SGLang and vLLM plugins parse their options with the core's one function and word the same refusal."""
+    from qkvfuse.integrations import vllm
+
+    messages = []
+    for parse in (lambda: plugin.options_from_env('{"backend": "bogus"}'),
+                  lambda: vllm.options_from_config({"qkvfuse": {"backend": "bogus"}})):
+        with pytest.raises(ValueError) as info:
+            parse()
+        messages.append(str(info.value).split("['backend']", 1)[1])
+    assert messages[0] == messages[1]

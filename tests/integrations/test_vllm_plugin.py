@@ -37,3 +37,23 @@ def test_options_default_off_and_parse_the_config(monkeypatch):
 def test_bad_options_name_the_key(entry, match):
     with pytest.raises(ValueError, match=match):
         plugin.options_from_config({"qkvfuse": entry})
+
+
+@pytest.mark.parametrize("entry", [{"backend": "bogus"}, {"attention": False, "backend": "bogus"},
+                                   {"attention": True, "backend": "CPU"}])
+def test_a_bad_backend_is_refused_with_every_feature_off(monkeypatch, entry):
+    """The backend is checked by the options' one rule, not when a layer binds: a misspelt value stops the engine
+    even when no feature would have used it (the model walk parses the options first)."""
+    import types
+
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    with pytest.raises(ValueError, match=r"additional_config\['qkvfuse'\]\['backend'\]: expected one of .* got"):
+        plugin.options_from_config({"qkvfuse": entry})
+    with pytest.raises(ValueError, match=r"\['backend'\]"):
+        plugin.fuse_model(types.SimpleNamespace(modules=lambda: []),
+                          types.SimpleNamespace(additional_config={"qkvfuse": entry}))
+
+
+@pytest.mark.parametrize("backend", [None, "auto", "reference", "cpu", "triton"])
+def test_every_backend_name_is_accepted(backend):
+    assert plugin.options_from_config({"qkvfuse": {"backend": backend}}).backend == backend

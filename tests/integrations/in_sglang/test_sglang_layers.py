@@ -375,3 +375,207 @@ def test_gated_layer_with_untested_sglang_code_keeps_sglangs_code(sglang_dist, m
     assert report.fused == {} and "forward_prepare_native" not in layer.__dict__
     assert report.reasons["Qwen3HybridAttentionDecoderLayer"].startswith(
         "Qwen3HybridAttentionDecoderLayer.self_attention differs from the SGLang versions"), report.reasons
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Settings changed in place: SGLang's forwards read a norm's eps and the rotary settings on every call, so the
+# fused prepare must re-bind when one changes value (the module and its tensors stay the same objects).
+# ------------------------------------------------------------------------------------------------------------
+def _set_eps(value, *names):
+    def edit(layer):
+        for name in names:
+            getattr(layer, name).variance_epsilon = value
+    return edit
+
+
+def _set_rotary(**settings):
+    def edit(layer):
+        for name, value in settings.items():
+            setattr(layer.rotary_emb, name, value)
+    return edit
+
+
+def _mrope_section_in_place(layer):
+    section = layer.rotary_emb.mrope_section
+    if isinstance(section, list):
+        section[:] = [20, 24, 20]  # the list the rotary module holds, edited in place
+    else:
+        layer.rotary_emb.mrope_section = (20, 24, 20)
+
+
+SETTING_EDITS = {  # name -> (layer, edit, whether the layer stays fused)
+    "q/k eps 0.5": ("qwen3", _set_eps(0.5, "q_norm", "k_norm"), True),
+    "q eps only (unequal eps)": ("qwen3", _set_eps(0.5, "q_norm"), False),
+    "glm-4.7 q/k eps 0.5": ("glm-4.7", _set_eps(0.5, "q_norm", "k_norm"), True),
+    "gptj rotation": ("qwen3", _set_rotary(is_neox_style=False), True),
+    "mrope section edited in place": ("qwen3-vl", _mrope_section_in_place, True),
+    "mrope not interleaved": ("qwen3-vl", _set_rotary(mrope_interleaved=False), True),
+}
+
+
+@pytest.mark.parametrize("what", list(SETTING_EDITS))
+def test_settings_changed_in_place_are_followed(sglang_dist, what):
+    """After a first call, a setting changed on both twins (same modules, same tensors): the fused prepare equals
+    SGLang's own prepare on the edited layer (fused with the new setting, or SGLang's code where the layer no
+    longer qualifies), and the edit changes SGLang's result (else the row proves nothing)."""
+    name, edit, stays_fused = SETTING_EDITS[what]
+    layer, reference = _layer(name), _layer(name)
+    reference.load_state_dict(layer.state_dict())
+    _fuse(layer)
+    mrope = LAYERS[name][2] is not None and "mrope_section" in LAYERS[name][2]
+    cases = [_positions(mrope, 7)] + ([_positions(False, 8)] if mrope else [])
+    hidden = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(3))
+
+    def run(target):
+        with torch.inference_mode():
+            return [torch.cat([t.reshape(T, -1) for t in _prepare(target, p, hidden)], dim=-1) for p in cases]
+
+    before = run(reference)
+    for got, want in zip(run(layer), before):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    for target in (layer, reference):
+        edit(target)
+    after = run(reference)
+    assert not torch.allclose(after[0], before[0]), f"{what} does not change SGLang's result"
+    for got, want in zip(run(layer), after):
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6, msg=lambda m: f"{what}: {m}")
+    assert (layer._qkvfuse.prep is not None) == stays_fused, what
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_gated_layer_follows_its_norms_eps(sglang_dist, name):
+    """Qwen3-Next's / Qwen3.5's gated prepare (Gemma q/k norms): q/k eps set to 0.5 after a first call is
+    followed."""
+    layer, reference = _gated_layer(name), _gated_layer(name)
+    reference.load_state_dict(layer.state_dict())
+    plugin.fuse_attention(layer, plugin.Options(attention=True), context_len=MAX_POS)
+    positions = _positions(name == "qwen3.5", 1)
+    hidden = torch.randn(T, 256, generator=torch.Generator().manual_seed(4))
+
+    def run(target):
+        with torch.inference_mode():
+            return torch.cat([t.reshape(T, -1) for t in target.forward_prepare_native(positions, hidden)], dim=-1)
+
+    torch.testing.assert_close(run(layer), run(reference), rtol=2e-6, atol=2e-6)
+    before = run(reference)
+    for target in (layer, reference):
+        _set_eps(0.5, "q_norm", "k_norm")(target)
+    want = run(reference)
+    assert not torch.allclose(want, before)
+    torch.testing.assert_close(run(layer), want, rtol=2e-6, atol=2e-6)
+    assert layer._qkvfuse.prep.config.eps == 0.5
+
+
+def test_decoder_norm_follows_its_eps(sglang_dist):
+    """The add_rmsnorm option's RMSNorm: eps set to 5 after a first call is followed, with and without a
+    residual."""
+    from sglang.srt.layers.layernorm import RMSNorm
+
+    hidden = 256
+    norm = RMSNorm(hidden, eps=1e-6)
+    norm.weight.data = 1 + 0.3 * torch.randn(hidden, generator=torch.Generator().manual_seed(1))
+    layer = types.SimpleNamespace(input_layernorm=RMSNorm(hidden, eps=1e-6),
+                                  post_attention_layernorm=RMSNorm(hidden, eps=1e-6))
+    layer.input_layernorm.weight.data = norm.weight.data.clone()
+    report = plugin.Report()
+    plugin._fuse_norms(layer, "Qwen3DecoderLayer", plugin.Options(add_rmsnorm=True), None, report)
+    fused = layer.input_layernorm
+    g = torch.Generator().manual_seed(2)
+    x, r = torch.randn(T, hidden, generator=g), torch.randn(T, hidden, generator=g)
+
+    def same():
+        with torch.inference_mode():
+            torch.testing.assert_close(fused(x.clone()), norm(x.clone()), rtol=2e-6, atol=2e-6)
+            got, want = fused(x.clone(), r.clone()), norm(x.clone(), r.clone())
+        torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=2e-6)
+        assert torch.equal(got[1], want[1])
+        return want[0]
+
+    before = same()
+    for target in (norm, fused):
+        target.variance_epsilon = 5.0
+    assert not torch.allclose(same(), before)
+    assert fused._qkvfuse.bound.config.eps == 5.0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Every tensor a fused prepare returns has SGLang's shape and a layout SGLang's kernels read.
+# ------------------------------------------------------------------------------------------------------------
+def _split_views(qkv, sizes):
+    """The strides of SGLang's own ``qkv.split`` views (what its fused QK-norm kernels return as q, k, v)."""
+    return [t.stride() for t in qkv.split(sizes, dim=-1)]
+
+
+def _assert_sglang_layout(got, want, split_strides, what):
+    """Each returned tensor has SGLang's shape and innermost stride; where SGLang's own is contiguous, ours is too,
+    unless it is one of the projection-output split views SGLang's own fused kernels hand on (q, k, v); a 3-D
+    gate is a strided view as SGLang's (its ``fused_sigmoid_mul`` reads it by its strides)."""
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        if w is None:
+            assert g is None, (what, i)
+            continue
+        assert g.shape == w.shape and g.dtype == w.dtype, (what, i, g.shape, w.shape)
+        assert g.stride(-1) == w.stride(-1) == 1, (what, i, g.stride(), w.stride())
+        if i < 3:
+            assert g.stride() == w.stride() or g.stride() == split_strides[i], (what, i, g.stride(), w.stride())
+        elif w.is_contiguous():
+            assert g.is_contiguous(), (what, "gate", g.stride(), w.stride())
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3-moe", "glm-4.7", "qwen3-vl"])
+def test_fused_prepare_returns_sglangs_shapes_and_layouts(sglang_dist, no_kv_pool, name):
+    layer = _layer(name)
+    mrope = LAYERS[name][2] is not None and "mrope_section" in LAYERS[name][2]
+    positions, hidden = _positions(mrope, 0), torch.randn(T, HIDDEN)
+    with torch.inference_mode():
+        qkv = layer.qkv_proj(hidden)[0]
+        want = _prepare(layer, positions, hidden)
+        _fuse(layer)
+        got = _prepare(layer, positions, hidden)
+    _assert_sglang_layout(got, want, _split_views(qkv, [layer.q_size, layer.kv_size, layer.kv_size]), name)
+
+
+_SIGMOID_MUL = """
+import json, sys, torch
+from sglang.kernels.ops.elementwise.elementwise import fused_sigmoid_mul
+saved = torch.load(sys.argv[1])
+out = {}
+for key in ("sglang", "fused"):
+    gate, attn = saved[key], saved["attn"]
+    want = attn * torch.sigmoid(gate.reshape(attn.shape).float())
+    out[key] = [(fused_sigmoid_mul(attn, gate) - want).abs().max().item(), list(gate.stride())]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("name", list(GATED))
+def test_gated_prepare_returns_sglangs_layouts_and_fused_sigmoid_mul_reads_the_gate(sglang_dist, name, tmp_path):
+    """The gated classes: shapes and layouts as SGLang's own prepare returns them, and SGLang's Triton
+    ``fused_sigmoid_mul`` (its HIP gating kernel; under ``TRITON_INTERPRET=1`` on CPU) gives ``attn *
+    sigmoid(gate)`` from the fused gate as from SGLang's own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    layer = _gated_layer(name)
+    positions, hidden = _positions(name == "qwen3.5", 0), torch.randn(T, 256)
+    with torch.inference_mode():
+        qkv = layer.qkv_proj(hidden)[0]
+        want = layer.forward_prepare_native(positions, hidden)
+        plugin.fuse_attention(layer, plugin.Options(attention=True), context_len=MAX_POS)
+        got = layer.forward_prepare_native(positions, hidden)
+    # q too is a row of the projection output (at the row's start, the gate beside it): SGLang's own fused
+    # kernels hand its non-gated layers' q, k, v to attention as such rows
+    _assert_sglang_layout(got, want, _split_views(qkv, [2 * layer.q_size, layer.kv_size, layer.kv_size]), name)
+    attn = torch.randn(T, GATED_HQ * GATED_D, generator=torch.Generator().manual_seed(9))
+    path = tmp_path / "gates.pt"
+    torch.save({"attn": attn, "sglang": want[3], "fused": got[3]}, path)  # views saved with their strides
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", _SIGMOID_MUL, str(path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    errors = json.loads(run.stdout.strip().splitlines()[-1])
+    assert errors["fused"][1] == list(got[3].stride()), errors  # the kernel saw the fused gate's layout
+    assert errors["sglang"][0] < 1e-5 and errors["fused"][0] < 1e-5, errors

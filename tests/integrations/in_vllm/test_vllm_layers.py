@@ -652,3 +652,40 @@ def test_compiled_fused_forward_follows_eps(vllm_config):
             _set_eps(0.5, "q_norm", "k_norm")(layer)
         torch.testing.assert_close(compiled(positions, hidden), type(ref).forward(ref, positions, hidden),
                                    rtol=3e-6, atol=3e-6)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Every tensor the fused forward hands to vLLM's code has vLLM's shape and a layout vLLM's kernels read.
+# ------------------------------------------------------------------------------------------------------------
+class Handed(nn.Module):
+    """Stands in for vLLM's ``Attention``: keeps the q, k, v it is given (the tensors themselves, for their
+    layout) and returns q (a gated forward multiplies it by ``sigmoid(gate)``)."""
+
+    def forward(self, q, k, v):
+        self.handed = (q, k, v)
+        return q.clone()
+
+
+@pytest.mark.parametrize("name", ["glm-4.7", "qwen3-vl", "qwen3-next", "qwen3.5"])
+def test_fused_forward_hands_vllms_shapes_and_layouts_to_attention(vllm_config, name):
+    """q, k, v given to vLLM's attention: vLLM's shapes and dtypes, the last dimension contiguous, and strides as
+    vLLM's own forward gives them or as rows of the projection output (the ``qkv.split`` views vLLM's own
+    Qwen3 / GLM forward hands on). The gate never leaves the fused forward (``attn * sigmoid(gate)`` there)."""
+    gated = name in GATED
+    layer = _gated_layer(GATED[name]) if gated else _layer(*LAYERS[name])
+    layer.attn = Handed()
+    positions = _positions("mrope_section" in (GATED[name] if gated else LAYERS[name][1]), 0)
+    hidden = torch.randn(T, 96, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        qkv = layer.qkv_proj(hidden)[0]
+        type(layer).forward(layer, positions, hidden)
+        want = layer.attn.handed
+        (_gated_fused(layer, vllm_config) if gated else _fused(layer, vllm_config))
+        layer(positions, hidden)
+        got = layer.attn.handed
+    q_cols = 2 * layer.q_size if gated else layer.q_size
+    rows = [t.stride() for t in qkv.split([q_cols, layer.kv_size, layer.kv_size], dim=-1)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (name, i, g.shape, w.shape)
+        assert g.stride(-1) == w.stride(-1) == 1, (name, i)
+        assert g.stride() == w.stride() or g.stride() == rows[i], (name, i, g.stride(), w.stride())
