@@ -15,7 +15,7 @@ from ..presets import PRESETS
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
-from .sections import Options, Section, triton_interpreter
+from .sections import Options, Section, advance, planned, triton_interpreter
 
 __all__ = ["ops_section"]
 
@@ -42,29 +42,34 @@ def ops_section(opts: Options) -> Section:
     usable = [b for b in available_backends() if b not in skipped and (not opts.backends or b in opts.backends)]
     rows = []
     token_counts = (1, 33) if opts.quick else (1, 33, 128)
+    norm_cases = ((4096, False), (5120, False), (2048, True))  # 2048 Gemma: Qwen3-Next's decoder norms
+    plan = {}
     for backend in usable:
         # The Triton interpreter is slow on CPU: a smaller matrix keeps `make run` under a minute.
         interp = backend == "triton"
-        for preset in PRESETS.values():
-            for T in ((3,) if interp else token_counts):
-                for dtype in (torch.bfloat16, torch.float32):
-                    if interp and dtype == torch.float32 and preset.name not in ("Qwen3-8B", "GLM-4.7",
-                                                                                 "Qwen3.5-27B"):
-                        continue
-                    case = SplitCase.from_preset(preset, T, dtype=dtype, max_position=min(preset.max_position, 8192))
-                    kwargs = make_split_inputs(case, seed=T)
-                    qkv = kwargs["qkv"]
-                    hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
-                    out = poisoned_split_outputs(kwargs)
-                    t0 = time.perf_counter()
-                    got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
-                    report = check_split_outputs(got, oracle_split(**kwargs), unfused_split(**kwargs), qkv, hq, hkv,
-                                                 D, _triton_extra(backend, dtype))
-                    rows.append({"op": "split_qkv_rmsnorm_rope", "preset": preset.name, "backend": backend, "T": T,
-                                 "dtype": str(dtype)[6:], "mode": _mode(preset), "max err": report.max_err,
-                                 "unfused err": report.unfused_err, "pass": report.ok, "detail": report.detail,
-                                 "s": round(time.perf_counter() - t0, 2)})
-        for H, gemma in ((4096, False), (5120, False), (2048, True)):  # 2048 Gemma: Qwen3-Next's decoder norms
+        plan[backend] = [(preset, T, dtype) for preset in PRESETS.values() for T in ((3,) if interp else token_counts)
+                         for dtype in (torch.bfloat16, torch.float32)
+                         if not (interp and dtype == torch.float32
+                                 and preset.name not in ("Qwen3-8B", "GLM-4.7", "Qwen3.5-27B"))]
+    planned(sum(len(cases) + 2 * len(norm_cases) for cases in plan.values()))
+    for backend in usable:
+        interp = backend == "triton"
+        for preset, T, dtype in plan[backend]:
+            case = SplitCase.from_preset(preset, T, dtype=dtype, max_position=min(preset.max_position, 8192))
+            kwargs = make_split_inputs(case, seed=T)
+            qkv = kwargs["qkv"]
+            hq, hkv, D = case.num_q_heads, case.num_kv_heads, case.head_dim
+            out = poisoned_split_outputs(kwargs)
+            t0 = time.perf_counter()
+            got = qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend=backend)
+            report = check_split_outputs(got, oracle_split(**kwargs), unfused_split(**kwargs), qkv, hq, hkv,
+                                         D, _triton_extra(backend, dtype))
+            rows.append({"op": "split_qkv_rmsnorm_rope", "preset": preset.name, "backend": backend, "T": T,
+                         "dtype": str(dtype)[6:], "mode": _mode(preset), "max err": report.max_err,
+                         "unfused err": report.unfused_err, "pass": report.ok, "detail": report.detail,
+                         "s": round(time.perf_counter() - t0, 2)})
+            advance()
+        for H, gemma in norm_cases:
             for dtype in (torch.bfloat16, torch.float32):
                 T = 3 if interp else 33
                 kw = make_norm_inputs(T, H, dtype, residual=True, bias=H == 5120, seed=H, gemma_norm=gemma)
@@ -72,6 +77,7 @@ def ops_section(opts: Options) -> Section:
                 got = qkvfuse.add_rmsnorm(**kw, out=(poisoned_like(x), poisoned_like(x)), backend=backend)
                 report = check_norm_outputs(got, oracle_add_rmsnorm(**kw), unfused_add_rmsnorm(**kw), x, kw["residual"],
                                             _triton_extra(backend, dtype))
+                advance()
                 rows.append({"op": "add_rmsnorm", "preset": f"hidden {H}", "backend": backend, "T": T,
                              "dtype": str(dtype)[6:],
                              "mode": "residual" + (" + bias" if "bias" in kw else "") + (", gemma" if gemma else ""),

@@ -42,7 +42,7 @@ from ..rope import build_cos_sin_cache
 from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
-from .sections import Options, Section, triton_interpreter
+from .sections import Options, Section, advance, planned, triton_interpreter
 
 __all__ = [
     "FAILURE_MODES", "BAD_CALLS", "DETERMINISM", "concurrency_unsupported", "BadCall", "NormCase", "run_split",
@@ -1057,6 +1057,7 @@ def section(opts: Options) -> Section:
     wanted = opts.backends
     usable = [b for b in available_backends() if b not in skipped and (not wanted or b in wanted)]
     rows = []
+    plans = {}
     for backend in usable:
         interp = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
         fuzz_n = (4 if quick else 12) if interp else (8 if quick else 100)
@@ -1081,11 +1082,15 @@ def section(opts: Options) -> Section:
         }
         if concurrency_unsupported(backend):
             categories["determinism"] = [(n, c) for n, c in categories["determinism"] if "concurrent" not in n]
+        plans[backend] = categories
+    planned(sum(len(checks) for categories in plans.values() for checks in categories.values()))
+    for backend, categories in plans.items():
         for category, checks in categories.items():
             t0 = time.perf_counter()
             failed = []
             for name, check in checks:
                 ok, detail = _run(check)
+                advance()
                 if not ok:
                     failed.append(f"{name}: {detail}")
             rows.append({"category": category, "backend": backend, "passed": len(checks) - len(failed),

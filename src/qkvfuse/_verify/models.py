@@ -25,7 +25,7 @@ import torch
 
 from ..backends import resolve_backend
 from .accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
-from .sections import Options, Section
+from .sections import Options, Section, advance, planned
 from .tiny_models import TINY_MODELS, build_tiny_model, clone_model, tiny_image_prompt, tiny_prompt
 
 __all__ = ["ModelReport", "check_prefill", "check_generation", "check_bf16", "check_padded_batch", "check_undo",
@@ -241,8 +241,13 @@ def section(opts: Options) -> Section:
         return Section("models (transformers integration)", ("family", "pass"), [],
                        note=f"skipped: transformers is not installed ({exc})")
     backend = opts.backends[0] if opts.backends else None
+    plan = _plan(opts.quick)
+    planned(len(plan))
+    rows = []
     with single_thread():
-        rows = [_row(name, dtype, backend) for name, dtype in _plan(opts.quick)]
+        for name, dtype in plan:
+            rows.append(_row(name, dtype, backend))
+            advance()
     resolved = resolve_backend(backend, "cpu")
     note = (f"tiny random-weight models (head_dim 128, published Hq/Hkv ratio, 2 layers; gated Qwen3-Next / "
             f"Qwen3.5: head_dim 256, 3 Gated DeltaNet + 1 full-attention layer); backend: "

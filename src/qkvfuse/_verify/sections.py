@@ -22,8 +22,9 @@ import time
 import traceback
 from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["Section", "Options", "Entry", "REGISTRY", "print_section", "sections_for", "load", "run",
-           "backends_section", "triton_interpreter"]
+__all__ = ["Section", "Options", "Entry", "REGISTRY", "print_section", "sections_for", "load", "run", "collect",
+           "Verified", "failed_checks", "rerun_command", "planned", "advance", "backends_section",
+           "triton_interpreter"]
 
 
 @dataclasses.dataclass
@@ -202,49 +203,136 @@ def backends_section(opts: Options) -> Section:
     return Section("backends", ("backend", "status", "pass"), rows, note)
 
 
-def run(opts: Options) -> int:
-    """Run the sections of ``opts`` (host or device), print each table, return 1 if any row failed (2: bad
-    section names). The JSON (``opts.json``) is rewritten after every section, so a run cut short keeps its
-    results."""
+# A section reports its work as it goes (:func:`planned` before, :func:`advance` per check) so that a caller can
+# show progress; nothing happens unless :func:`collect` was given a progress object.
+_progress = None
+
+
+def planned(n: int) -> None:
+    """The running section will make ``n`` more checks (adds to its progress total; may be called again)."""
+    if _progress is not None and n:
+        _progress.planned(n)
+
+
+def advance(n: int = 1) -> None:
+    """The running section finished ``n`` more checks."""
+    if _progress is not None and n:
+        _progress.advance(n)
+
+
+@dataclasses.dataclass
+class Verified:
+    """What :func:`collect` returns: the header, each section run (name, table, seconds), the exit status
+    (0 all passed, 1 a row failed, 2 bad options: ``error`` says which) and the JSON-ready ``result``."""
+
+    info: Dict[str, object]
+    sections: List[tuple]  # (name, Section, seconds)
+    code: int
+    result: Dict[str, object]
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def counts(self) -> Dict[str, int]:
+        """passed / failed / skipped rows over every section."""
+        rows = [r for _, s, _ in self.sections for r in s.rows]
+        failed = sum(s.failures for _, s, _ in self.sections)
+        checked = sum(r.get("pass", False) is not None for r in rows)
+        return {"passed": checked - failed, "failed": failed,
+                "skipped": sum(r.get("pass", False) is None for r in rows)}
+
+
+# Columns that measure a row rather than name it (left out of a failed row's name).
+_MEASURES = {"pass", "max err", "unfused err", "s", "passed", "total", "max logit err", "unpatched err",
+             "tokens identical", "status", "detail"}
+
+
+def failed_checks(name: str, section: Section) -> List[Dict[str, str]]:
+    """Each failed row of ``section`` (registered as ``name``): ``{"name", "detail", "rerun"}``, the name made of
+    the row's identifying columns, the rerun the command that runs that section (and backend) alone."""
+    out = []
+    for row in section.rows:
+        if row.get("pass", False) is None or row.get("pass", False):
+            continue
+        label = " ".join(str(row[c]) for c in section.columns if c not in _MEASURES and row.get(c) not in (None, ""))
+        backend = row.get("backend")
+        out.append({"name": f"{name}: {label}" if label else name, "detail": str(row.get("detail", "")),
+                    "rerun": rerun_command(name, backend if isinstance(backend, str) else None)})
+    return out
+
+
+def rerun_command(section: str, backend: Optional[str] = None) -> str:
+    """The command that reruns one host section (the ``backends`` table: every section) for one backend."""
+    command = "python -m qkvfuse verify"
+    if section in REGISTRY:
+        command += f" --section {section}"
+    return command + (f" --backend {backend}" if backend else "")
+
+
+def collect(opts: Options, progress=None, echo: bool = False) -> Verified:
+    """Run the sections of ``opts`` (host or device) and return them; ``echo`` prints each table as it finishes.
+
+    ``progress``: an object with ``start(name, summary)``, ``planned(n)``, ``advance(n)`` and
+    ``end(name, section, seconds)`` (see :func:`planned`). The JSON (``opts.json``) is rewritten after every
+    section, so a run cut short keeps its results.
+    """
+    global _progress
+
+    def refuse(message: str) -> Verified:
+        if echo:
+            print(message)
+        return Verified({}, [], 2, {}, error=message)
+
     if opts.cpu_interpreter:
         reason = triton_interpreter()
         if reason:
-            print(f"verify: --cpu-interpreter: {reason}")
-            return 2
+            return refuse(f"verify: --cpu-interpreter: {reason}")
     if opts.backends:
         from ..backends import BACKEND_NAMES
 
         unknown = [b for b in opts.backends if b not in BACKEND_NAMES]
         if unknown:
-            print(f"verify: --backend {', '.join(unknown)}: not a backend; choose from {', '.join(BACKEND_NAMES)}")
-            return 2
+            return refuse(f"verify: --backend {', '.join(unknown)}: not a backend; choose from "
+                          f"{', '.join(BACKEND_NAMES)}")
     names = sections_for(opts)
     if opts.sections:
         unknown = [s for s in opts.sections if s not in names]
         if unknown:
             kind = "device run (--device <accelerator> or --cpu-interpreter)" if opts.device_run else "host run"
-            print(f"verify: --section {', '.join(unknown)}: not a section of this {kind}; "
-                  f"choose from {', '.join(names)}")
-            return 2
+            return refuse(f"verify: --section {', '.join(unknown)}: not a section of this {kind}; "
+                          f"choose from {', '.join(names)}")
         names = [n for n in names if n in opts.sections]
     info = header(opts)
-    print(json.dumps(info))
+    if echo:
+        print(json.dumps(info))
     result: Dict[str, object] = dict(info, sections=[])
-    failures, start = 0, time.perf_counter()
-    if not opts.device_run and any(REGISTRY[n].backends for n in names):  # which backends can run, first
-        t0 = time.perf_counter()
-        section = backends_section(opts)
-        print_section(section)
-        failures += section.failures
-        result["sections"].append(dict(dataclasses.asdict(section), name="backends",
-                                       seconds=round(time.perf_counter() - t0, 1)))
+    done = Verified(info, [], 0, result)
+    start = time.perf_counter()
+
+    def record(name: str, section: Section, t0: float) -> None:
+        seconds = time.perf_counter() - t0
+        if echo:
+            print_section(section)
+        if progress is not None:
+            progress.end(name, section, seconds)
+        done.sections.append((name, section, seconds))
+        result["sections"].append(dict(dataclasses.asdict(section), name=name, seconds=round(seconds, 1)))
+        result["elapsed_s"] = round(time.perf_counter() - start, 1)
         if opts.json:
             with open(opts.json, "w") as fh:
                 json.dump(result, fh, indent=1, default=str)
+
+    if not opts.device_run and any(REGISTRY[n].backends for n in names):  # which backends can run, first
+        t0 = time.perf_counter()
+        if progress is not None:
+            progress.start("backends", "which backends can run here")
+        section = backends_section(opts)
+        record("backends", section, t0)
         if opts.backends:  # the sections get the requested backends that can run
             runnable = [r["backend"] for r in section.rows if r["pass"]]
             if not runnable:
-                print("\nverify: no requested backend can run here; the sections that check backends are skipped")
+                if echo:
+                    print("\nverify: no requested backend can run here; the sections that check backends are skipped")
                 names = [n for n in names if not REGISTRY[n].backends]
             opts = dataclasses.replace(opts, backends=runnable)
     for name in names:
@@ -252,8 +340,12 @@ def run(opts: Options) -> int:
         try:
             section_fn = load(name)
         except ImportError as exc:
-            print(f"\n== {name} == skipped: {exc}")
+            if echo:
+                print(f"\n== {name} == skipped: {exc}")
             continue
+        if progress is not None:
+            progress.start(name, REGISTRY[name].summary)
+        _progress = progress
         try:
             section = section_fn(opts)
             if opts.device_run and opts.torch_device.type != "cpu":  # an asynchronous error belongs to this section
@@ -263,19 +355,26 @@ def run(opts: Options) -> int:
         except Exception as exc:  # one broken section must not hide the others' results
             traceback.print_exc()
             section = _failed(name, exc)
+        finally:
+            _progress = None
         if section is None:  # nothing to do in this run (e.g. a full-tier-only section)
+            if progress is not None:
+                progress.end(name, None, time.perf_counter() - t0)
             continue
-        print_section(section)
-        failures += section.failures
-        result["sections"].append(dict(dataclasses.asdict(section), name=name,
-                                       seconds=round(time.perf_counter() - t0, 1)))
-        result["elapsed_s"] = round(time.perf_counter() - start, 1)
-        if opts.json:
-            with open(opts.json, "w") as fh:
-                json.dump(result, fh, indent=1, default=str)
-    total = sum(sum(r.get("pass", False) is not None for r in s["rows"]) for s in result["sections"])
-    skipped = sum(sum(r.get("pass", False) is None for r in s["rows"]) for s in result["sections"])
-    print(f"\nverify: {total - failures} passed, {failures} failed"
-          + (f", {skipped} skipped" if skipped else "") + f" in {time.perf_counter() - start:.0f} s"
+        record(name, section, t0)
+    done.seconds = time.perf_counter() - start
+    done.code = 1 if done.counts["failed"] else 0
+    return done
+
+
+def run(opts: Options) -> int:
+    """Run the sections of ``opts`` (host or device), print each table, return 1 if any row failed (2: bad
+    options). The JSON (``opts.json``) is rewritten after every section, so a run cut short keeps its results."""
+    done = collect(opts, echo=True)
+    if done.code == 2:
+        return 2
+    counts = done.counts
+    print(f"\nverify: {counts['passed']} passed, {counts['failed']} failed"
+          + (f", {counts['skipped']} skipped" if counts["skipped"] else "") + f" in {done.seconds:.0f} s"
           + (f"; JSON: {opts.json}" if opts.json else ""))
-    return 1 if failures else 0
+    return done.code

@@ -99,6 +99,8 @@ class Row:
     check: str = ""  # qkvfuse cpu / bare rows: "ok" or "FAIL: ..." -- the accuracy rule on these very inputs
     others: Optional[float] = None  # share of the CPUs other processes used while this cell ran (noise)
     vs_bare: Optional[float] = None  # this time / the bare torch.ops call's time (median of per-round ratios)
+    # impl -> that candidate's time / this time (median of per-round ratios; > 1: this one is faster)
+    vs: Dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

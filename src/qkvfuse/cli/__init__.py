@@ -1,8 +1,10 @@
-"""``python -m qkvfuse {verify,bench,build}``: check and measure qkvfuse on this machine.
+"""``python -m qkvfuse [run|verify|bench|build]``: check and measure qkvfuse on this machine.
 
-``--device cpu`` (the default) checks / times every backend on CPU tensors; ``--device cuda`` runs the device
-sections (the Triton backend at realistic sizes, CUDA graphs, torch.compile, the MoE stream race check) and the
-device timings; ``--cpu-interpreter`` is a dry run of those on CPU (small sizes, ``TRITON_INTERPRET=1``).
+With no sub-command (or ``run``; what ``make run`` calls): build the native library, verify every backend, time
+the user-facing calls against the alternatives, print one screen and write the full report
+(:mod:`qkvfuse.cli.run`). ``verify`` and ``bench`` print every table; ``build`` builds and prints the library's
+path. ``--device cuda`` (verify, bench) checks / times the Triton backend on that device; ``--cpu-interpreter`` is
+a dry run of those on CPU (small sizes, ``TRITON_INTERPRET=1``). Documented in ``docs/cli.md``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,27 @@ from typing import List, Optional
 def main(argv: Optional[List[str]] = None) -> int:
     from .._verify.sections import REGISTRY
     from ..backends import BACKEND_NAMES
+    from .run import DEFAULT_REPORT_DIR
 
-    parser = argparse.ArgumentParser(prog="qkvfuse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="qkvfuse", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the main job (the default): build, verify, time, one screen and a report "
+                                     "folder; exit 0 only when everything verified")
+    run.add_argument("--report", default=DEFAULT_REPORT_DIR,
+                     help=f"folder of the full report (default ./{DEFAULT_REPORT_DIR}/: report.md, report.json, "
+                          "speed.png, accuracy.png)")
+    run.add_argument("--json", help="also write the report's JSON to this path")
+    run.add_argument("--quiet", action="store_true", help="no progress: print the summary only")
+    run.add_argument("--quick", action="store_true", help="verify fewer rows (CI-sized)")
+    run.add_argument("--backend", action="append", choices=BACKEND_NAMES,
+                     help="verify only these backends (repeatable); one that cannot run here fails the run")
+    run.add_argument("--tokens", action="append", type=int,
+                     help="time only these token counts (default 1, 16, 256, 4096)")
+    run.add_argument("--seconds", type=float, help="about this many seconds per timed cell (default about 1)")
+    run.add_argument("--no-compile", action="store_true", help="leave out the torch.compile column")
+    run.add_argument("--no-bench", action="store_true", help="verify only: no speed table")
+    run.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
     verify = sub.add_parser("verify", help="verify every backend against the float64 oracle (non-zero exit on failure)")
     verify.add_argument("--quick", action="store_true", help="fewer rows (CI-sized)")
     verify.add_argument("--backend", action="append", choices=BACKEND_NAMES,
@@ -57,7 +77,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     _device_arguments(bench, " (--preset, --tokens, --quick and --json apply there too)")
     sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
                                  "then print its path")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in sub.choices and argv[0] not in ("-h", "--help")):
+        argv = ["run"] + argv  # the main job is the default sub-command
     args = parser.parse_args(argv)
+    if args.command == "run":
+        from .run import run_main
+
+        return run_main(args)
     if args.command in ("verify", "bench"):
         problem = _output_problem(args)
         if problem:
