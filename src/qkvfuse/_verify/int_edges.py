@@ -23,11 +23,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import _library
+from .._checks import MAX_HEADS
 from ..backends import select_ops
 
-__all__ = ["EDGES", "SWEPT", "cases", "run"]
+__all__ = ["EDGES", "HEAD_EDGES", "SWEPT", "cases", "run"]
 
 EDGES = (0, -1, 2**31 - 1, 2**31, 2**31 + 1, 2**62 + 1, 2**63 - 1)
+# Head counts also at the bound and one past it: the native copy of the bound is the Python one, or the messages
+# differ.
+HEAD_EDGES = EDGES + (MAX_HEADS, MAX_HEADS + 1)
 
 # Every integer argument of every op, as "namespace::op.argument"; the test holds this to the registered schemas.
 _SPLIT_INTS = ("num_q_heads", "num_kv_heads", "rope")
@@ -106,10 +110,11 @@ def _split_cases(ns: str, form: str) -> Dict[str, Callable[[], Tuple[bool, str]]
         layout = "gated" if gated else "plain"
         base_rope = _library.encode_rope(True, q_gate=gated)
         add(f"{layout} base call", lambda g=gated, r=base_rope: _split_args(2, 1, r, g))  # runs: the sweep's anchor
-        for v in EDGES:
+        for v in HEAD_EDGES:
             add(f"{layout} num_q_heads={v}", lambda v=v, g=gated, r=base_rope: _split_args(v, 1, r, g))
             add(f"{layout} num_kv_heads={v}", lambda v=v, g=gated, r=base_rope: _split_args(2, v, r, g))
             add(f"{layout} num_q_heads=num_kv_heads={v}", lambda v=v, g=gated, r=base_rope: _split_args(v, v, r, g))
+        for v in EDGES:
             add(f"{layout} rope={v}", lambda v=v, g=gated: _split_args(2, 1, v, g))
         # Gemma norm weights without weights: nothing to apply the flag to.
         add(f"{layout} gemma rope without norm weights",
@@ -186,7 +191,7 @@ def _public_cases(backend: str) -> Dict[str, Callable[[], Tuple[bool, str]]]:
 
     found = {}
     for arg in ("num_q_heads", "num_kv_heads"):
-        for v in EDGES:
+        for v in EDGES + (MAX_HEADS + 1,):  # at MAX_HEADS both refuse qkv's width, the public message with head_dim
             geometry = {"num_q_heads": 2, "num_kv_heads": 1, arg: v}
 
             def raw(geometry=geometry):
