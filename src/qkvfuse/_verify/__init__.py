@@ -10,6 +10,8 @@ Private (no stability promise); the library never imports it, the CLI and the te
 * :mod:`.guarded` -- guard-page tensors (``python -m qkvfuse._verify.guarded BACKEND``).
 * :mod:`.failure_modes` -- the catalogue of public failure modes, bad calls, fuzz space, determinism checks
   (``python -m qkvfuse._verify.failure_modes bad-input BACKEND``).
+* :mod:`.int_edges` -- every integer argument of every raw op at int64 edge values, refused with the reference's
+  message or agreeing with it (``python -m qkvfuse._verify.int_edges BACKEND``).
 * :mod:`.tiny_models`, :mod:`.models` -- tiny random-weight transformers models and the logits-to-logits checks.
 * :mod:`.sections` -- the :class:`~.sections.Section` protocol, the registry of sections and the runner; the
   sections are :mod:`.conformance` (``ops``), :mod:`.models`, :mod:`.failure_modes` (host) and :mod:`.device`,

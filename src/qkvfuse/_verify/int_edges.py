@@ -167,8 +167,7 @@ def _native_cases() -> Dict[str, Callable[[], Tuple[bool, str]]]:
             lambda v=v: _expect(lambda: tuple(ops.decode_rope(v)), lambda: _decoded(v), "rope"))
         found[f"qkvfuse_cpu::grain_items: elems_per_item={v}"] = (
             lambda v=v: _expect(lambda: ops.grain_items(v), lambda: _grain(v), "elems_per_item"))
-    for form in ("out",):
-        found.update(_split_cases("qkvfuse_cpu", form))
+    found.update(_split_cases("qkvfuse_cpu", "out"))  # split_generic_out: the out= schema
     return found
 
 
