@@ -23,8 +23,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 __all__ = ["FLOATS", "INTS", "MAX_HEAD_DIM", "MAX_HEADS", "HEADS_EXPECTED", "fail", "fail_gemma_without_weights",
-           "check_split", "check_norm",
-           "real_memory", "share_elements"]
+           "check_split", "check_norm", "real_memory", "share_elements"]
 
 MAX_HEAD_DIM = 512
 # Head counts are bounded before anything is derived from them: with Hq, Hkv <= 2**20 and head_dim <= 512 every
