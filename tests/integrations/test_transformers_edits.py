@@ -635,3 +635,104 @@ def test_replaced_rotary_that_cannot_be_reproduced_runs_unfused(name, op_calls):
     _assert_same(got, _logits(unpatched, inputs))
     assert _logits(hf.remove_qkvfuse(patched), inputs).shape == got.shape
     assert not any("forward" in m.__dict__ for m in patched.modules())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Scalars a fused call uses, changed in place after a first forward: the norms' eps, GLM's use_qk_norm, the
+# rotary module's mRoPE sections and cos/sin scaling. transformers reads each per call; so does the patch.
+# ------------------------------------------------------------------------------------------------------------
+def _set_eps(norm, value):
+    setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", value)
+
+
+def _qk_eps(model, value=0.5):
+    for layer in _text_model(model).layers:
+        attn = layer._modules.get("self_attn")
+        if attn is not None and _has_qk_norm(attn):
+            _set_eps(attn.q_norm, value)
+            _set_eps(attn.k_norm, value)
+
+
+def _decoder_eps(model, value=5.0):
+    for layer in _text_model(model).layers:
+        _set_eps(layer.post_attention_layernorm, value)
+
+
+def _mrope_section(model):
+    """All but one frequency of height and width move to time, in place in the list the rotary module reads (moving
+    only a few would move the lowest frequencies of interleaved layouts, too slow to show at these positions)."""
+    section = _text_model(model).rotary_emb.mrope_section
+    section[:] = [sum(section) - 2, 1, 1]
+
+
+def _qk_norm_off(model):
+    for layer in _text_model(model).layers:
+        layer.self_attn.use_qk_norm = False
+
+
+_SCALAR_EDITS = {
+    "q_norm-k_norm-eps": (_qk_eps, ("Qwen3", "GLM-4.7", "Qwen3-Next")),
+    "post_attention_layernorm-eps": (_decoder_eps, ("Qwen3", "GLM-4.7", "Qwen3-Next")),
+    "mrope_section": (_mrope_section, ("Qwen3-VL", "GLM-4.5V", "Qwen3.5")),
+    "use_qk_norm-off": (_qk_norm_off, ("GLM-4.7",)),
+}
+
+
+@pytest.mark.parametrize("edit, name, backend", [
+    pytest.param(e, n, b, id=f"{e}-{n}-{b}") for e, (_, names) in _SCALAR_EDITS.items() for n in names
+    for b in BACKEND_NAMES if b != "triton" or n in INTERPRETED], indirect=["backend"])
+def test_scalar_edits_are_followed(edit, name, backend, op_calls):
+    """The same edit on both twins after a first forward (bound ops built): the patched model gives the unpatched
+    model's new logits on the fused path, without a warning, in prefill and generation."""
+    unpatched, patched, inputs = _twins(name, backend)
+    before = _logits(unpatched, inputs)
+    _assert_same(_logits(patched, inputs), before, "before")
+    for model in (unpatched, patched):
+        _SCALAR_EDITS[edit][0](model)
+    want = _logits(unpatched, inputs)
+    assert vm.relative_error(want, before) > 1e-3, "the edit does not change the unpatched logits"
+    op_calls.update(split=0, norm=0)
+    got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
+    assert caught == []
+    assert op_calls == {"split": attention_layers(patched), "norm": _layers(patched)}
+    _assert_same(got, want, edit)
+    _assert_same_generation(patched, unpatched, inputs)
+
+
+def test_q_and_k_norms_with_different_eps_run_unfused(op_calls):
+    """One eps per fused call: a layer whose q_norm and k_norm eps differ runs transformers' code (one warning);
+    equal again, it is fused again with the new eps."""
+    unpatched, patched, inputs = _twins("Qwen3", "cpu")
+    _logits(patched, inputs)
+    for model in (unpatched, patched):
+        _attn(model, 1).k_norm.variance_epsilon = 0.25
+    op_calls["split"] = 0
+    got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
+    assert len(caught) == 1 and "q_norm and k_norm have different eps" in caught[0], caught
+    assert op_calls["split"] == attention_layers(patched) - 1
+    _assert_same(got, _logits(unpatched, inputs))
+    for model in (unpatched, patched):
+        _attn(model, 1).q_norm.variance_epsilon = 0.25
+    op_calls["split"] = 0
+    _assert_same(_logits(patched, inputs), _logits(unpatched, inputs))
+    assert op_calls["split"] == attention_layers(patched)
+
+
+@pytest.mark.parametrize("name", ["Qwen3", "Qwen3-VL"])
+def test_changed_rotary_scaling_runs_unfused(name, op_calls):
+    """A rotary module whose ``attention_scaling`` changed in place no longer matches the table qkvfuse builds from
+    the config: the attention layers run transformers' code (one warning) until it is set back."""
+    unpatched, patched, inputs = _twins(name, "cpu")
+    _logits(patched, inputs)
+    for model in (unpatched, patched):
+        _text_model(model).rotary_emb.attention_scaling = 1.25
+    op_calls["split"] = 0
+    got, caught = _run_recording_warnings(lambda: _logits(patched, inputs))
+    assert len(caught) == 1 and "rotary_emb changed in place" in caught[0] and "cannot reproduce" in caught[0], caught
+    assert op_calls["split"] == 0
+    _assert_same(got, _logits(unpatched, inputs))
+    for model in (unpatched, patched):
+        _text_model(model).rotary_emb.attention_scaling = 1.0
+    got = _logits(patched, inputs)
+    assert op_calls["split"] == attention_layers(patched)
+    _assert_same(got, _logits(unpatched, inputs))

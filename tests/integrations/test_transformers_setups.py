@@ -10,6 +10,10 @@ autocast.
 
 Offloading: a model with parameters on the meta device, an accelerate hook, or an hf_device_map with CPU/disk
 offload is refused at patch time, before anything changes.
+
+A dtype the fused ops do not take (``model.double()`` after patching, to compute a reference): every layer runs
+its own code for those calls, with one warning per model, and gives the unpatched float64 model's logits exactly;
+cast back, the model is fused again.
 """
 
 import warnings
@@ -20,8 +24,8 @@ import torch
 pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
-from qkvfuse._verify.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR
-from qkvfuse._verify.tiny_models import attention_layers, build_tiny_model, clone_model, tiny_prompt
+from qkvfuse._verify.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
+from qkvfuse._verify.tiny_models import TINY_MODELS, attention_layers, build_tiny_model, clone_model, tiny_prompt
 from qkvfuse.integrations import transformers as hf
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -93,6 +97,36 @@ def test_mixed_dtype_attention_output_uses_the_unpatched_add_and_norm(monkeypatc
     scale = unpatched.abs().max().item()
     # The add+norm are the unpatched code; the fused prepare differs by fp32 rounding, then bf16 rounding.
     assert (patched - unpatched).abs().max().item() <= 2e-2 * scale
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A dtype the ops do not take.
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(TINY_MODELS))
+def test_float64_after_patching_runs_the_model_code(name, op_calls):
+    unpatched, patched = build_tiny_model(name), hf.apply_qkvfuse(build_tiny_model(name), backend="cpu")
+    inputs = vm.model_inputs(unpatched, name, batch=2, length=8)
+    for model in (unpatched, patched):
+        model.set_experts_implementation("eager")  # transformers' grouped-mm experts have no float64 path
+        model.double()
+    hf._warned_unfused.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, again = patched(**inputs).logits, patched(**inputs).logits
+    ours = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning) and "qkvfuse" in str(w.message)]
+    assert len(ours) == 1, ours  # one for the model: every layer, both forwards
+    assert "unfused code for activations of dtype torch.float64" in ours[0], ours
+    assert op_calls == {"split": 0, "norm": 0}
+    with torch.no_grad():
+        want = unpatched(**inputs).logits
+    assert got.dtype == torch.float64
+    assert torch.equal(got, want) and torch.equal(again, want)
+    for model in (unpatched, patched):
+        model.float()
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, unpatched(**inputs).logits
+    assert op_calls == {"split": attention_layers(patched), "norm": _layers(patched)}
+    assert vm.relative_error(got, want) <= MODEL_FP32_LOGIT_RTOL
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -68,12 +68,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import inspect
 import os
 import sys
+import textwrap
 import types
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -82,11 +84,14 @@ from torch.nn.modules import module as _nn_module
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import ops
+from .._checks import FLOATS, served_dtypes
 from ..backends import resolve_backend
 from ..rope import build_cos_sin_cache, compute_inv_freq
+from ._engine_common import first_untested
 from ._rebind import Rebinding
 
-__all__ = ["apply_qkvfuse", "remove_qkvfuse", "SUPPORTED_MODELS", "is_patched"]
+__all__ = ["apply_qkvfuse", "remove_qkvfuse", "SUPPORTED_MODELS", "is_patched", "TESTED_SOURCES",
+           "TESTED_TRANSFORMERS", "source_hash", "source_hashes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +155,153 @@ SUPPORTED_MODELS: Dict[str, _Family] = {
 # ``glm4v_text`` or an MoE ``glm4v_moe_text`` model): supported when the text config's model type is.
 BY_TEXT_CONFIG: Tuple[str, ...] = ("glm46v",)
 _OVERLAP_ENV = "QKVFUSE_SHARED_EXPERT_OVERLAP"
-_FUSABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FUSABLE_DTYPES = FLOATS  # what the ops take (qkvfuse._checks): the projections' dtypes at patch time
+
+
+# --------------------------------------------------------------------------------------------------------
+# The transformers code the fused forwards replace or reproduce, by a hash of its source. A layer class whose
+# code hashes to none of the tested versions keeps transformers' own forward, with one warning per patch.
+# --------------------------------------------------------------------------------------------------------
+TESTED_TRANSFORMERS: Tuple[str, ...] = ("5.19.0", "5.23.0")  # the dev venv's, and the vLLM / SGLang venvs'
+TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
+    "Qwen3Attention.forward": ("95140604894f7733",),
+    "Qwen3DecoderLayer.forward": ("461ed20abeb521a9",),
+    "Qwen3RMSNorm.forward": ("d676bfe9af0e524d",),
+    "Qwen3RotaryEmbedding.forward": ("2b71104c384d7ed6",),
+    "modeling_qwen3.apply_rotary_pos_emb": ("ea234325c15de475",),
+    "modeling_qwen3.rotate_half": ("f714a4b1160c694e",),
+    "Qwen3MoeAttention.forward": ("95140604894f7733",),
+    "Qwen3MoeDecoderLayer.forward": ("461ed20abeb521a9",),
+    "Qwen3MoeRMSNorm.forward": ("d676bfe9af0e524d",),
+    "Qwen3MoeRotaryEmbedding.forward": ("2b71104c384d7ed6",),
+    "modeling_qwen3_moe.apply_rotary_pos_emb": ("ea234325c15de475",),
+    "modeling_qwen3_moe.rotate_half": ("f714a4b1160c694e",),
+    "Qwen3VLTextAttention.forward": ("5d6148ad4fd8d7ff",),
+    "Qwen3VLTextDecoderLayer.forward": ("f09c54bd28268d8d",),
+    "Qwen3VLTextRMSNorm.forward": ("d676bfe9af0e524d",),
+    "Qwen3VLTextRotaryEmbedding.forward": ("ea0b63112c8123db",),
+    "Qwen3VLTextRotaryEmbedding.recomposition_frequencies": ("3ddfd42b631af4e3",),
+    "modeling_qwen3_vl.apply_rotary_pos_emb": ("ea234325c15de475",),
+    "modeling_qwen3_vl.rotate_half": ("f714a4b1160c694e",),
+    "Glm4MoeAttention.forward": ("f411c850bb07728e",),
+    "Glm4MoeDecoderLayer.forward": ("461ed20abeb521a9",),
+    "Glm4MoeRMSNorm.forward": ("d676bfe9af0e524d",),
+    "Glm4MoeRotaryEmbedding.forward": ("2b71104c384d7ed6",),
+    "modeling_glm4_moe.apply_rotary_pos_emb": ("8e62703ac8727b8f",),
+    "modeling_glm4_moe.rotate_half": ("f714a4b1160c694e",),
+    "Glm4vMoeTextAttention.forward": ("4c606200fe2a59bd",),
+    "Glm4vMoeTextDecoderLayer.forward": ("461ed20abeb521a9",),
+    "Glm4vMoeTextRMSNorm.forward": ("d676bfe9af0e524d",),
+    "Glm4vMoeTextRotaryEmbedding.forward": ("294a2ba912b71388",),
+    "Glm4vMoeTextRotaryEmbedding.recomposition_frequencies": ("5d46ebfc50edbe3f",),
+    "modeling_glm4v_moe.apply_rotary_pos_emb": ("8e62703ac8727b8f",),
+    "modeling_glm4v_moe.rotate_half": ("f714a4b1160c694e",),
+    "Qwen3VLMoeTextAttention.forward": ("5d6148ad4fd8d7ff",),
+    "Qwen3VLMoeTextDecoderLayer.forward": ("461ed20abeb521a9",),
+    "Qwen3VLMoeTextRMSNorm.forward": ("d676bfe9af0e524d",),
+    "Qwen3VLMoeTextRotaryEmbedding.forward": ("76fb98391d18c78c",),
+    "Qwen3VLMoeTextRotaryEmbedding.recomposition_frequencies": ("3ddfd42b631af4e3",),
+    "modeling_qwen3_vl_moe.apply_rotary_pos_emb": ("ea234325c15de475",),
+    "modeling_qwen3_vl_moe.rotate_half": ("f714a4b1160c694e",),
+    "Qwen3NextAttention.forward": ("330be94d2d451973",),
+    "Qwen3NextDecoderLayer.forward": ("7c1274273e8590ec", "0844175983c2eb56",),
+    "Qwen3NextRMSNorm.forward": ("509615cb1d1cc91a",),
+    "Qwen3NextRotaryEmbedding.forward": ("2b71104c384d7ed6",),
+    "modeling_qwen3_next.apply_rotary_pos_emb": ("ab8feb64f1955571",),
+    "modeling_qwen3_next.rotate_half": ("f714a4b1160c694e",),
+    "Qwen3_5Attention.forward": ("330be94d2d451973",),
+    "Qwen3_5DecoderLayer.forward": ("712847e15548802e", "6f4911be93fce949",),
+    "Qwen3_5RMSNorm.forward": ("ab138eff95730604",),
+    "Qwen3_5TextRotaryEmbedding.forward": ("c12d419b2e9ce914",),
+    "Qwen3_5TextRotaryEmbedding.recomposition_frequencies": ("3ddfd42b631af4e3",),
+    "modeling_qwen3_5.apply_rotary_pos_emb": ("ab8feb64f1955571",),
+    "modeling_qwen3_5.rotate_half": ("f714a4b1160c694e",),
+    "Qwen3_5MoeAttention.forward": ("330be94d2d451973",),
+    "Qwen3_5MoeDecoderLayer.forward": ("7c1274273e8590ec", "0844175983c2eb56",),
+    "Qwen3_5MoeRMSNorm.forward": ("7a580d8d09970afd",),
+    "Qwen3_5MoeTextRotaryEmbedding.forward": ("96d4afea05dcf8f1",),
+    "Qwen3_5MoeTextRotaryEmbedding.recomposition_frequencies": ("3ddfd42b631af4e3",),
+    "modeling_qwen3_5_moe.apply_rotary_pos_emb": ("ab8feb64f1955571",),
+    "modeling_qwen3_5_moe.rotate_half": ("f714a4b1160c694e",),
+}
+
+
+def source_hash(fn: Callable) -> str:
+    """The hash :data:`TESTED_SOURCES` holds for a function: sha256 of its dedented source (decorators included),
+    16 hex digits, as the engine plugins hash engine code."""
+    return hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
+
+
+_hashes: Dict[Callable, str] = {}  # a model has many layers of one class: each function is read once
+
+
+def _known_hash(fn: Callable) -> str:
+    digest = _hashes.get(fn)
+    if digest is None:
+        try:
+            digest = source_hash(fn)
+        except (OSError, TypeError):  # no source to read (a compiled or generated function): not the tested code
+            digest = ""
+        _hashes[fn] = digest
+    return digest
+
+
+def _method(cls: type, name: str) -> Tuple[str, Optional[Callable]]:
+    """``("<class>.<name>", function)``, named after the first class of ``cls``'s MRO that defines this code: a
+    subclass that only re-wraps it (transformers wraps every decoder layer subclass's forward for gradient
+    checkpointing) names the base class, one that overrides it names itself."""
+    fn = getattr(cls, name, None)
+    code = inspect.unwrap(fn) if fn is not None else None
+    owners = [c for c in cls.__mro__ if name in c.__dict__ and inspect.unwrap(getattr(c, name)) is code]
+    return f"{(owners[-1] if owners else cls).__name__}.{name}", fn
+
+
+def _attention_sources(attn: nn.Module, rotary: nn.Module, family: _Family) -> Dict[str, Optional[Callable]]:
+    """What the fused attention stands in for: the attention forward it replaces, and the code whose results it
+    reproduces -- the model module's rotation functions, the rotary module's cos/sin (and mRoPE layout) and the
+    q/k norms' forward."""
+    base = _base(type(attn), family.attention)
+    module = sys.modules[base.__module__]
+    short = base.__module__.rsplit(".", 1)[-1]
+    found = dict([_method(type(attn), "forward"), _method(type(rotary), "forward")])
+    for name in ("apply_rotary_pos_emb", "rotate_half"):
+        found[f"{short}.{name}"] = getattr(module, name, None)
+    if family.mrope_interleaved is not None:
+        found.update([_method(type(rotary), "recomposition_frequencies")])
+    if hasattr(attn, "q_norm") and getattr(attn, "use_qk_norm", True):
+        found.update([_method(type(attn.q_norm), "forward"), _method(type(attn.k_norm), "forward")])
+    return found
+
+
+def _layer_sources(layer: nn.Module) -> Dict[str, Optional[Callable]]:
+    """What the fused decoder layer stands in for: its forward, and the post-attention norm's forward."""
+    return dict([_method(type(layer), "forward"), _method(type(layer.post_attention_layernorm), "forward")])
+
+
+def _untested(sources: Dict[str, Optional[Callable]]) -> Optional[str]:
+    """Why this code is not the tested transformers code (a source missing or hashing differently), or None."""
+    names = list(sources)
+    return first_untested(names, sources, {n: TESTED_SOURCES.get(n, ()) for n in names}, _known_hash,
+                          "transformers", ", ".join(TESTED_TRANSFORMERS))
+
+
+def source_hashes(model: nn.Module) -> Dict[str, str]:
+    """``{name: hash}`` of every transformers function :func:`apply_qkvfuse` checks against
+    :data:`TESTED_SOURCES` for ``model`` (a supported model, patched or not).
+
+    When bumping transformers: run it on a model of each supported family under the new version, check the
+    fused models against the unpatched ones (the tests), then add the new hashes to :data:`TESTED_SOURCES` and
+    the version to :data:`TESTED_TRANSFORMERS`.
+    """
+    family = _family_of(model)
+    found: Dict[str, Optional[Callable]] = {}
+    for text_model in _text_models(model, family):
+        for layer in text_model.layers:
+            attn = _attention_of(layer)
+            if attn is not None:
+                found.update(_attention_sources(attn, text_model.rotary_emb, family))
+            found.update(_layer_sources(layer))
+    return {name: _known_hash(fn) if fn is not None else "" for name, fn in sorted(found.items())}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -174,6 +325,11 @@ class _Rope:
         self.mrope_interleaved = bool(mrope_interleaved)
         if mrope_interleaved is not None:
             self.mrope_section = tuple(int(s) for s in rotary.mrope_section)
+            if sum(self.mrope_section) != self.rotary_dim // 2:
+                raise NotImplementedError(
+                    f"apply_qkvfuse: the rotary module's mrope_section {list(self.mrope_section)} does not cover "
+                    f"the {self.rotary_dim // 2} frequencies of its rotary dim {self.rotary_dim}")
+        self.settings = _rotary_settings(rotary)  # what its forward reads per call besides inv_freq
         self._check_against(rotary)
         self.rows = self.max_position  # rows of the table; grows with the positions the model computes
         self.captured: Optional[torch.Tensor] = None
@@ -211,10 +367,12 @@ class _Rope:
                 RuntimeWarning, stacklevel=4)
 
     def adopt(self, rotary: Optional[nn.Module]) -> None:
-        """Follow a text model whose ``rotary_emb`` was replaced: derive the table from the new module (its config's
-        rope parameters, checked against its frequencies as at patch time) and capture its positions; a module
-        qkvfuse cannot reproduce makes the attention layers run transformers' unfused code (one warning)."""
+        """Follow a text model whose ``rotary_emb`` was replaced, or whose settings read per call
+        (``attention_scaling``, ``mrope_section``) changed by value: derive the table from the module (its config's
+        rope parameters, checked against its frequencies and scaling as at patch time) and capture its positions; a
+        module qkvfuse cannot reproduce makes the attention layers run transformers' unfused code (one warning)."""
         old, state = self.rotary, self.state
+        self.settings = None if rotary is None else _rotary_settings(rotary)  # judged once per change
         if old is not None and _own_forward(old):
             del old.forward
             del old._qkvfuse_rope
@@ -226,8 +384,9 @@ class _Rope:
                 raise NotImplementedError("it is not a rotary module of the model's family with its own forward")
             fresh = _Rope(rotary, self.family_interleaved)
         except NotImplementedError as exc:
-            self.unfused = (f"because the text model's rotary_emb was replaced by a {type(rotary).__name__} that "
-                            f"qkvfuse cannot reproduce ({exc})")
+            what = (f"changed in place ({type(rotary).__name__}) to settings" if rotary is old
+                    else f"was replaced by a {type(rotary).__name__}")
+            self.unfused = f"because the text model's rotary_emb {what} that qkvfuse cannot reproduce ({exc})"
             return
         for name in ("theta", "rope_parameters", "max_position", "rotary_dim", "mrope_section", "mrope_interleaved",
                      "rows"):
@@ -305,6 +464,13 @@ def _flat_positions(captured: Optional[torch.Tensor], batch: int, seq: int, mrop
     return captured.expand(batch, seq).reshape(batch * seq)
 
 
+def _rotary_settings(rotary: nn.Module) -> Tuple:
+    """The scalars a transformers rotary forward reads per call and the table bakes in: the cos/sin scaling and the
+    mRoPE sections (plain attributes; a list may be edited in place, so compared by value)."""
+    section = rotary.__dict__.get("mrope_section")
+    return rotary.__dict__.get("attention_scaling", 1.0), None if section is None else tuple(section)
+
+
 def _capturing_rotary_forward(self, x, position_ids, *args, **kwargs):
     """The rotary module's forward, recording the ids it is given (installed as ``functools.partial(fn, module)``:
     module-level functions keep a patched model picklable and deep-copyable)."""
@@ -326,11 +492,11 @@ def _adopt_rotary(rope: _Rope, rotary) -> None:
 
 
 def _follow_rotary(module, args) -> None:
-    """Forward pre-hook of the text model: a ``rotary_emb`` replaced since the last forward is adopted before it
-    runs (one identity check per forward)."""
+    """Forward pre-hook of the text model: a ``rotary_emb`` replaced, or its per-call settings changed, since the
+    last forward is adopted before it runs (an identity check and two attribute reads per forward)."""
     rope = module._qkvfuse_rope
     rotary = module._modules.get("rotary_emb")
-    if rotary is not rope.rotary:
+    if rotary is not rope.rotary or (rotary is not None and _rotary_settings(rotary) != rope.settings):
         _adopt_rotary(rope, rotary)
 
 
@@ -347,6 +513,18 @@ def _norm_eps(norm: nn.Module) -> Optional[float]:
 def _attention_of(layer: nn.Module) -> Optional[nn.Module]:
     """The decoder layer's ``self_attn`` (None for a linear-attention layer of Qwen3-Next / Qwen3.5)."""
     return layer._modules.get("self_attn")
+
+
+def _uses_qk_norm(attn: nn.Module) -> bool:
+    """Whether the attention normalises q and k per head: it has ``q_norm`` and, for GLM, ``use_qk_norm`` is on
+    (a plain attribute that GLM's forward reads per call)."""
+    return attn._modules.get("q_norm") is not None and bool(attn.__dict__.get("use_qk_norm", True))
+
+
+def _serves(dtype: torch.dtype, weights) -> bool:
+    """Whether the fused ops take activations of ``dtype`` with these norm weights (None: absent): a dtype the ops
+    take (:data:`qkvfuse._checks.FLOATS`) that the weights serve (:func:`qkvfuse._checks.served_dtypes`)."""
+    return dtype in FLOATS and dtype in served_dtypes(weights)
 
 
 def _is_plain_linear(module) -> bool:
@@ -390,9 +568,11 @@ class _FusedAttention:
     """Per-attention-layer state: geometry, the concatenated QKV parameters, and the modules the fused path
     stands in for (q/k/v projections, q/k norms), so that a replaced or hooked one is noticed per call."""
 
-    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str], eager, family: _Family):
+    def __init__(self, attn: nn.Module, rope: _Rope, backend: Optional[str], eager, family: _Family,
+                 model_name: str = ""):
         config = attn.config
         self.rope = rope
+        self.model_name = model_name  # the text model's class, named by the one warning for an unserved dtype
         self.backend = backend
         self.num_q_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(config.num_key_value_heads)
@@ -407,8 +587,9 @@ class _FusedAttention:
         if reason is not None:
             raise ValueError(f"apply_qkvfuse: {reason}")
         self.projections = projections
-        # QK-norm: Qwen3 always, GLM-4.x when use_qk_norm (off for 4.5-Air), GLM-4.5V never.
-        self.qk_norm = hasattr(attn, "q_norm") and getattr(attn, "use_qk_norm", True)
+        # QK-norm: Qwen3 always, GLM-4.x when use_qk_norm (off for 4.5-Air), GLM-4.5V never. GLM's forward reads
+        # use_qk_norm per call, so edit() follows it; the eps is the q_norm's at each call (bound()).
+        self.qk_norm = _uses_qk_norm(attn)
         self.norms = (attn.q_norm, attn.k_norm) if self.qk_norm else ()
         self.eps = float(_norm_eps(attn.q_norm)) if self.qk_norm else 1e-6
         self.sliding_window = "sliding_window" in vars(attn)  # Qwen3 passes it to the attention interface
@@ -461,39 +642,57 @@ class _FusedAttention:
             self.projections = new
             self.fuse()
             q, k, v = self.projections
+        if _uses_qk_norm(attn) != self.qk_norm:  # GLM's use_qk_norm switched since the last call
+            self.qk_norm = not self.qk_norm
+            self.norms = (m["q_norm"], m["k_norm"]) if self.qk_norm else ()
         if self.qk_norm:
             qn, kn = self.norms
             if m.get("q_norm") is not qn or m.get("k_norm") is not kn:
                 new = (m.get("q_norm"), m.get("k_norm"))
-                if any(type(n) is not type(qn) or _norm_eps(n) != self.eps for n in new):
+                if any(type(n) is not type(qn) for n in new):
                     return (f"because q_norm/k_norm were replaced by {type(new[0]).__name__}/"
-                            f"{type(new[1]).__name__} modules that are not {type(qn).__name__}(eps={self.eps})")
+                            f"{type(new[1]).__name__} modules that are not {type(qn).__name__}")
                 self.norms = new
                 qn, kn = new
             reason = _module_edit("q_norm", qn) or _module_edit("k_norm", kn)
             if reason is not None:
                 return reason
+            q_eps, k_eps = _norm_eps(qn), _norm_eps(kn)
+            if q_eps != k_eps:
+                return (f"because q_norm and k_norm have different eps ({q_eps} and {k_eps}), and the fused op "
+                        f"normalises both with one")
         return (_module_edit("q_proj", q) or _module_edit("k_proj", k) or _module_edit("v_proj", v)
                 or _global_hook_edit())
 
+    def norm_weights(self) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The current q/k norm weights (None, None without QK-norm)."""
+        return (self.norms[0].weight, self.norms[1].weight) if self.qk_norm else (None, None)
+
     def bound(self, attn: nn.Module, device: torch.device) -> ops.QKNormRope:
-        """The layer's :class:`qkvfuse.QKNormRope`, built once per table and norm weights: rebuilt when the model
-        moves to another device, the table grows or is replaced (a new rotary module), or a norm weight is
-        replaced or changes storage (``weight.data = ...``, ``model.to(...)``): identity and data-pointer checks
-        (:class:`qkvfuse.integrations._rebind.Rebinding`), so no stale table, weight or recorded memory range."""
+        """The layer's :class:`qkvfuse.QKNormRope`, built once per table, norm weights and eps: rebuilt when the
+        model moves to another device, the table grows or is replaced (a new rotary module, or its scaling or mRoPE
+        sections changed), a norm weight is replaced or changes storage (``weight.data = ...``, ``model.to(...)``)
+        -- identity and data-pointer checks (:class:`qkvfuse.integrations._rebind.Rebinding`) -- or the norms' eps
+        changed by value, so no stale table, weight, eps or recorded memory range."""
         table = self.rope.table(device)
-        q_w = self.norms[0].weight if self.qk_norm else None
-        k_w = self.norms[1].weight if self.qk_norm else None
+        q_w, k_w = self.norm_weights()
+        eps = float(_norm_eps(self.norms[0])) if self.qk_norm else 1e-6
         if torch.compiler.is_compiling():
-            # Data pointers do not trace: one object per trace, on the tensors dynamo guards on.
-            return self._build_split(table, q_w, k_w)
+            # Data pointers do not trace: one object per trace, on the tensors and the eps dynamo guards on.
+            return self._build_split(table, q_w, k_w, eps)
         if self._bound is None:
             self._bound = Rebinding(self._build_split)
-        return self._bound.get(table, q_w, k_w)
+        self.eps = eps
+        bound = self._bound.get(table, q_w, k_w)
+        if bound.config.eps != eps:
+            self._bound.clear()
+            bound = self._bound.get(table, q_w, k_w)
+        return bound
 
-    def _build_split(self, table, q_w, k_w) -> ops.QKNormRope:
+    def _build_split(self, table, q_w, k_w, eps: Optional[float] = None) -> ops.QKNormRope:
         return ops.QKNormRope(self.num_q_heads, self.num_kv_heads, self.head_dim, table, q_weight=q_w, k_weight=k_w,
-                              eps=self.eps, is_neox=True, mrope_section=self.rope.mrope_section,
+                              eps=self.eps if eps is None else eps, is_neox=True,
+                              mrope_section=self.rope.mrope_section,
                               mrope_interleaved=self.rope.mrope_interleaved, q_gate=self.q_gate,
                               gemma_norm=self.gemma_norm, backend=self.backend)
 
@@ -502,8 +701,7 @@ class _FusedAttention:
         if not torch.is_grad_enabled():
             return False
         params = [p for proj in self.projections for p in (proj.weight, proj.bias) if p is not None]
-        if self.qk_norm:
-            params += [self.norms[0].weight, self.norms[1].weight]
+        params += [w for w in self.norm_weights() if w is not None]
         return hidden_states.requires_grad or any(p.requires_grad for p in params)
 
     def fuse(self) -> None:
@@ -574,7 +772,8 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
 
     ``position_embeddings`` (transformers' cos/sin, rounded to the activation dtype) is not used: the fused op
     reads the fp32 table at the positions the rotary module received. A call the fused path cannot honour
-    (autograd, a replaced/wrapped/hooked projection or norm) runs the class's own forward, with one warning.
+    (autograd, a replaced/wrapped/hooked projection or norm, a dtype the ops do not take) runs the class's own
+    forward, with one warning.
     """
     fused: _FusedAttention = self._qkvfuse
     compiling = torch.compiler.is_compiling()
@@ -597,6 +796,11 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
         qkv = torch.cat([F.linear(flat, p.weight, p.bias) for p in fused.projections], dim=-1)
     else:
         qkv = F.linear(flat, *params)  # [B*T, (Hq + 2Hkv) * D], gated [B*T, (2Hq + 2Hkv) * D]
+    if not _serves(qkv.dtype, fused.norm_weights()):
+        # Judged on qkv: under autocast it is the low-precision dtype the fused prepare serves.
+        _warn_unfused(fused.model_name, _DTYPE.format(dtype=qkv.dtype))
+        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                                  **kwargs)
     positions = _flat_positions(rope.captured, batch, seq, rope.mrope_section is not None)
     q, k, v, *gate = fused.bound(self, qkv.device).inplace(qkv, positions)  # gated: the gate's column view too
     # Views into qkv (row stride = its width) reshaped to transformers' [B, H, T, D].
@@ -624,7 +828,8 @@ def _fused_attention_forward(self, hidden_states, position_embeddings=None, atte
 class _FusedLayer:
     """Per-decoder-layer state: the post-attention norm the fused add+norm stands in for, and its bound op."""
 
-    def __init__(self, layer: nn.Module, backend: Optional[str], gemma_norm: bool = False):
+    def __init__(self, layer: nn.Module, backend: Optional[str], gemma_norm: bool = False, model_name: str = ""):
+        self.model_name = model_name  # the text model's class, named by the one warning for an unserved dtype
         names = tuple(inspect.signature(type(layer).forward).parameters)[2:]
         # The original forward's parameters after hidden_states, for positional calls.
         self.arg_names: Tuple[str, ...] = tuple(n for n in names if n not in ("args", "kwargs"))
@@ -689,6 +894,9 @@ _AUTOCAST = ("(residual add + post-attention RMSNorm) under torch.autocast: auto
              "low-precision while the residual stream stays in the weights' dtype, and transformers adds them with "
              "type promotion, which the fused add+norm (equal dtypes) does not; the fused attention prepare still "
              "runs. Disable autocast (load the model in the dtype you want) for the fused add+norm.")
+_DTYPE = ("for activations of dtype {dtype}, which the fused ops do not take with this model's norm weights (they "
+          "take torch.float32, torch.bfloat16 or torch.float16, with fp32 norm weights or norm weights of the "
+          "activations' dtype). Cast the model to one of those for the fused path.")
 _MIXED = ("(residual add + post-attention RMSNorm) for an attention output of dtype {x} and a residual of dtype "
           "{r}: transformers adds them with type promotion, which the fused add+norm (equal dtypes) does not.")
 
@@ -716,8 +924,13 @@ def _fused_decoder_forward(self, hidden_states, *args, **kwargs):
         # The whole layer's own code (its attention stays the patched one): under autocast transformers adds a
         # low-precision attention output to an fp32 residual with type promotion and normalises in fp32.
         reason = _AUTOCAST
+    where = type(self).__name__
+    if reason is None and not _serves(hidden_states.dtype, (fused.norm.weight,)):
+        # e.g. model.double() after patching. The attention decides for itself, under the same warning: one per
+        # model and dtype.
+        where, reason = fused.model_name, _DTYPE.format(dtype=hidden_states.dtype)
     if reason is not None:
-        _warn_unfused(type(self).__name__, reason)
+        _warn_unfused(where, reason)
         return type(self).forward(self, hidden_states, *args, **kwargs)
     if args:
         kwargs.update(zip(fused.arg_names, args))
@@ -960,25 +1173,40 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
     # Validate everything before changing anything, so a failure leaves the model untouched. A patched forward
     # found here is undone below (re-patching), so only foreign ones are refused.
     plan = []
+    untested: Dict[str, str] = {}  # layer class -> why it keeps transformers' code (one warning each)
     for text_model in text_models:
         rope = _Rope(text_model.rotary_emb, family.mrope_interleaved)
         if "forward" in text_model.rotary_emb.__dict__ and not _own_forward(text_model.rotary_emb):
             raise TypeError(f"apply_qkvfuse: {type(text_model.rotary_emb).__name__} has a forward set on the "
                             f"instance (patched by another tool?), which qkvfuse would replace")
+        fused_layers = []
         for layer in text_model.layers:
             _check_layer(layer, family)
-            if _attention_of(layer) is not None:
-                _validate_attention(layer.self_attn)
-        plan.append((text_model, rope))
+            attn = _attention_of(layer)
+            if attn is not None:
+                _validate_attention(attn)
+                reason = _untested(_attention_sources(attn, text_model.rotary_emb, family))
+                if reason is not None:
+                    untested.setdefault(type(attn).__name__, reason)
+                    attn = None
+            reason = _untested(_layer_sources(layer)) if fuse_add_rmsnorm else None
+            if reason is not None:
+                untested.setdefault(type(layer).__name__, reason)
+            fused_layers.append((layer, attn, fuse_add_rmsnorm and reason is None))
+        plan.append((text_model, rope, fused_layers))
     for state in covering:  # other options, or an inner model patched first: re-patch from the original model
         _remove_state(state)
 
+    for cls, reason in untested.items():
+        warnings.warn(f"apply_qkvfuse: {cls} keeps transformers' own forward: {reason}", RuntimeWarning,
+                      stacklevel=2)
     state = _PatchState(options, owner=model)
-    for text_model, rope in plan:
+    for text_model, rope, fused_layers in plan:
         eager = getattr(sys.modules[_base(type(text_model.layers[0]), family.decoder_layer).__module__],
                         "eager_attention_forward")
         rope.state = state
         rope.prebuild()
+        model_name = type(text_model).__name__
         rotary = text_model.rotary_emb
         # Plain attributes (not submodules), shared by the rotary forward and the text model's clearing hook.
         text_model._qkvfuse_rope = rotary._qkvfuse_rope = rope
@@ -987,14 +1215,13 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         state.rotaries.append(rotary)
         state.hooks.append(text_model.register_forward_hook(_clear_positions, always_call=True))
         state.hooks.append(text_model.register_forward_pre_hook(_follow_rotary))
-        for layer in text_model.layers:
-            attn = _attention_of(layer)
+        for layer, attn, fuse_layer in fused_layers:
             if attn is not None:
-                attn._qkvfuse = _FusedAttention(attn, rope, backend, eager, family)
+                attn._qkvfuse = _FusedAttention(attn, rope, backend, eager, family, model_name)
                 attn.forward = functools.partial(_fused_attention_forward, attn)
                 state.attentions.append(attn)
-            if fuse_add_rmsnorm:
-                layer._qkvfuse = _FusedLayer(layer, backend, family.gemma_norm)
+            if fuse_layer:
+                layer._qkvfuse = _FusedLayer(layer, backend, family.gemma_norm, model_name)
                 layer.forward = functools.partial(_fused_decoder_forward, layer)
                 state.layers.append(layer)
     model._qkvfuse_patch = state
