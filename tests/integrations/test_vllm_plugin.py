@@ -57,3 +57,13 @@ def test_a_bad_backend_is_refused_with_every_feature_off(monkeypatch, entry):
 @pytest.mark.parametrize("backend", [None, "auto", "reference", "cpu", "triton"])
 def test_every_backend_name_is_accepted(backend):
     assert plugin.options_from_config({"qkvfuse": {"backend": backend}}).backend == backend
+
+
+def test_tested_sources_says_which_engines_are_missing(capsys, monkeypatch):
+    """``python -m qkvfuse.integrations.tested_sources`` where an engine is not installed says so (the engine
+    suites check its table where the engine is)."""
+    from qkvfuse.integrations import tested_sources
+
+    monkeypatch.setattr(tested_sources, "_installed", lambda distributions: None)
+    assert tested_sources.main(["--check"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["vLLM: not installed", "SGLang: not installed"]

@@ -7,7 +7,8 @@ everything else lives here, once:
   so an entry point that every engine process loads can patch one engine module without importing it where the
   engine does not (vLLM's front end never imports its model loader, SGLang's never imports its model runner);
 * :class:`Options` and :func:`parse_options` -- the plugin options and their one validation rule;
-* :func:`source_hash` and :func:`first_untested` -- the tested-source guard;
+* :func:`source_hash`, :func:`first_untested`, :func:`current_sources` -- the tested-source guard (and what
+  ``python -m qkvfuse.integrations.tested_sources`` prints);
 * :class:`Report` and :func:`log_once` -- what a model walk did, and its one log line per fact;
 * :class:`Target` and :func:`walk` -- the model walk over an engine's class tables;
 * :func:`attention_reason`, :func:`fast_backend_reason` -- the qualification checks every engine makes;
@@ -37,9 +38,9 @@ from .._checks import served_dtypes
 from ..backends import BACKEND_NAMES, resolve_backend
 from ._rebind import Rebinding
 
-__all__ = ["when_imported", "pending_imports", "source_hash", "first_untested", "Options", "parse_options",
+__all__ = ["when_imported", "pending_imports", "source_hash", "first_untested", "current_sources", "Options", "parse_options",
            "Report", "log_once", "Target", "walk", "attention_reason", "fast_backend_reason", "BoundPrepare",
-           "BoundNorm", "member", "ungated", "engine_prepare"]
+           "BoundNorm", "member", "ungated", "engine_prepare", "install"]
 
 # --------------------------------------------------------------------------------------------------------
 # Patching an engine module when the engine imports it.
@@ -115,6 +116,20 @@ def first_untested(names: Sequence[str], sources: Mapping[str, Callable], tested
             return (f"{name} differs from the {engine} versions qkvfuse was tested with ({version}); its code is left "
                     "in place")
     return None
+
+
+def current_sources(sources_of: Callable[[str], Mapping[str, Callable]], modules: Sequence[str]
+                    ) -> Tuple[Dict[str, Callable], Dict[str, str]]:
+    """Every guarded function an engine holds now, ``{name: function}`` (``sources_of(module)`` per model module),
+    and the model modules that could not be read, ``{module: error}`` (``tested_sources``)."""
+    found: Dict[str, Callable] = {}
+    failed: Dict[str, str] = {}
+    for module in modules:
+        try:
+            found.update(sources_of(module))
+        except Exception as exc:  # noqa: BLE001 -- an engine module that does not import here is reported, not fatal
+            failed[module] = f"{type(exc).__name__}: {exc}"
+    return found, failed
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -579,3 +579,21 @@ def test_gated_prepare_returns_sglangs_layouts_and_fused_sigmoid_mul_reads_the_g
     errors = json.loads(run.stdout.strip().splitlines()[-1])
     assert errors["fused"][1] == list(got[3].stride()), errors  # the kernel saw the fused gate's layout
     assert errors["sglang"][0] < 1e-5 and errors["fused"][0] < 1e-5, errors
+
+
+def test_tested_sources_command_prints_this_sglangs_hashes(capsys, monkeypatch):
+    """``python -m qkvfuse.integrations.tested_sources`` in this venv: every guarded function with its hash here,
+    all tested; a changed function reads NOT TESTED and fails ``--check``."""
+    from qkvfuse.integrations import tested_sources
+
+    assert tested_sources.main(["--check"]) == 0
+    out = capsys.readouterr().out
+    assert "SGLang 0.5.23 (qkvfuse tested 0.5.23)\n" in out, out
+    rows = [line.split() for line in out.split("SGLang 0.5.23", 1)[1].splitlines()[2:]]
+    assert {row[0] for row in rows} == set(plugin.TESTED_SOURCES), out
+    for name, digest, status in rows:
+        assert status == "tested" and digest in plugin.TESTED_SOURCES[name], (name, out)
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "apply_qk_norm", ("0" * 16,))
+    assert tested_sources.main(["--check"]) == 1
+    assert "apply_qk_norm d896736d964d464b NOT TESTED" in [" ".join(line.split()) for line in
+                                                         capsys.readouterr().out.splitlines()]

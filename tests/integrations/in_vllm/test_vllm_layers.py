@@ -689,3 +689,25 @@ def test_fused_forward_hands_vllms_shapes_and_layouts_to_attention(vllm_config, 
         assert g.shape == w.shape and g.dtype == w.dtype, (name, i, g.shape, w.shape)
         assert g.stride(-1) == w.stride(-1) == 1, (name, i)
         assert g.stride() == w.stride() or g.stride() == rows[i], (name, i, g.stride(), w.stride())
+
+
+def test_tested_sources_command_prints_this_vllms_hashes(capsys, monkeypatch):
+    """``python -m qkvfuse.integrations.tested_sources`` in this venv: every guarded function with its hash here,
+    all tested (Qwen3.5's module does not import here: listed as unreadable); a changed function reads NOT TESTED
+    and fails ``--check``."""
+    from qkvfuse.integrations import tested_sources
+
+    assert tested_sources.main(["--check"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("vLLM 0.32.0 (qkvfuse tested 0.32.0)\n"), out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[3:] if line.startswith("  ")}
+    assert set(rows) == set(plugin.TESTED_SOURCES), out
+    for name, (digest, *status) in rows.items():
+        if name == "Qwen3_5DecoderLayer.forward":
+            assert status == ["unreadable", "here"], out
+        else:
+            assert status == ["tested"] and digest in plugin.TESTED_SOURCES[name], (name, out)
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "Qwen3Attention.forward", ("0" * 16,))
+    assert tested_sources.main(["--check"]) == 1
+    assert "Qwen3Attention.forward 0cd83a1ca6e0b9d9 NOT TESTED" in [" ".join(line.split()) for line in
+                                                                    capsys.readouterr().out.splitlines()]
