@@ -108,7 +108,7 @@ def test_plot_failure_after_the_run_still_prints_the_summary(tmp_path, monkeypat
     json_path = tmp_path / "b.json"
     assert main(TINY + ["--plot", str(tmp_path / "b.png"), "--json", str(json_path)]) == 1
     captured = capsys.readouterr()
-    assert "summary against issue 3's targets" in captured.out
+    assert "== summary ==" in captured.out
     last = captured.out.rstrip().splitlines()[-1]
     assert last.startswith("bench:") and f"wrote {json_path}" in last and "FAILED to write --plot" in last
     assert "could not write --plot" in captured.err and "disk full (test)" in captured.err

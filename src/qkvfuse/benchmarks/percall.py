@@ -1,4 +1,4 @@
-"""Per-call cost at T = 1 (issue 12): the bound objects, the functional ops and bare ``torch.ops`` calls of one kernel.
+"""Per-call cost at T = 1: the bound objects, the functional ops and bare ``torch.ops`` calls of one kernel.
 
 At one token the kernel moves a few KB and the cost of a call is mostly what surrounds the kernel: the Python
 validation, the dispatcher, the argument parsing. This section times, side by side in interleaved rounds (see
@@ -23,7 +23,8 @@ RMSNorm weights in the model dtype):
 Every call is a closure over prebuilt arguments, so each pays the same Python call frame; backend ``"cpu"``
 throughout. Each candidate's own result is checked once against the float64 oracle (accuracy rule) before any
 timing. ``- bare`` is the median over rounds of (this time - the bare call's time in the same round), the bare
-call of the same form (``out=`` or in place); issue 12's target is a bound object within 2 us of it.
+call of the same form (``out=`` or in place); the team's per-call targets (:mod:`.targets`) hold the bound
+objects and the functional ops within a few us of it.
 Placements: ``hot`` (one buffer set, L1-resident) and ``rotated xN`` (N sets, > 4x L2, like successive layers).
 Modes: every row twice, ``default`` (tensors made and called in torch's default mode, as a script or
 ``torch.no_grad()`` code such as transformers' ``generate`` pays; views track their base) and ``inference_mode``
@@ -49,8 +50,8 @@ from .timing import Candidate, fixed_point_weights, measure, paired, restorer
 __all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T", "MODES"]
 
 PERCALL_T = 1
-BOUND_MAX_OVER_BARE_US = 2.0  # issues 12 and 20: the bound object within 2 us of the bare torch.ops call
-FUNCTIONAL_MAX_OVER_BARE_US = 5.0  # issue 20: the functional ops within 5 us of it
+BOUND_MAX_OVER_BARE_US = 2.0  # per-call target: the bound object within 2 us of the bare torch.ops call
+FUNCTIONAL_MAX_OVER_BARE_US = 5.0  # per-call target: the functional ops within 5 us of it
 COPY_IMPL = "copy_ (same bytes)"
 # impl names; the form (out= / in place) is a separate column
 BOUND_SPLIT, FUNCTIONAL_SPLIT, BARE_SPLIT = ("QKNormRope (bound)", "split_qkv_rmsnorm_rope (functional)",
@@ -356,7 +357,7 @@ def print_percall(rows: Sequence[CallRow]) -> None:
 
 
 def percall_summary(rows: Sequence[CallRow], busy_share: float) -> List[Dict[str, object]]:
-    """Issues 12 and 20's per-call targets: each bound object's time minus the bare torch.ops call's (same form,
+    """The per-call targets: each bound object's time minus the bare torch.ops call's (same form,
     same placement, same rounds) at most :data:`BOUND_MAX_OVER_BARE_US`, each functional op's at most
     :data:`FUNCTIONAL_MAX_OVER_BARE_US`."""
     out = []
@@ -386,6 +387,6 @@ def print_percall_summary(summary: Sequence[Dict[str, object]]) -> None:
     from .._verify.sections import Section, print_section
 
     if summary:
-        print_section(Section("summary against issue 12's per-call target and issue 20's (bound and functional vs bare "
+        print_section(Section("per-call targets (bound and functional vs bare "
                               "torch.ops, T=1)", ("target", "shape", "mode", "data", "measured", "verdict"),
                               [dict(s) for s in summary]))

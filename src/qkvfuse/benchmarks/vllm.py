@@ -46,7 +46,7 @@ from Python after the caches were evicted (what each extern call in inductor's w
 ``--part profile`` (not in ``all``): where a step's time goes, plugin on and off -- both engines re-created every
 round, each in a fresh process, ABBA; :func:`profile_rows`.
 
-At the end, issue 20's targets judged on the run's rows (:func:`targets`: the split's and the norm's bound in-place
+At the end, the team's targets against vLLM-CPU and zentorch judged on the run's rows (:func:`targets`: the split's and the norm's bound in-place
 calls against the peers in every cell, the split at T = 4096 against the copy, engines with the plugin against
 without), each MET or MISSED; ``--json`` writes them too (``"part": "targets"``).
 """
@@ -879,7 +879,7 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
     return rows
 
 
-# Issue 20's targets (items 3 and 4), judged on one run's rows by :func:`targets`: the one place they are written.
+# The team's targets against the peers, judged on one run's rows by :func:`targets`: the one place they are written.
 SPLIT_MIN_VS_VLLM = 2.0  # QKNormRope.inplace against vLLM's composed _C.rms_norm + _C.rotary_embedding, every cell
 SPLIT_MIN_COPY_SHARE = 0.90  # QKNormRope.inplace at T = max(TOKENS) (4096) against a copy of the same bytes
 NORM_MIN_VS_PEERS = 1.0  # AddRMSNorm.inplace against vLLM's _C.fused_add_rms_norm and zentorch_add_rms_norm_
@@ -887,7 +887,7 @@ ENGINE_MIN_OFF_OVER_ON = 1.0  # an engine with the plugin no slower than without
 
 
 def targets(rows, forced: str = "") -> List[Dict[str, object]]:
-    """Issue 20's verdicts on ``rows`` (any parts of one run): one dict per target and cell, with ``target``,
+    """The peer targets' verdicts on ``rows`` (any parts of one run): one dict per target and cell, with ``target``,
     ``cell``, ``measured`` and ``verdict`` (``MET`` / ``MISSED``). The bound in-place calls are judged, the bare op
     shown beside them. ``forced``: the qkvfuse build when it is not this CPU's own (``QKVFUSE_CPU_CAPABILITY``);
     zentorch has no such switch, so its verdicts then say they need a CPU of that kind. A norm cell without zentorch
@@ -944,7 +944,7 @@ def print_targets(summary) -> None:
     from .._verify.sections import Section, print_section
 
     if summary:
-        print_section(Section("issue 20's targets on this run (x = median of per-round ratios; > 1: qkvfuse faster)",
+        print_section(Section("targets against vLLM-CPU and zentorch on this run (x = median of per-round ratios; > 1: qkvfuse faster)",
                               ("target", "cell", "measured", "verdict"), [dict(s) for s in summary]))
 
 
