@@ -1,4 +1,4 @@
-"""Edits of a running vLLM model (issue 21), run inside the engine by ``llm.apply_model``: what RLHF weight syncs,
+"""Edits of a running vLLM model, run inside the engine by ``llm.apply_model``: what RLHF weight syncs,
 sleep/offload modes and context-extension tools do. Each is deterministic (seeded), so the plugin-off and
 plugin-on engines receive the same edit. Module-level functions (and partials of them), so that any executor
 can ship them to its workers."""
@@ -94,7 +94,7 @@ def fused_state(model):
     return [None if "_qkvfuse" not in a.__dict__ else a._qkvfuse.prep is not None for a in _attentions(model)]
 
 
-EDITS = {  # issue 21's table, in the order one engine applies them
+EDITS = {  # the edits a served model receives, in the order one engine applies them
     "q_norm.weight.data = new": swap_qk_norm_data,
     "input_layernorm.weight.data = new": swap_layernorm_data,
     "post_attention_layernorm.weight.data = new": functools.partial(swap_layernorm_data,

@@ -40,7 +40,7 @@ from ._rebind import Rebinding
 
 __all__ = ["when_imported", "pending_imports", "source_hash", "first_untested", "current_sources", "Options", "parse_options",
            "Report", "log_once", "Target", "walk", "attention_reason", "fast_backend_reason", "BoundPrepare",
-           "BoundNorm", "member", "ungated", "engine_prepare", "install"]
+           "BoundNorm", "member", "ungated", "engine_prepare", "fuse_decoder_norms", "install"]
 
 # --------------------------------------------------------------------------------------------------------
 # Patching an engine module when the engine imports it.
@@ -559,6 +559,21 @@ class BoundNorm:
         if residual is None:
             return bound(x)[0]
         return bound.inplace(x, residual)
+
+
+def fuse_decoder_norms(layer, cls_name: str, untested: Optional[str], report: Report, backend: Optional[str],
+                       reason_of: Callable[[object], Optional[str]], bound_norm: type, forward: Callable) -> None:
+    """The two norms of one decoder layer (``input_layernorm``, ``post_attention_layernorm``): each that
+    qualifies (``reason_of(norm)`` None, and ``untested`` None) gets ``bound_norm(norm, backend)`` as its
+    ``_qkvfuse`` and ``forward`` (the engine's replacement) on the instance; counted in ``report``."""
+    name = f"{cls_name} add+RMSNorm"
+    for attr in ("input_layernorm", "post_attention_layernorm"):
+        norm = getattr(layer, attr, None)
+        reason = untested or (reason_of(norm) if norm is not None else f"no {attr}")
+        if reason is None:
+            norm._qkvfuse = bound_norm(norm, backend)
+            install(norm, "forward", forward)
+        report.count(name, reason, resolve_backend(backend, norm.weight.device.type) if reason is None else "")
 
 
 def install(obj, name: str, function: Callable) -> None:

@@ -71,26 +71,9 @@ from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
-from ..backends import resolve_backend
 from ..moe.overlap import SharedExpertOverlap, process_runner
 from . import _engine_common as core
 from ._engine_common import first_untested, source_hash, when_imported
-
-
-@dataclasses.dataclass(frozen=True)
-class Options(core.Options):
-    """The engine plugins' options (:class:`._engine_common.Options`), plus ``shared_expert_overlap`` (GLM-4.x
-    MoE blocks; see the module docstring)."""
-
-    shared_expert_overlap: bool = False
-
-    TYPES: ClassVar[Dict[str, type]] = dict(core.Options.TYPES, shared_expert_overlap=bool)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the plugin changes anything."""
-        return self.attention or self.add_rmsnorm or self.shared_expert_overlap
-
 
 __all__ = ["register", "fuse_model", "Options", "options_from_env", "TESTED_SOURCES", "ENV_VAR", "Report",
            "source_hash"]
@@ -163,6 +146,21 @@ _ROTARY_METHODS = ("forward", "forward_native", "forward_cpu", "forward_cuda", "
 # --------------------------------------------------------------------------------------------------------
 # Options.
 # --------------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Options(core.Options):
+    """The engine plugins' options (:class:`._engine_common.Options`), plus ``shared_expert_overlap`` (GLM-4.x
+    MoE blocks; see the module docstring)."""
+
+    shared_expert_overlap: bool = False
+
+    TYPES: ClassVar[Dict[str, type]] = dict(core.Options.TYPES, shared_expert_overlap=bool)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the plugin changes anything."""
+        return self.attention or self.add_rmsnorm or self.shared_expert_overlap
+
+
 def options_from_env(value: Optional[str] = None) -> Options:
     """Parse ``$QKVFUSE_SGLANG`` (or ``value``): unset / empty / ``0`` off, ``1`` attention only, or a JSON object
     with the keys of :class:`Options`. Raises ``ValueError`` naming a bad key or value
@@ -580,11 +578,5 @@ def fuse_attention(module, opts: Options, context_len: Optional[int] = None, rep
 
 
 def _fuse_norms(layer, cls_name, opts: Options, untested: Optional[str], report: Report) -> None:
-    name = f"{cls_name} add+RMSNorm"
-    for attr in ("input_layernorm", "post_attention_layernorm"):
-        norm = getattr(layer, attr, None)
-        reason = untested or (_norm_reason(norm, opts.backend) if norm is not None else f"no {attr}")
-        if reason is None:
-            norm._qkvfuse = _Norm(norm, opts.backend)
-            core.install(norm, "forward", _fused_norm_forward)
-        report.count(name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None else "")
+    core.fuse_decoder_norms(layer, cls_name, untested, report, opts.backend,
+                            lambda norm: _norm_reason(norm, opts.backend), _Norm, _fused_norm_forward)

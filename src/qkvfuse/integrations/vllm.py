@@ -69,7 +69,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..backends import resolve_backend
 from . import _engine_common as core
 from ._engine_common import Options, first_untested, source_hash, when_imported
 
@@ -386,13 +385,5 @@ def _fuse_attention(module, cls_name, vllm_config, opts: Options, untested: Opti
 
 
 def _fuse_norms(layer, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report) -> None:
-    name = f"{cls_name} add+RMSNorm"
-    for attr in ("input_layernorm", "post_attention_layernorm"):
-        norm = getattr(layer, attr, None)
-        reason = untested or (_norm_reason(norm, vllm_config, opts.backend) if norm is not None
-                              else f"no {attr}")
-        if reason is None:
-            norm._qkvfuse = _Norm(norm, opts.backend)
-            core.install(norm, "forward", _fused_norm_forward)
-        report.count(name, reason, resolve_backend(opts.backend, norm.weight.device.type) if reason is None
-                     else "")
+    core.fuse_decoder_norms(layer, cls_name, untested, report, opts.backend,
+                            lambda norm: _norm_reason(norm, vllm_config, opts.backend), _Norm, _fused_norm_forward)

