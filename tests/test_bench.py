@@ -496,3 +496,40 @@ def test_engine_benches_refuse_an_unwritable_json_before_the_run(bench, tmp_path
     assert exc.value.code == 2
     assert f"--json {path}: cannot be written" in capsys.readouterr().err
     assert not path.parent.exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# The main job's matrix (benchmarks.overview) and the screen's speed table built from it.
+# --------------------------------------------------------------------------------------------------------
+def test_overview_cells_measure_each_geometry_with_t_ascending():
+    from qkvfuse.benchmarks import overview
+
+    got = overview.cells((256, 1))
+    assert got == [("split_qkv_rmsnorm_rope", "Qwen3-8B", "Qwen3-8B", 1), ("split_qkv_rmsnorm_rope", "Qwen3-8B",
+                                                                          "Qwen3-8B", 256),
+                   ("split_qkv_rmsnorm_rope", "GLM-4.5", "GLM-4.5", 1), ("split_qkv_rmsnorm_rope", "GLM-4.5",
+                                                                        "GLM-4.5", 256),
+                   ("add_rmsnorm", "Qwen3-8B", 4096, 1), ("add_rmsnorm", "Qwen3-8B", 4096, 256),
+                   ("add_rmsnorm", "GLM-4.5", 5120, 1), ("add_rmsnorm", "GLM-4.5", 5120, 256)]
+    status = overview.find_peers().status
+    assert set(status) == {overview.VLLM, overview.ZENTORCH} and all(status.values())
+
+
+def test_overview_times_an_importable_peer_beside_qkvfuse_and_the_screen_shows_it():
+    """A peer found here gets its own column and a speed-up; a stand-in peer (qkvfuse's own op) keeps it fast."""
+    import qkvfuse
+    from qkvfuse.benchmarks import overview
+    from qkvfuse.cli.run import speed_table
+
+    peers = overview.Peers(vllm_norm=lambda x, residual, weight, eps: qkvfuse.add_rmsnorm_(x, residual, weight, eps))
+    rows = overview.measure_cell(("add_rmsnorm", "tiny", 256, 4), peers, overview.UnfusedCompiler(False),
+                                 overview.budget_for(0.02))
+    impls = [r.impl for r in rows]
+    assert impls == [overview.BOUND, overview.FUNCTIONAL, EAGER, overview.VLLM, COPY]
+    assert rows[0].data.startswith("rotated") and all(r.rounds >= 3 and r.us > 0 for r in rows)
+    assert [r.check for r in rows[:2]] == ["ok", "ok"]  # qkvfuse's own calls were checked before timing
+    assert set(rows[0].vs) == {overview.FUNCTIONAL, EAGER, overview.VLLM}
+    [line] = speed_table([dataclasses.asdict(r) for r in rows], "add_rmsnorm")
+    assert set(line["us"]) == {overview.BOUND, overview.FUNCTIONAL, EAGER, overview.VLLM}
+    assert line["vs_best"] == min(rows[0].vs[EAGER], rows[0].vs[overview.VLLM])
+    assert line["vs_eager"] == rows[0].vs_eager and line["of_copy"] == rows[0].roofline

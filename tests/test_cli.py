@@ -1,18 +1,25 @@
-"""``python -m qkvfuse`` flag checks: bad values and unusable outputs are errors before anything runs, an output
-that fails after a run does not hide its summary, and a backend that cannot run is a row with its reason."""
+"""``python -m qkvfuse``: the main job's screen, report, progress and exit status; flag checks (bad values and
+unusable outputs are errors before anything runs), an output that fails after a run does not hide its summary, and
+a backend that cannot run is a row with its reason."""
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 import qkvfuse.benchmarks as benchmarks
+import qkvfuse.benchmarks.overview as overview
 import qkvfuse.benchmarks.report as report
 from qkvfuse._verify import sections
-from qkvfuse._verify.sections import Options
+from qkvfuse._verify.sections import Options, Section
+from qkvfuse.benchmarks.timing import machine_info
 from qkvfuse.cli import main
+from qkvfuse.cli import progress as progress_mod
+from qkvfuse.cli import run as run_mod
 
 TINY = ["bench", "--preset", "Qwen3-8B", "--tokens", "1", "--dtype", "bf16", "--hidden", "256", "--no-compile",
         "--seconds", "0.05", "--op", "norm"]
@@ -143,3 +150,163 @@ def test_verify_with_an_unrunnable_backend_is_a_failed_row_not_a_traceback(tmp_p
     [backends_table] = result["sections"]
     [row] = backends_table["rows"]
     assert row["backend"] == "cpu" and row["pass"] is False and row["detail"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The main job: `python -m qkvfuse` (what `make run` calls). Verify runs made-up sections and the benchmark one
+# geometry at tiny budgets, so these tests check the screen, the report and the exit status, never speed.
+# ---------------------------------------------------------------------------------------------------------------
+FAST = ["--tokens", "256", "--seconds", "0.02", "--no-compile"]
+
+
+def _sections(monkeypatch, failing=False):
+    """Two host sections that check backends (so the backends table runs first): one passes, one fails on
+    demand; each reports its checks to the progress object as the real ones do."""
+    def good(opts):
+        sections.planned(2)
+        sections.advance(2)
+        return Section("good checks", ("check", "backend", "pass"),
+                       [{"check": "a", "backend": "cpu", "pass": True}, {"check": "b", "backend": "cpu", "pass": True}])
+
+    def bad(opts):
+        sections.planned(1)
+        sections.advance(1)
+        return Section("bad checks", ("check", "backend", "max err", "pass"),
+                       [{"check": "rotation of the last pair", "backend": "cpu", "max err": 0.5, "pass": not failing,
+                         "detail": "max err 0.5 > 0.01 (test)"}])
+
+    fake = {"good": good, "bad": bad}
+    monkeypatch.setattr(sections, "REGISTRY", {n: sections.Entry(f"x:{n}", False, n, True) for n in fake})
+    monkeypatch.setattr(sections, "load", lambda name: fake[name])
+
+
+def _one_geometry(monkeypatch):
+    monkeypatch.setattr(overview, "GEOMETRIES", (("Qwen3-8B", "Qwen3-8B", 4096),))
+
+
+def test_main_job_prints_one_screen_and_writes_a_report_that_parses(tmp_path, monkeypatch, capsys):
+    import matplotlib.image
+
+    _sections(monkeypatch)
+    _one_geometry(monkeypatch)
+    report_dir = tmp_path / "report"
+    assert main(["--report", str(report_dir)] + FAST) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.rstrip("\n").splitlines()
+    assert len(lines) <= 50, captured.out
+    text = captured.out
+    first = lines[0]
+    assert machine_info()["cpu"] in first and "native build" in first and "torch" in first and "threads" in first
+    assert lines[1].startswith("backends: ") and "reference" in lines[1]
+    assert any(line.split()[:3] == ["good", "2/2", "passed"] for line in lines), text
+    assert any(line.split()[:3] == ["bad", "1/1", "passed"] for line in lines), text
+    assert "split QKV + QK-RMSNorm + RoPE" in text and "add + RMSNorm" in text
+    assert "bound" in text and "functional" in text and "eager" in text and "of copy" in text
+    assert f"full report: {report_dir / 'report.md'}" in text
+    assert lines[-1].startswith("result: OK") and "exit 0" in lines[-1]
+    for word in ("issue", "session", "MET", "MISSED", "target"):
+        assert word not in text, word
+    # the report: Markdown with the tables, JSON that loads, PNGs that open
+    md = (report_dir / "report.md").read_text()
+    assert "## Speed" in md and "== add_rmsnorm: Qwen3-8B" in md and "== good checks ==" in md
+    data = json.loads((report_dir / "report.json").read_text())
+    assert data["exit"] == {"code": 0, "reasons": []}
+    assert {r["impl"] for r in data["bench"]["rows"]} >= {overview.BOUND, overview.FUNCTIONAL, "eager unfused"}
+    assert all(r["check"] == "ok" for r in data["bench"]["rows"] if r["impl"] in (overview.BOUND, overview.FUNCTIONAL))
+    for png in ("speed.png", "accuracy.png") if (report_dir / "accuracy.png").exists() else ("speed.png",):
+        image = matplotlib.image.imread(str(report_dir / png))
+        assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    # not a terminal: no bars, at most one plain line per step, on stderr
+    assert "\r" not in captured.err
+    steps = [line for line in captured.err.splitlines() if line.startswith(("verify ", "bench:"))]
+    assert [s.split(":")[0] for s in steps] == ["verify backends", "verify good", "verify bad", "bench"], captured.err
+
+
+def test_a_failed_check_is_listed_with_its_rerun_command_and_exits_1(tmp_path, monkeypatch, capsys):
+    _sections(monkeypatch, failing=True)
+    assert main(["--report", str(tmp_path / "r"), "--no-bench", "--quiet"]) == 1
+    text = capsys.readouterr().out
+    assert any(line.split()[:3] == ["bad", "0/1", "FAILED"] for line in text.splitlines()), text
+    assert "FAILED bad: rotation of the last pair cpu: max err 0.5 > 0.01 (test)" in text
+    assert "rerun: python -m qkvfuse verify --section bad --backend cpu" in text
+    assert text.rstrip().splitlines()[-1].startswith("result: FAILED: 1 verify check failed")
+    data = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert data["exit"]["code"] == 1
+    assert "rerun: `python -m qkvfuse verify --section bad --backend cpu`" in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_requested_backend_that_cannot_run_exits_1_and_says_which(tmp_path, monkeypatch, capsys):
+    import qkvfuse.backends as backends
+
+    _sections(monkeypatch)
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda: {"reference": "", "cpu": "", "triton": "no triton (test)"})
+    assert main(["--report", str(tmp_path / "r"), "--no-bench", "--backend", "triton", "--backend", "cpu"]) == 1
+    text = capsys.readouterr().out
+    assert "triton FAILED: no triton (test)" in text
+    assert "requested backend triton could not run (no triton (test))" in text.splitlines()[-1]
+
+
+def test_a_wrong_timed_result_fails_the_run(tmp_path, monkeypatch, capsys):
+    _sections(monkeypatch)
+    _one_geometry(monkeypatch)
+    monkeypatch.setattr(overview, "cells", lambda tokens: [("add_rmsnorm", "tiny", 256, 4)])
+    monkeypatch.setattr(overview, "check_norm", lambda *args, **kw: "FAIL: y: wrong (test)")
+    assert main(["--report", str(tmp_path / "r"), "--quiet"] + FAST) == 1
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert last.startswith("result: FAILED") and "2 timed calls gave wrong results" in last
+
+
+def test_quiet_prints_the_summary_only_and_json_keeps_working(tmp_path, monkeypatch, capsys):
+    _sections(monkeypatch)
+    json_path = tmp_path / "run.json"
+    assert main(["run", "--report", str(tmp_path / "r"), "--no-bench", "--quiet", "--json", str(json_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out.startswith("qkvfuse ")
+    assert "speed: not measured (--no-bench)" in captured.out
+    assert json.loads(json_path.read_text())["verify"]["sections"][1]["name"] == "good"
+
+
+@pytest.mark.parametrize("argv", [[], ["--quiet"], ["run"]])
+def test_no_sub_command_is_the_main_job(argv, monkeypatch):
+    seen = []
+    monkeypatch.setattr(run_mod, "run_main", lambda args: seen.append(args) or 0)
+    assert main(argv) == 0
+    assert seen and seen[0].command == "run" and seen[0].report == run_mod.DEFAULT_REPORT_DIR
+
+
+@pytest.mark.parametrize("argv, message", [(["--report", "FILE"], "exists and is not a folder"),
+                                           (["--json", "missing/x.json"], "--json"),
+                                           (["--tokens", "0"], "--tokens"), (["--seconds", "0"], "--seconds")])
+def test_bad_main_job_flags_are_exit_2_before_anything_runs(argv, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.setattr(sections, "collect", lambda *a, **k: (_ for _ in ()).throw(AssertionError("ran")))
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err
+
+
+def test_progress_on_a_terminal_is_a_bar_with_count_and_time_left():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert progress_mod.progress_mode(False, Terminal()) == "bar"
+    assert progress_mod.progress_mode(False, io.StringIO()) == "plain"
+    assert progress_mod.progress_mode(True, Terminal()) == "quiet"
+    stream = Terminal()
+    bar = progress_mod.Progress("bar", stream=stream)
+    bar.start("verify ops")
+    bar.planned(10)
+    time.sleep(0.2)  # tqdm redraws at most every 0.1 s
+    bar.advance(4)
+    bar.end()
+    text = stream.getvalue()
+    assert "verify ops" in text and "4/10" in text and "<" in text  # tqdm's elapsed<remaining
+    plain = io.StringIO()
+    line = progress_mod.Progress("plain", stream=plain)
+    line.start("bench", total=3)
+    line.advance(3)
+    line.end(line="3 cells in 1 s")
+    assert plain.getvalue() == "bench: 3 cells in 1 s\n"

@@ -149,3 +149,57 @@ def test_gated_unfused_baseline_is_the_transformers_path(family):
     got = unfused_split(**kw)
     for name, a, b in zip(("q", "k", "v", "gate"), got, want):
         assert a.dtype == b.dtype == torch.bfloat16 and torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What the main job reads from a verify run: sections with their times, progress as the checks go, failures by
+# name with the command that reruns them.
+# ---------------------------------------------------------------------------------------------------------------
+class _Recorder:
+    def __init__(self):
+        self.events = []
+
+    def start(self, name, summary="", total=None):
+        self.events.append(("start", name))
+
+    def planned(self, n):
+        self.events.append(("planned", n))
+
+    def advance(self, n=1):
+        self.events.append(("advance", n))
+
+    def end(self, name="", section=None, seconds=None, line=""):
+        self.events.append(("end", name, None if section is None else section.failures))
+
+
+def test_collect_reports_progress_per_check_and_names_failures_with_a_rerun(monkeypatch, capsys):
+    def checks(opts):
+        sections.planned(3)
+        for _ in range(3):
+            sections.advance()
+        return Section("checks", ("case", "backend", "max err", "pass"),
+                       [{"case": "Qwen3-8B T=1", "backend": "cpu", "max err": 0.1, "pass": True},
+                        {"case": "GLM-4.5 T=33", "backend": "cpu", "max err": 9.0, "pass": False, "detail": "too far"},
+                        {"case": "any", "backend": "triton", "pass": None}])
+
+    monkeypatch.setattr(sections, "REGISTRY", {"checks": sections.Entry("x:checks", False, "checks")})
+    monkeypatch.setattr(sections, "load", lambda name: checks)
+    recorder = _Recorder()
+    done = sections.collect(Options(), progress=recorder)
+    assert capsys.readouterr().out == ""  # collect prints nothing unless asked (echo)
+    assert recorder.events == [("start", "checks"), ("planned", 3), ("advance", 1), ("advance", 1), ("advance", 1),
+                               ("end", "checks", 1)]
+    assert done.code == 1 and done.counts == {"passed": 1, "failed": 1, "skipped": 1}
+    [(name, section, seconds)] = done.sections
+    assert name == "checks" and seconds >= 0
+    assert sections.failed_checks(name, section) == [
+        {"name": "checks: GLM-4.5 T=33 cpu", "detail": "too far",
+         "rerun": "python -m qkvfuse verify --section checks --backend cpu"}]
+    sections.advance()  # outside a section: nothing to report to
+    assert recorder.events[-1] == ("end", "checks", 1)
+
+
+def test_rerun_commands():
+    assert sections.rerun_command("ops", "triton") == "python -m qkvfuse verify --section ops --backend triton"
+    assert sections.rerun_command("models") == "python -m qkvfuse verify --section models"
+    assert sections.rerun_command("backends", "cpu") == "python -m qkvfuse verify --backend cpu"

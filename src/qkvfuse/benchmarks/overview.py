@@ -45,7 +45,7 @@ from .harness import (CACHE_ROWS, COMPILED, COPY, EAGER, ROTATE_MAX_T, Row, _nby
 from .timing import Budget, Candidate, cache_bytes, fixed_point_weights, measure, restorer
 
 __all__ = ["GEOMETRIES", "TOKENS", "BOUND", "FUNCTIONAL", "VLLM", "ZENTORCH", "Peers", "find_peers", "cells",
-           "measure_cell", "MAIN_BUDGET"]
+           "measure_cell", "MAIN_BUDGET", "UnfusedCompiler", "budget_for"]
 
 # (model, split preset, add+RMSNorm hidden size): the two geometries on the main screen
 GEOMETRIES = (("Qwen3-8B", "Qwen3-8B", 4096), ("GLM-4.5", "GLM-4.5", 5120))
@@ -96,17 +96,19 @@ def find_peers() -> Peers:
     return peers
 
 
-def cells(tokens: Sequence[int] = TOKENS, geometries=GEOMETRIES) -> List[Tuple[str, str, object, int]]:
+def cells(tokens: Sequence[int] = TOKENS, geometries=None) -> List[Tuple[str, str, object, int]]:
     """The matrix in measuring order: ``(op, model, preset name or hidden size, T)``; T ascending per geometry, so
-    each geometry's torch.compile sees T = 1 first and one dynamic-T graph serves the rest."""
+    each geometry's torch.compile sees T = 1 first and one dynamic-T graph serves the rest (``geometries``:
+    :data:`GEOMETRIES` by default)."""
     out = []
+    geometries = GEOMETRIES if geometries is None else geometries
     for op in (SPLIT, NORM):
         for model, preset, hidden in geometries:
             out += [(op, model, preset if op == SPLIT else hidden, T) for T in sorted(tokens)]
     return out
 
 
-class _Compiled:
+class UnfusedCompiler:
     """One ``torch.compile`` of an unfused function per geometry (dynamo reset in between, so a second geometry's
     head counts do not turn into dynamic sizes); the seconds of each first call at a new T."""
 
@@ -133,7 +135,7 @@ class _Compiled:
         return self.fn, time.perf_counter() - t0
 
 
-def _row(op, model, mode, dtype, T, data, impl, outputs, m, nbytes, results, keys, compile_s=None, check="") -> Row:
+def _row(op, model, mode, dtype, T, data, impl, outputs, m, nbytes, keys, compile_s=None, check="") -> Row:
     eager, compiled = keys.get(EAGER), keys.get(COMPILED)
     key = f"{impl} [{outputs}]"
     return Row(op, model, mode, dtype_name(dtype), T, data, impl, outputs, m.us, nbytes / m.us / 1e3, m.roofline,
@@ -146,7 +148,7 @@ def _rows(op, model, mode, dtype, T, data, candidates: List[Candidate], copies, 
           copy_bytes: int, compile_s: Optional[float], checks: Dict[str, str]) -> List[Row]:
     results = measure(candidates, copies, budget)
     keys = {c.impl: c.key for c in candidates}
-    rows = [_row(op, model, mode, dtype, T, data, c.impl, c.outputs, results[c.key], nbytes, results, keys,
+    rows = [_row(op, model, mode, dtype, T, data, c.impl, c.outputs, results[c.key], nbytes, keys,
                  compile_s if c.impl == COMPILED else None, checks.get(c.impl, "")) for c in candidates]
     copy_us = statistics.median(results[c.key].copy_us for c in candidates)
     rows.append(Row(op, model, mode, dtype_name(dtype), T, data, COPY, "out=", copy_us, copy_bytes / copy_us / 1e3,
@@ -154,8 +156,8 @@ def _rows(op, model, mode, dtype, T, data, candidates: List[Candidate], copies, 
     return rows
 
 
-def measure_cell(cell: Tuple[str, str, object, int], peers: Peers, compiled: _Compiled, budget: Budget = MAIN_BUDGET,
-                 l2_bytes: Optional[int] = None) -> List[Row]:
+def measure_cell(cell: Tuple[str, str, object, int], peers: Peers, compiled: UnfusedCompiler,
+                 budget: Budget = MAIN_BUDGET, l2_bytes: Optional[int] = None) -> List[Row]:
     """The rows of one cell of :func:`cells` (bf16); at T <= 16 rotated buffer sets, else one set."""
     op, model, what, T = cell
     l2 = l2_bytes if l2_bytes is not None else cache_bytes(2, 1 << 20)

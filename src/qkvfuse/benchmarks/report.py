@@ -48,7 +48,8 @@ T16_MAX_COPIES = 3.0
 T256_MIN_ROOFLINE = 0.40
 T4096_MIN_ROOFLINE = 0.70
 NORM_MIN_ROOFLINE = 0.70
-# The public-op overhead target: at T >= 16 the public op (qkvfuse cpu, out=) is at most 5 % slower than the bare kernel call.
+# The public-op overhead target: at T >= 16 the public op (qkvfuse cpu, out=) is at most 5 % slower than the bare
+# kernel call.
 OVERHEAD_MIN_T = 16
 OVERHEAD_MAX_RATIO = 1.05
 
@@ -212,8 +213,8 @@ def summarize(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
 
 
 def _overhead_summary(rows: Sequence[Row], cpu_reason: str) -> List[Dict[str, object]]:
-    """The public-op overhead target: per op and shape, the worst ``qkvfuse cpu [out=]`` / bare torch.ops ratio over the T >= 16 cells
-    (every dtype measured)."""
+    """The public-op overhead target: per op and shape, the worst ``qkvfuse cpu [out=]`` / bare torch.ops ratio over
+    the T >= 16 cells (every dtype measured)."""
     out: List[Dict[str, object]] = []
     judged = [r for r in rows if r.impl == CPU and r.outputs == "out=" and r.T >= OVERHEAD_MIN_T]
     for op, shape in dict.fromkeys((r.op, r.shape) for r in judged):

@@ -75,6 +75,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                        help="with --device: also sweep the Triton split kernel's tile size and warps (the full tier "
                             "always does)")
     _device_arguments(bench, " (--preset, --tokens, --quick and --json apply there too)")
+    # The team's own targets, for maintainers (python -m qkvfuse.benchmarks.targets): not in the user's help.
+    bench.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
     sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
                                  "then print its path")
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -189,7 +189,7 @@ def _bench(args, mode: str, tokens: Optional[Sequence[int]]) -> Dict[str, object
     cpu_reason = backend_unavailable("cpu")
     cells = overview.cells(tokens or overview.TOKENS)
     budget = overview.budget_for(args.seconds)
-    compiled = overview._Compiled(not args.no_compile)
+    compiled = overview.UnfusedCompiler(not args.no_compile)
     progress = Progress(mode)
     progress.start("bench", total=len(cells))
     rows, errors, l2 = [], [], cache_bytes(2, 1 << 20)
@@ -203,9 +203,7 @@ def _bench(args, mode: str, tokens: Optional[Sequence[int]]) -> Dict[str, object
         progress.advance()
     progress.end(line=f"{len(cells)} cells in {time.perf_counter() - t0:.0f} s")
     share = others_share(before, cpu_snapshot())
-    from dataclasses import asdict
-
-    return {"rows": [asdict(r) for r in rows], "errors": errors, "peers": peers.status,
+    return {"rows": [dataclasses.asdict(r) for r in rows], "errors": errors, "peers": peers.status,
             "cpu_backend": cpu_reason, "compile": "off (--no-compile)" if args.no_compile else compiled.reason,
             "budget": dataclasses.asdict(budget), "tokens": sorted({c[3] for c in cells}),
             "others_cpu_share": share, "table_note": TABLE_NOTE, "seconds": round(time.perf_counter() - t0, 1)}
@@ -344,7 +342,7 @@ def summary_lines(data: Dict[str, object]) -> List[str]:
                      "eager / compile: the unfused PyTorch path")
         lines.append("  vs: that path's time / qkvfuse bound's; of copy: a same-bytes copy's time / qkvfuse bound's")
         if bench.get("cpu_backend"):
-            lines.append(f"  note: the native cpu backend is unavailable, qkvfuse's columns ran the reference backend")
+            lines.append("  note: the native cpu backend is unavailable, qkvfuse's columns ran the reference backend")
         if bench.get("compile") and bench["compile"] != "off (--no-compile)":
             lines.append(f"  torch.compile failed: {_short(bench['compile'], 90)}")
         share = bench.get("others_cpu_share")
