@@ -109,8 +109,9 @@ def test_altered_source_keeps_the_model_code(case, monkeypatch, op_calls):
     kept_classes = {"attention": type(layer.self_attn).__name__, "layer": type(layer).__name__}
     assert len(caught) == len(kept), caught  # one warning per class, however many layers
     for what in kept:
-        assert any(msg.startswith(f"apply_qkvfuse: {kept_classes[what]} keeps transformers' own forward")
-                   and "differs from the transformers versions qkvfuse was tested with" in msg for msg in caught), caught
+        prefix = f"apply_qkvfuse: {kept_classes[what]} keeps transformers' own forward"
+        assert any(msg.startswith(prefix) and "differs from the transformers versions qkvfuse was tested with" in msg
+                   for msg in caught), caught
     assert hf.is_patched(patched)
     with torch.no_grad():
         want = unpatched(**inputs).logits

@@ -29,8 +29,19 @@ and checked at patch time against the inverse frequencies and attention scaling 
 module; the mRoPE sections are the rotary module's own (transformers' default when the config omits them).
 Qwen3-VL is always interleaved: transformers never reads ``mrope_interleaved``.
 
-Each layer holds bound ops (:class:`qkvfuse.QKNormRope`, :class:`qkvfuse.AddRMSNorm`) built once per table
-and norm weights, so a decode step pays only the per-call checks.
+Each layer holds bound ops (:class:`qkvfuse.QKNormRope`, :class:`qkvfuse.AddRMSNorm`) built once per table,
+norm weights and eps, so a decode step pays only the per-call checks. The scalars transformers reads per call are
+read per call here too: the norms' eps (a bound op is rebuilt when one changed by value; q_norm and k_norm with
+different eps run unfused, the op takes one), GLM's ``use_qk_norm``, and, once per forward, the rotary module's
+``attention_scaling`` and ``mrope_section`` (by value: the list may be edited in place), which re-derive the table,
+or run the attention unfused when the table can no longer reproduce them.
+
+Tested code only. The transformers functions whose behaviour the fused forwards replace or reproduce -- each
+attention and decoder layer forward, the modeling module's ``apply_rotary_pos_emb`` and ``rotate_half``, the
+rotary module's forward (and mRoPE ``recomposition_frequencies``), the norms' forward -- must hash to a version in
+:data:`TESTED_SOURCES` (transformers :data:`TESTED_TRANSFORMERS`; the engine plugins' guard and hash). A layer
+class whose code does not keeps transformers' own forward, with one warning per class at patch time;
+:func:`source_hashes` gives what a model's code hashes to, for bumping transformers.
 
 Weights. q/k/v projection weights (and biases) are concatenated once, at patch time, and each projection's
 parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
@@ -49,6 +60,10 @@ module-level function, with the per-model state in plain attributes: ``copy.deep
 
 Offloaded models (accelerate ``device_map`` with CPU/disk offload: parameters on the meta device, hooks that
 materialise them per forward) are refused at patch time with ``NotImplementedError``, before anything changes.
+
+Dtypes. The ops take fp32, bf16 and fp16 activations (with fp32 norm weights or weights of the activations'
+dtype: :func:`qkvfuse._checks.served_dtypes`). Any other call -- a model cast with ``.double()`` after patching,
+to compute a reference -- runs each layer's own code, with one warning per model and dtype.
 
 Autocast. Under ``torch.autocast`` an fp32 model's projections give bf16/fp16 activations while the residual
 stream stays fp32: transformers adds the attention output to the residual with type promotion (fp32) and its
@@ -268,7 +283,7 @@ def _attention_sources(attn: nn.Module, rotary: nn.Module, family: _Family) -> D
         found[f"{short}.{name}"] = getattr(module, name, None)
     if family.mrope_interleaved is not None:
         found.update([_method(type(rotary), "recomposition_frequencies")])
-    if hasattr(attn, "q_norm") and getattr(attn, "use_qk_norm", True):
+    if _uses_qk_norm(attn):
         found.update([_method(type(attn.q_norm), "forward"), _method(type(attn.k_norm), "forward")])
     return found
 
@@ -1142,15 +1157,18 @@ def apply_qkvfuse(model: nn.Module, *, backend: Optional[str] = None, fuse_add_r
         class that overrides the ``forward`` qkvfuse replaces (or carries another tool's instance ``forward``),
         a q/k/v projection that is not a plain ``torch.nn.Linear`` (quantised layers), or an unsupported dtype.
     NotImplementedError
-        rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK), shared-expert overlap requested while
-        ``qkvfuse.moe.glm4`` is unavailable, or an offloaded model (accelerate ``device_map`` with CPU/disk
-        offload): a parameter or buffer on the ``meta`` device, a module carrying an accelerate hook
-        (``_hf_hook``; any accelerate dispatch, since the patch replaces the forwards those hooks wrap), or an
-        ``hf_device_map`` naming ``"disk"``, or ``"cpu"`` next to an accelerator. Checked before anything
-        changes: the model stays unpatched and working.
+        rope parameters qkvfuse cannot reproduce (e.g. dynamic NTK; mRoPE sections that do not sum to half the
+        rotary dim), shared-expert overlap requested while ``qkvfuse.moe.glm4`` is unavailable, or an offloaded
+        model (accelerate ``device_map`` with CPU/disk offload): a parameter or buffer on the ``meta`` device, a
+        module carrying an accelerate hook (``_hf_hook``; any accelerate dispatch, since the patch replaces the
+        forwards those hooks wrap), or an ``hf_device_map`` naming ``"disk"``, or ``"cpu"`` next to an
+        accelerator. Checked before anything changes: the model stays unpatched and working.
 
     Warns
     -----
+    RuntimeWarning
+        A layer class whose transformers code is not a tested version (:data:`TESTED_SOURCES`) keeps its own
+        forward: one warning per class, naming the function that differs.
     RuntimeWarning
         The rotary module's ``inv_freq`` is not fp32 (a model cast with ``.to(dtype)`` after loading): qkvfuse
         still rotates with the exact fp32 frequencies.
