@@ -41,14 +41,14 @@ class Progress:
         self._done = self._total = 0
         self._t0 = 0.0
 
-    def start(self, name: str, summary: str = "", total: Optional[int] = None) -> None:
+    def start(self, name: str, summary: str = "", total: Optional[int] = None, unit: str = "check") -> None:
         """Begin step ``name`` (``total`` units when known; a verify section announces its checks as it goes)."""
         self.close()
         self._name, self._done, self._total, self._t0 = name, 0, total or 0, time.perf_counter()
         if self.mode == "bar":
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=f"{self.prefix}{name}", unit="check" if not total else " cell",
+            self._bar = tqdm(total=total, desc=f"{self.prefix}{name}", unit=f" {unit}",
                              leave=False, file=self.stream, dynamic_ncols=True)
 
     def planned(self, n: int) -> None:

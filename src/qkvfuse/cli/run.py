@@ -122,7 +122,7 @@ def _build(progress: Progress) -> Dict[str, object]:
             folders = lambda: list(cache_root().glob(f"*.tmp-{os.getpid()}-*"))  # noqa: E731
         except Exception:  # noqa: BLE001 -- no count: the bar shows the time alone
             sources, folders = 0, lambda: []
-        progress.start("build native CPU library (first use)", total=sources or None)
+        progress.start("build native CPU library (first use)", total=sources or None, unit="file")
         seen = 0
         while thread.is_alive():
             thread.join(0.25)
@@ -191,7 +191,7 @@ def _bench(args, mode: str, tokens: Optional[Sequence[int]]) -> Dict[str, object
     budget = overview.budget_for(args.seconds)
     compiled = overview.UnfusedCompiler(not args.no_compile)
     progress = Progress(mode)
-    progress.start("bench", total=len(cells))
+    progress.start("bench", total=len(cells), unit="cell")
     rows, errors, l2 = [], [], cache_bytes(2, 1 << 20)
     before = cpu_snapshot()
     t0 = time.perf_counter()
