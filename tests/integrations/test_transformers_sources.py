@@ -138,3 +138,25 @@ def test_hash_is_the_engine_plugins_rule():
     fn = type(build_tiny_model("Qwen3").model.layers[0]).forward
     want = hashlib.sha256(textwrap.dedent(inspect.getsource(fn)).encode()).hexdigest()[:16]
     assert hf.source_hash(fn) == want
+
+
+def test_altered_moe_block_keeps_its_forward(monkeypatch, op_calls):
+    """shared_expert_overlap replaces the GLM MoE block's forward: an altered one is left in place (one warning),
+    while the attention and add+norm, whose code is tested, are fused."""
+    unpatched, patched = build_tiny_model("GLM-4.7"), build_tiny_model("GLM-4.7")
+    inputs = vm.model_inputs(unpatched, "GLM-4.7", batch=2, length=8)
+    block_cls = next(type(m) for m in patched.modules() if type(m).__name__ == "Glm4MoeMoE")
+    assert hf.source_hashes(patched)["Glm4MoeMoE.forward"] in hf.TESTED_SOURCES["Glm4MoeMoE.forward"]
+    monkeypatch.setattr(block_cls, "forward", _scaled_output(block_cls.forward))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf.apply_qkvfuse(patched, backend="cpu", shared_expert_overlap=True)
+    ours = [str(w.message) for w in caught if "keeps transformers' own forward" in str(w.message)]
+    assert len(ours) == 1 and ours[0].startswith("apply_qkvfuse: Glm4MoeMoE keeps"), ours
+    blocks = [m for m in patched.modules() if type(m) is block_cls]
+    assert blocks and not any("forward" in vars(b) for b in blocks)
+    assert patched._qkvfuse_patch.moe_blocks == []
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, unpatched(**inputs).logits
+    assert op_calls == {"split": attention_layers(patched), "norm": patched.config.num_hidden_layers}
+    assert vm.relative_error(got, want) <= 1e-4

@@ -238,6 +238,9 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Qwen3_5MoeTextRotaryEmbedding.recomposition_frequencies": ("3ddfd42b631af4e3",),
     "modeling_qwen3_5_moe.apply_rotary_pos_emb": ("ab8feb64f1955571",),
     "modeling_qwen3_5_moe.rotate_half": ("f714a4b1160c694e",),
+    # the GLM MoE block forward that shared_expert_overlap replaces (qkvfuse.moe.glm4)
+    "Glm4MoeMoE.forward": ("9586dc1a570ee53c",),
+    "Glm4vMoeTextMoE.forward": ("9586dc1a570ee53c",),
 }
 
 
@@ -289,7 +292,8 @@ def _attention_sources(attn: nn.Module, rotary: nn.Module, family: _Family) -> D
 
 
 def _layer_sources(layer: nn.Module) -> Dict[str, Optional[Callable]]:
-    """What the fused decoder layer stands in for: its forward, and the post-attention norm's forward."""
+    """What the fused decoder layer stands in for: its forward, and the post-attention norm's forward. (The GLM MoE
+    block's forward, which ``shared_expert_overlap`` replaces, is checked per block in :func:`_patch_moe`.)"""
     return dict([_method(type(layer), "forward"), _method(type(layer.post_attention_layernorm), "forward")])
 
 
@@ -316,6 +320,12 @@ def source_hashes(model: nn.Module) -> Dict[str, str]:
             if attn is not None:
                 found.update(_attention_sources(attn, text_model.rotary_emb, family))
             found.update(_layer_sources(layer))
+    try:
+        is_block = _glm4_moe_api().is_block
+    except NotImplementedError:  # no qkvfuse.moe here: apply_qkvfuse patches no MoE block either
+        is_block = None
+    if is_block is not None:
+        found.update(_method(type(m), "forward") for m in model.modules() if is_block(m))
     return {name: _known_hash(fn) if fn is not None else "" for name, fn in sorted(found.items())}
 
 
@@ -1089,9 +1099,17 @@ def _patch_moe(model: nn.Module, overlap: bool, explicit: bool) -> List[nn.Modul
         raise ValueError(f"apply_qkvfuse: shared_expert_overlap applies to GLM-4 MoE blocks with a shared expert; "
                          f"{type(model).__name__} has none")
     # Without an explicit request the environment switch is global: models without shared experts ignore it.
+    patched, untested = [], {}
     for block in blocks:
+        reason = _untested(dict([_method(type(block), "forward")]))
+        if reason is not None:
+            untested.setdefault(type(block).__name__, reason)
+            continue
         api.patch(block, overlap=overlap)
-    return blocks
+        patched.append(block)
+    for cls, reason in untested.items():
+        warnings.warn(f"apply_qkvfuse: {cls} keeps transformers' own forward: {reason}", RuntimeWarning, stacklevel=3)
+    return patched
 
 
 def _covering_states(model: nn.Module) -> List[_PatchState]:
