@@ -736,3 +736,26 @@ def test_changed_rotary_scaling_runs_unfused(name, op_calls):
     got = _logits(patched, inputs)
     assert op_calls["split"] == attention_layers(patched)
     _assert_same(got, _logits(unpatched, inputs))
+
+
+@pytest.mark.parametrize("name, edit", [("Qwen3", "q_norm-k_norm-eps"), ("Qwen3", "post_attention_layernorm-eps"),
+                                        pytest.param("GLM-4.5V", "mrope_section", marks=pytest.mark.slow)])
+def test_torch_compile_follows_scalar_edits(name, edit):
+    """A compiled patched model reads the same scalars: dynamo guards on them and retraces after the edit (the
+    vision tower of an image model does not compile in one graph: that model may break graphs)."""
+    unpatched, patched, inputs = _twins(name, "cpu")
+    before = _logits(unpatched, inputs)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(patched, backend="eager", fullgraph=not TINY_MODELS[name].image)
+        with torch.no_grad():
+            compiled(**inputs)
+            for model in (unpatched, patched):
+                _SCALAR_EDITS[edit][0](model)
+            got = compiled(**inputs).logits
+    finally:
+        torch._dynamo.reset()
+    want = _logits(unpatched, inputs)
+    assert vm.relative_error(want, before) > 1e-3, "the edit does not change the unpatched logits"
+    _assert_same(got, want, edit)
+
