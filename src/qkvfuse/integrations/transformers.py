@@ -38,10 +38,11 @@ or run the attention unfused when the table can no longer reproduce them.
 
 Tested code only. The transformers functions whose behaviour the fused forwards replace or reproduce -- each
 attention and decoder layer forward, the modeling module's ``apply_rotary_pos_emb`` and ``rotate_half``, the
-rotary module's forward (and mRoPE ``recomposition_frequencies``), the norms' forward -- must hash to a version in
-:data:`TESTED_SOURCES` (transformers :data:`TESTED_TRANSFORMERS`; the engine plugins' guard and hash). A layer
-class whose code does not keeps transformers' own forward, with one warning per class at patch time;
-:func:`source_hashes` gives what a model's code hashes to, for bumping transformers.
+rotary module's forward (and mRoPE ``recomposition_frequencies``), the norms' forward, the GLM MoE block forward
+that ``shared_expert_overlap`` replaces -- must hash to a version in :data:`TESTED_SOURCES` (transformers
+:data:`TESTED_TRANSFORMERS`; the engine plugins' guard and hash). A layer class whose code does not keeps
+transformers' own forward, with one warning per class at patch time; :func:`source_hashes` gives what a model's
+code hashes to, for bumping transformers.
 
 Weights. q/k/v projection weights (and biases) are concatenated once, at patch time, and each projection's
 parameter becomes a view into the concatenated tensor, so the attention weights are not duplicated. If the
