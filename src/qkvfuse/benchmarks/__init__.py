@@ -39,7 +39,7 @@ PERCALL_PRESETS = ("Qwen3-8B", "GLM-4.7")  # the per-call rows' presets
 OPS = ("split", "norm", "percall")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 FULL_BUDGET = Budget()
-# `make run` budget: ~1 s per measurement and the reference backend left out (it is as slow as eager at
+# --quick budget: ~1 s per measurement and the reference backend left out (it is as slow as eager at
 # T = 4096, seconds per call for GLM shapes); torch.compile once, for one cell.
 QUICK_BUDGET = Budget(block_s=1e-3, cell_s=1.0, warm_s=0.02, min_rounds=3, max_rounds=9)
 

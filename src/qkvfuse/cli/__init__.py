@@ -50,7 +50,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                        "an unwritable path is an error before anything runs)")
     _device_arguments(verify)
     bench = sub.add_parser("bench", help="benchmark the fused ops against eager, torch.compile and a copy roofline")
-    bench.add_argument("--quick", action="store_true", help="a short run (used by `make run`)")
+    bench.add_argument("--quick", action="store_true", help="a short run (also the maintainers' `make bench-targets`)")
     bench.add_argument("--json", help="write the table as JSON to this path (an unwritable path is an error "
                                       "before anything runs)")
     bench.add_argument("--plot", help="write a PNG chart to this path (needs matplotlib; without it, or with an "

@@ -29,7 +29,8 @@ def run_main(args) -> int:
 
     problem = _report_problem(args.report)
     if not problem and args.json:
-        problem = unwritable(args.json) and f"--json {args.json}: {unwritable(args.json)}"
+        reason = unwritable(args.json)
+        problem = f"--json {args.json}: {reason}" if reason else ""
     tokens = tuple(dict.fromkeys(args.tokens or ()))
     if not problem and any(t < 1 for t in tokens):
         problem = f"--tokens: expected positive token counts, got {list(tokens)}"
@@ -197,7 +198,12 @@ def _bench(args, mode: str, tokens: Optional[Sequence[int]]) -> Dict[str, object
     t0 = time.perf_counter()
     for cell in cells:
         try:
-            rows += overview.measure_cell(cell, peers, compiled, budget, l2)
+            cell_start = cpu_snapshot()
+            measured = overview.measure_cell(cell, peers, compiled, budget, l2)
+            cell_share = others_share(cell_start, cpu_snapshot())
+            for row in measured:  # the noise of each cell, in the report's "others" column
+                row.others = cell_share
+            rows += measured
         except Exception as exc:  # noqa: BLE001 -- one broken cell must not hide the others
             errors.append(f"{cell[0]} {cell[1]} T={cell[3]}: {_one_line(exc)}")
         progress.advance()
