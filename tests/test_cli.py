@@ -310,3 +310,40 @@ def test_progress_on_a_terminal_is_a_bar_with_count_and_time_left():
     line.advance(3)
     line.end(line="3 cells in 1 s")
     assert plain.getvalue() == "bench: 3 cells in 1 s\n"
+
+
+def test_first_use_build_shows_a_bar_counting_the_compiled_files(tmp_path, monkeypatch):
+    """The build's progress counts the objects the compilers write into the build folder (a library built before
+    is found at once: no bar)."""
+    import qkvfuse.backends.cpu as cpu
+
+    monkeypatch.setenv("QKVFUSE_BUILD_DIR", str(tmp_path))
+    folder = tmp_path / f"key.tmp-{os.getpid()}-0a1b"
+
+    def slow_build():
+        folder.mkdir()
+        for i in range(cpu_sources):
+            time.sleep(0.4)
+            (folder / f"{i}-kernel.o").write_bytes(b"")
+        time.sleep(0.4)
+        return str(tmp_path / "lib.so")
+
+    cpu_sources = len(cpu._build_inputs(cpu.capability())[1])
+    monkeypatch.setattr(cpu, "prebuild", slow_build)
+    plain = io.StringIO()
+    result = run_mod._build(progress_mod.Progress("plain", stream=plain))
+    assert result["ok"] and result["path"] == str(tmp_path / "lib.so")
+    assert plain.getvalue().startswith("build native CPU library (first use): ")
+    events = []
+
+    class Counting(progress_mod.Progress):
+        def advance(self, n=1):
+            events.append(n)
+
+    folder.rename(tmp_path / "done")
+    run_mod._build(Counting("quiet"))
+    assert sum(events) == cpu_sources
+    monkeypatch.setattr(cpu, "prebuild", lambda: str(tmp_path / "lib.so"))  # built before: found at once
+    quiet_when_cached = io.StringIO()
+    run_mod._build(progress_mod.Progress("plain", stream=quiet_when_cached))
+    assert quiet_when_cached.getvalue() == ""
