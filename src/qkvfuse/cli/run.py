@@ -315,7 +315,7 @@ def summary_lines(data: Dict[str, object]) -> List[str]:
         lines.append(f"native build: {_short(build['reason'], 100)}")
     bench = data["bench"]
     if bench.get("peers"):
-        lines.append("peers: " + "; ".join(f"{k} {v}" for k, v in bench["peers"].items()))
+        lines.append("peers: " + "; ".join(f"{k}: {v}" for k, v in bench["peers"].items()))
 
     verify = data["verify"]
     lines += ["", f"verify: every backend against the float64 oracle and the unfused path ({verify['seconds']:.0f} s)"]
