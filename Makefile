@@ -31,7 +31,7 @@ $(STAMP): requirements-dev.txt pyproject.toml
 
 # The main job: build, verify, time; one screen on stdout and the full report in ./qkvfuse-report/ (docs/cli.md).
 run: $(STAMP)
-	$(PY) -m qkvfuse
+	@$(PY) -m qkvfuse
 
 verify: $(STAMP)
 	$(PY) -m qkvfuse verify

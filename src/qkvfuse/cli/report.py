@@ -111,7 +111,7 @@ def markdown(data: Dict[str, object], plots: Dict[str, str]) -> str:
     for s in verify.get("sections", []):
         t = s["table"]
         out.append(_printed(print_section, Section(t["title"], t["columns"], t["rows"], t["note"])))
-        out.append(f"({s['name']}: {s['passed']}/{s['total']} passed in {s['seconds']} s)")
+        out += [f"({s['name']}: {s['passed']}/{s['total']} passed in {s['seconds']} s)", ""]
     out += ["```", ""]
     return "\n".join(out)
 
