@@ -134,3 +134,24 @@ def test_both_plugins_validate_options_with_one_rule():
             parse()
         messages.append(str(info.value).split("['backend']", 1)[1])
     assert messages[0] == messages[1]
+
+
+def test_rebinding_compares_settings_by_value():
+    """The engine core's re-binding key: tensors by identity and storage, modules by identity, the scalars a bound
+    call uses (eps, rotary style, mRoPE section) by value -- an equal value is no change, an edited list is."""
+    import torch
+
+    from qkvfuse.integrations._rebind import Rebinding
+
+    built = []
+    binding = Rebinding(lambda *items: built.append(items) or len(built))
+    weight, module, section = torch.ones(4), torch.nn.Identity(), [2, 1, 1]
+    assert binding.get(weight, module, 1e-6, True, section) == 1
+    assert binding.get(weight, module, float("1e-6"), True, list(section)) == 1  # equal values: no rebuild
+    assert binding.get(weight, module, 0.5, True, section) == 2  # eps changed in place on the norm
+    assert binding.get(weight, module, 0.5, False, section) == 3  # rotary style
+    section[:] = [1, 2, 1]
+    assert binding.get(weight, module, 0.5, False, section) == 4  # the engine's list edited in place
+    assert binding.get(weight, torch.nn.Identity(), 0.5, False, section) == 5  # another module, same settings
+    weight.data = torch.zeros(4)
+    assert binding.get(weight, binding.items[1], 0.5, False, section) == 6  # new storage
