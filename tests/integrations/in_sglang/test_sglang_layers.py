@@ -20,6 +20,8 @@ from qkvfuse._verify.accuracy import check_split_outputs
 from qkvfuse._verify.oracle import oracle_split
 from qkvfuse.integrations import sglang as plugin
 
+from _support.live_edits import set_eps, set_rotary
+
 T, HIDDEN, HQ, HKV, D, MAX_POS = 11, 96, 6, 2, 128, 512
 
 LAYERS = {  # name -> (class, rope_theta, rope_scaling, partial rotary, qk_norm)
@@ -381,20 +383,6 @@ def test_gated_layer_with_untested_sglang_code_keeps_sglangs_code(sglang_dist, m
 # Settings changed in place: SGLang's forwards read a norm's eps and the rotary settings on every call, so the
 # fused prepare must re-bind when one changes value (the module and its tensors stay the same objects).
 # ------------------------------------------------------------------------------------------------------------
-def _set_eps(value, *names):
-    def edit(layer):
-        for name in names:
-            getattr(layer, name).variance_epsilon = value
-    return edit
-
-
-def _set_rotary(**settings):
-    def edit(layer):
-        for name, value in settings.items():
-            setattr(layer.rotary_emb, name, value)
-    return edit
-
-
 def _mrope_section_in_place(layer):
     section = layer.rotary_emb.mrope_section
     if isinstance(section, list):
@@ -404,12 +392,12 @@ def _mrope_section_in_place(layer):
 
 
 SETTING_EDITS = {  # name -> (layer, edit, whether the layer stays fused)
-    "q/k eps 0.5": ("qwen3", _set_eps(0.5, "q_norm", "k_norm"), True),
-    "q eps only (unequal eps)": ("qwen3", _set_eps(0.5, "q_norm"), False),
-    "glm-4.7 q/k eps 0.5": ("glm-4.7", _set_eps(0.5, "q_norm", "k_norm"), True),
-    "gptj rotation": ("qwen3", _set_rotary(is_neox_style=False), True),
+    "q/k eps 0.5": ("qwen3", set_eps(0.5, "q_norm", "k_norm"), True),
+    "q eps only (unequal eps)": ("qwen3", set_eps(0.5, "q_norm"), False),
+    "glm-4.7 q/k eps 0.5": ("glm-4.7", set_eps(0.5, "q_norm", "k_norm"), True),
+    "gptj rotation": ("qwen3", set_rotary(is_neox_style=False), True),
     "mrope section edited in place": ("qwen3-vl", _mrope_section_in_place, True),
-    "mrope not interleaved": ("qwen3-vl", _set_rotary(mrope_interleaved=False), True),
+    "mrope not interleaved": ("qwen3-vl", set_rotary(mrope_interleaved=False), True),
 }
 
 
@@ -459,7 +447,7 @@ def test_gated_layer_follows_its_norms_eps(sglang_dist, name):
     torch.testing.assert_close(run(layer), run(reference), rtol=2e-6, atol=2e-6)
     before = run(reference)
     for target in (layer, reference):
-        _set_eps(0.5, "q_norm", "k_norm")(target)
+        set_eps(0.5, "q_norm", "k_norm")(target)
     want = run(reference)
     assert not torch.allclose(want, before)
     torch.testing.assert_close(run(layer), want, rtol=2e-6, atol=2e-6)

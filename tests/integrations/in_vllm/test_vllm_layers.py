@@ -20,6 +20,8 @@ from torch import nn
 import qkvfuse
 from qkvfuse.integrations import vllm as plugin
 
+from _support.live_edits import set_eps, set_rotary
+
 T = 11
 
 
@@ -530,31 +532,17 @@ def test_tested_sources_are_this_vllms():
 # Settings changed in place: vLLM's forwards read a norm's eps and the rotary settings on every call, so the
 # fused forward must re-bind when one changes value (the module and its tensors stay the same objects).
 # ------------------------------------------------------------------------------------------------------------
-def _set_eps(value, *names):
-    def edit(layer):
-        for name in names:
-            getattr(layer, name).variance_epsilon = value
-    return edit
-
-
-def _set_rotary(**settings):
-    def edit(layer):
-        for name, value in settings.items():
-            setattr(layer.rotary_emb, name, value)
-    return edit
-
-
 def _mrope_section_in_place(layer):
     layer.rotary_emb.mrope_section[:] = [20, 24, 20]  # the list the rotary module holds, edited in place
 
 
 SETTING_EDITS = {  # name -> (layer, edit, whether the layer stays fused)
-    "q/k eps 0.5": ("glm-4.7", _set_eps(0.5, "q_norm", "k_norm"), True),
-    "q eps only (unequal eps)": ("glm-4.7", _set_eps(0.5, "q_norm"), False),
-    "gptj rotation": ("glm-4.7", _set_rotary(is_neox_style=False), True),
+    "q/k eps 0.5": ("glm-4.7", set_eps(0.5, "q_norm", "k_norm"), True),
+    "q eps only (unequal eps)": ("glm-4.7", set_eps(0.5, "q_norm"), False),
+    "gptj rotation": ("glm-4.7", set_rotary(is_neox_style=False), True),
     "mrope section edited in place": ("qwen3-vl", _mrope_section_in_place, True),
-    "mrope not interleaved": ("qwen3-vl", _set_rotary(mrope_interleaved=False), True),
-    "qwen3-vl q/k eps 0.5": ("qwen3-vl", _set_eps(0.5, "q_norm", "k_norm"), True),
+    "mrope not interleaved": ("qwen3-vl", set_rotary(mrope_interleaved=False), True),
+    "qwen3-vl q/k eps 0.5": ("qwen3-vl", set_eps(0.5, "q_norm", "k_norm"), True),
 }
 
 
@@ -597,7 +585,7 @@ def test_gated_layer_follows_its_norms_eps(vllm_config):
                                    rtol=2e-6, atol=2e-6)
         before = type(ref).forward(ref, positions, hidden)
         for layer in (ref, fused):
-            _set_eps(0.5, "q_norm", "k_norm")(layer)
+            set_eps(0.5, "q_norm", "k_norm")(layer)
         want = type(ref).forward(ref, positions, hidden)
         got = fused(positions, hidden)
     assert not torch.allclose(want, before)
@@ -649,7 +637,7 @@ def test_compiled_fused_forward_follows_eps(vllm_config):
         torch.testing.assert_close(compiled(positions, hidden), type(ref).forward(ref, positions, hidden),
                                    rtol=3e-6, atol=3e-6)
         for layer in (ref, fused):
-            _set_eps(0.5, "q_norm", "k_norm")(layer)
+            set_eps(0.5, "q_norm", "k_norm")(layer)
         torch.testing.assert_close(compiled(positions, hidden), type(ref).forward(ref, positions, hidden),
                                    rtol=3e-6, atol=3e-6)
 
