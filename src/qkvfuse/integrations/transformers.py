@@ -178,7 +178,8 @@ _FUSABLE_DTYPES = FLOATS  # what the ops take (qkvfuse._checks): the projections
 # The transformers code the fused forwards replace or reproduce, by a hash of its source. A layer class whose
 # code hashes to none of the tested versions keeps transformers' own forward, with one warning per patch.
 # --------------------------------------------------------------------------------------------------------
-TESTED_TRANSFORMERS: Tuple[str, ...] = ("5.19.0", "5.23.0")  # the dev venv's; the engine venvs' (make test-vllm runs the guard tests there)
+# the dev venv's; the engine venvs' (make test-vllm runs the guard tests there)
+TESTED_TRANSFORMERS: Tuple[str, ...] = ("5.19.0", "5.23.0")
 TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Qwen3Attention.forward": ("95140604894f7733",),
     "Qwen3DecoderLayer.forward": ("461ed20abeb521a9",),
