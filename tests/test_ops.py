@@ -1,6 +1,6 @@
 """The shared conformance suite: every backend against the float64 oracle under the accuracy rule.
 
-Outputs are NaN-poisoned before each call and every element is checked (``qkvfuse._verify.accuracy``).
+Outputs are NaN-poisoned before each call and every element is checked (``qkvfuse.testing.accuracy``).
 Shapes stay small so the Triton interpreter runs the same matrix in CI.
 """
 

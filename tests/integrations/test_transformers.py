@@ -4,7 +4,7 @@ Every family of issue 5 (Qwen3, Qwen3-MoE, Qwen3-VL with an image, GLM-4.7, GLM-
 image), GLM-4.6V and Qwen3-VL-MoE (with an image), and the gated-attention families of issue 22 (Qwen3-Next,
 Qwen3.5 with an image, Qwen3.5-MoE: 3 Gated DeltaNet layers + 1 full-attention layer) is checked with the
 harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the tolerances of
-``qkvfuse._verify.accuracy``:
+``qkvfuse.testing.accuracy``:
 
 * fp32 prefill logits within MODEL_FP32_LOGIT_RTOL (1e-4) of max|unpatched logits|;
 * fp32 greedy generation of 24 tokens with the KV cache: identical tokens, every step's logits within 1e-4
@@ -31,7 +31,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
-from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
+from qkvfuse.testing.accuracy import MODEL_FP32_LOGIT_RTOL
 from qkvfuse._verify.tiny_models import (TINY_MODELS, attention_layers, build_tiny_model, image_token_count,
                                          tiny_config, tiny_image_prompt, tiny_prompt)
 from qkvfuse.integrations import transformers as hf

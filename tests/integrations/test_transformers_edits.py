@@ -37,7 +37,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
-from qkvfuse._verify.accuracy import MODEL_FP32_LOGIT_RTOL
+from qkvfuse.testing.accuracy import MODEL_FP32_LOGIT_RTOL
 from qkvfuse._verify.tiny_models import (TINY_MODELS, attention_layers, build_tiny_model, copy_routing_pins,
                                          tiny_config)
 from qkvfuse.backends import BACKEND_NAMES

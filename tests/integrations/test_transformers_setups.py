@@ -4,7 +4,7 @@ Autocast: an fp32 model under ``torch.autocast("cpu", dtype=torch.bfloat16)`` ge
 while its residual stream stays fp32 (transformers adds them with type promotion and normalises in fp32). The
 patched decoder layers run their own unfused add+norm for such calls (one warning); the fused attention prepare
 still runs on bf16 qkv with fp32 norm weights. The patched logits are judged with the bf16 rule of
-``test_transformers.py`` (``qkvfuse._verify.accuracy``): against the same weights in float64, patched RMS error
+``test_transformers.py`` (``qkvfuse.testing.accuracy``): against the same weights in float64, patched RMS error
 <= MODEL_BF16_RMS_FACTOR x and max error <= MODEL_BF16_MAX_FACTOR x the unpatched model's under the same
 autocast.
 
@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 
 from qkvfuse._verify import models as vm
-from qkvfuse._verify.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
+from qkvfuse.testing.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
 from qkvfuse._verify.tiny_models import TINY_MODELS, attention_layers, build_tiny_model, clone_model, tiny_prompt
 from qkvfuse.integrations import transformers as hf
 

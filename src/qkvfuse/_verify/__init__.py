@@ -3,9 +3,8 @@
 Private (no stability promise); the library never imports it, the CLI and the tests do. Nothing here imports
 :mod:`qkvfuse.cli`.
 
-* :mod:`.oracle` -- an independent float64 oracle written plainly (loops over heads and pairs; it shares no
-  code with :mod:`qkvfuse.reference`), and the *unfused* transformers-style path in the working dtype.
-* :mod:`.accuracy` -- the accuracy rule and its tolerances (the one place they are defined).
+* The float64 oracle, the unfused baseline and the accuracy rule are public: :mod:`qkvfuse.testing` (re-exported
+  here for the modules below).
 * :mod:`.inputs` -- random inputs for a configuration, and NaN-poisoned output buffers.
 * :mod:`.guarded` -- guard-page tensors (``python -m qkvfuse._verify.guarded BACKEND``).
 * :mod:`.failure_modes` -- the catalogue of public failure modes, bad calls, fuzz space, determinism checks
@@ -20,9 +19,9 @@ Private (no stability promise); the library never imports it, the CLI and the te
 numpy is needed only here (the optional ``verify`` extra), never by the ops.
 """
 
-from .accuracy import AccuracyReport, check_norm_outputs, check_split_outputs
+from ..testing import (AccuracyReport, check_norm_outputs, check_split_outputs, oracle_add_rmsnorm, oracle_split,
+                       unfused_add_rmsnorm, unfused_split)
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
-from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 
 __all__ = [
     "AccuracyReport",

@@ -12,9 +12,9 @@ import torch
 
 from ..backends import available_backends
 from ..presets import PRESETS
-from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
+from ..testing.accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
+from ..testing.oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
-from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .sections import Options, Section, advance, planned, triton_interpreter
 
 __all__ = ["ops_section"]
@@ -83,7 +83,7 @@ def ops_section(opts: Options) -> Section:
                              "mode": "residual" + (" + bias" if "bias" in kw else "") + (", gemma" if gemma else ""),
                              "max err": report.max_err, "unfused err": report.unfused_err, "pass": report.ok,
                              "detail": report.detail})
-    note = ("rule (qkvfuse._verify.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every "
+    note = ("rule (qkvfuse.testing.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every "
             "element within 1/2 ulp of the float64 oracle (+ fp32 allowance), V / residual_out bit-exact")
     if skipped:
         note += "\nunavailable backends: " + "; ".join(f"{b} ({r})" for b, r in skipped.items())

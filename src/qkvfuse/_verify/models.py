@@ -2,7 +2,7 @@
 
 Each check builds a tiny random-weight model of one family (:mod:`.tiny_models`), runs it unpatched and
 patched by :func:`~qkvfuse.integrations.transformers.apply_qkvfuse`, and compares with the tolerances of
-:mod:`qkvfuse._verify.accuracy`:
+:mod:`qkvfuse.testing.accuracy`:
 
 * :func:`check_prefill` -- fp32 prefill logits (a batch of two prompts, or one prompt with an image);
 * :func:`check_generation` -- fp32 greedy generation with the KV cache: identical tokens, per-step logits;
@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..backends import resolve_backend
-from .accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
+from ..testing.accuracy import MODEL_BF16_MAX_FACTOR, MODEL_BF16_RMS_FACTOR, MODEL_FP32_LOGIT_RTOL
 from .sections import Options, Section, advance, planned
 from .tiny_models import TINY_MODELS, build_tiny_model, clone_model, tiny_image_prompt, tiny_prompt
 

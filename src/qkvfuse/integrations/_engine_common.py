@@ -476,8 +476,7 @@ def engine_prepare(module, qkv: torch.Tensor, positions: torch.Tensor, q_gate: b
 
 def _verified(state: BoundPrepare, prep, qkv: torch.Tensor, positions: torch.Tensor):
     """The ``verify`` option: the fused result judged against a float64 oracle next to the engine's own path."""
-    from .._verify.accuracy import check_split_outputs  # the accuracy rule's one definition (verify mode only)
-    from .._verify.oracle import oracle_split
+    from ..testing import check_split_outputs, oracle_split  # only the verify option needs them
 
     module = state.module
     unfused = engine_prepare(module, qkv, positions, state.q_gate)

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import qkvfuse
-from qkvfuse._verify.accuracy import check_norm_outputs, check_split_outputs
-from qkvfuse._verify.oracle import oracle_add_rmsnorm, oracle_split
+from qkvfuse.testing.accuracy import check_norm_outputs, check_split_outputs
+from qkvfuse.testing.oracle import oracle_add_rmsnorm, oracle_split
 
 ROPES = {
     "full": (128, {"rope_type": "default", "rope_theta": 1e6}),
