@@ -97,11 +97,7 @@ class Prepare(torch.nn.Module):
         self.gated, self.gemma = case.q_gate, case.gemma_norm
         self.sizes = [hq * d, hkv * d, hkv * d] + ([hq * d] if case.q_gate else [])  # out= order: q, k, v(, gate)
         self.k_start = (2 if case.q_gate else 1) * hq * d  # K's first column in qkv
-        self.prep = qkvfuse.QKNormRope(
-            hq, hkv, d, kw["cos_sin_cache"], q_weight=kw.get("q_weight"), k_weight=kw.get("k_weight"),
-            q_bias=kw.get("q_bias"), k_bias=kw.get("k_bias"), eps=kw["eps"], is_neox=kw["is_neox"],
-            mrope_section=kw["mrope_section"], mrope_interleaved=kw["mrope_interleaved"], q_gate=case.q_gate,
-            gemma_norm=case.gemma_norm, backend=backend)
+        self.prep = qkvfuse.QKNormRope(**kw, backend=backend)  # the case's keywords, whichever it sets
         self.norm = qkvfuse.AddRMSNorm(weight, 1e-6, bias, gemma_norm=case.gemma_norm, backend=backend)
 
     def own_slices(self, qkv):

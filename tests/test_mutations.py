@@ -32,18 +32,20 @@ _rms = ref._rms_norm_fp32
 _public_split = qkvfuse.split_qkv_rmsnorm_rope
 
 
-def _partial_rotary_large(qkv, positions, cache, hq, hkv, d, *rest):
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
-    q_out, R = rest[-4], cache.shape[1]
+# The reference kernel's signature: (qkv, positions, config, q_out, k_out, v_out, gate_out), config a
+# qkvfuse._library.SplitConfig (a NamedTuple: a mutation changes a field with _replace).
+def _partial_rotary_large(qkv, positions, config, *outs):
+    _split(qkv, positions, config, *outs)
+    q_out, R, hq, d = outs[0], config.cos_sin_cache.shape[1], config.num_q_heads, config.head_dim
     heads = q_out.view(q_out.shape[0], hq, d)
     flat = torch.arange(q_out.shape[0])[:, None] * hq + torch.arange(hq)[None, :]
     heads[..., R:][flat >= PARTIAL_ROTARY_THRESHOLD] = float("nan")
 
 
-def _rotary_dim_default(qkv, positions, cache, hq, hkv, d, *rest):
-    flat = cache.reshape(-1)
+def _rotary_dim_default(qkv, positions, config, *outs):
+    flat, d = config.cos_sin_cache.reshape(-1), config.head_dim
     rows = flat.numel() // d
-    _split(qkv, positions, flat[: rows * d].view(rows, d), hq, hkv, d, *rest)
+    _split(qkv, positions, config._replace(cos_sin_cache=flat[: rows * d].view(rows, d)), *outs)
 
 
 def _mrope_drop_hw(positions, cache, sections, interleaved):
@@ -58,7 +60,9 @@ def _mrope_packed_positions(positions, cache, sections, interleaved):
     return _cos_sin(positions, cache, sections, interleaved)
 
 
-def _k_variance_zero(qkv, positions, cache, hq, hkv, d, q_w, k_w, *rest):
+def _k_variance_zero(qkv, positions, config, *outs):
+    k_w = config.k_weight
+
     def norm(x, weight, bias, eps, gemma=False):
         if weight is not k_w:
             return _rms(x, weight, bias, eps, gemma)
@@ -66,13 +70,14 @@ def _k_variance_zero(qkv, positions, cache, hq, hkv, d, q_w, k_w, *rest):
         return y + bias.float() if bias is not None else y
 
     with mock.patch.object(ref, "_rms_norm_fp32", norm):
-        _split(qkv, positions, cache, hq, hkv, d, q_w, k_w, *rest)
+        _split(qkv, positions, config, *outs)
 
 
-def _skip_unlisted_head_dim(qkv, positions, cache, hq, hkv, d, *rest):
+def _skip_unlisted_head_dim(qkv, positions, config, *outs):
+    hq, hkv, d = config.num_q_heads, config.num_kv_heads, config.head_dim
     if d in (64, 128, 256):
-        return _split(qkv, positions, cache, hq, hkv, d, *rest)
-    q_out, k_out, v_out = rest[-4:-1]
+        return _split(qkv, positions, config, *outs)
+    q_out, k_out, v_out = outs[:3]
     q_out.copy_(qkv[:, : hq * d])
     k_out.copy_(qkv[:, hq * d : (hq + hkv) * d])
     v_out.copy_(qkv[:, (hq + hkv) * d :])
@@ -114,57 +119,56 @@ def _accept_3d_views(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, h
     return _public_split(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, **kwargs)
 
 
-# The gated layout. ``rest`` after head_dim: q_w, k_w, q_b, k_b, eps, is_neox, sections, interleaved, q_gate, gemma,
-# q_out, k_out, v_out, gate_out. The in-place form's outputs overlap qkv: mutations that rewrite the input read a
-# contiguous copy of it, taken before anything is written.
-_Q_GATE, _GEMMA, _SECTIONS = 8, 9, 6
-
-
+# The gated layout. The in-place form's outputs overlap qkv: mutations that rewrite the input read a contiguous copy
+# of it, taken before anything is written.
 def _copy(qkv):
     return qkv.clone(memory_format=torch.contiguous_format)
 
 
-def _gated_mrope_drop_hw(qkv, positions, cache, hq, hkv, d, *rest):
-    if rest[_Q_GATE] and rest[_SECTIONS]:
+def _gated_mrope_drop_hw(qkv, positions, config, *outs):
+    if config.q_gate and config.mode.mrope_section:
         positions = positions[:1].expand_as(positions)
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
+    _split(qkv, positions, config, *outs)
 
 
-def _gate_from_q(qkv, positions, cache, hq, hkv, d, *rest):
-    src = _copy(qkv)
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
-    if rest[_Q_GATE]:
+def _gate_from_q(qkv, positions, config, *outs):
+    src, hq, d = _copy(qkv), config.num_q_heads, config.head_dim
+    _split(qkv, positions, config, *outs)
+    if config.q_gate:
         T = src.shape[0]
-        rest[-1].copy_(src[:, : 2 * hq * d].reshape(T, hq, 2, d)[:, :, 0].reshape(T, hq * d))
+        outs[3].copy_(src[:, : 2 * hq * d].reshape(T, hq, 2, d)[:, :, 0].reshape(T, hq * d))
 
 
-def _q_from_gate(qkv, positions, cache, hq, hkv, d, *rest):
-    if rest[_Q_GATE]:
+def _q_from_gate(qkv, positions, config, *outs):
+    if config.q_gate:
+        hq, d = config.num_q_heads, config.head_dim
         qkv = _copy(qkv)
         pairs = qkv[:, : 2 * hq * d].view(qkv.shape[0], hq, 2, d)
         pairs[:, :, 0] = pairs[:, :, 1]
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
+    _split(qkv, positions, config, *outs)
 
 
-def _gated_blocks(qkv, positions, cache, hq, hkv, d, *rest):
-    if rest[_Q_GATE]:
+def _gated_blocks(qkv, positions, config, *outs):
+    if config.q_gate:
+        hq, d = config.num_q_heads, config.head_dim
         src, T, qw = _copy(qkv), qkv.shape[0], hq * d
         # What a kernel reading [Q heads | gate heads] sees, presented in the per-head layout the reference reads.
         src[:, : 2 * qw] = torch.stack([qkv[:, :qw].reshape(T, hq, d), qkv[:, qw : 2 * qw].reshape(T, hq, d)],
                                        2).reshape(T, 2 * qw)
         qkv = src
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
+    _split(qkv, positions, config, *outs)
 
 
-def _pass_through_unnormalised(qkv, positions, cache, hq, hkv, d, *rest):
+def _pass_through_unnormalised(qkv, positions, config, *outs):
     src = _copy(qkv)
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
-    R, T = cache.shape[1], src.shape[0]
-    q_region = (2 if rest[_Q_GATE] else 1) * hq * d
-    q_in = (src[:, :q_region].reshape(T, hq, 2, d)[:, :, 0] if rest[_Q_GATE]
+    _split(qkv, positions, config, *outs)
+    hq, hkv, d = config.num_q_heads, config.num_kv_heads, config.head_dim
+    R, T = config.cos_sin_cache.shape[1], src.shape[0]
+    q_region = (2 if config.q_gate else 1) * hq * d
+    q_in = (src[:, :q_region].reshape(T, hq, 2, d)[:, :, 0] if config.q_gate
             else src[:, :q_region].reshape(T, hq, d))
     k_in = src[:, q_region : q_region + hkv * d].reshape(T, hkv, d)
-    q_out, k_out = rest[-4], rest[-3]
+    q_out, k_out = outs[0], outs[1]
     q_out.view(T, hq, d)[..., R:] = q_in[..., R:]
     k_out.view(T, hkv, d)[..., R:] = k_in[..., R:]
 
@@ -176,18 +180,16 @@ def _pass_through_rotated(y, cos, sin, is_neox):
     return torch.cat([_rotate(y[..., i : i + R], cos, sin, is_neox) for i in range(0, y.shape[-1], R)], dim=-1)
 
 
-def _gated_kv_ungated_offsets(qkv, positions, cache, hq, hkv, d, *rest):
-    if rest[_Q_GATE]:
-        src, qw, kvw = _copy(qkv), hq * d, hkv * d
+def _gated_kv_ungated_offsets(qkv, positions, config, *outs):
+    if config.q_gate:
+        src, qw, kvw = _copy(qkv), config.num_q_heads * config.head_dim, config.num_kv_heads * config.head_dim
         src[:, 2 * qw : 2 * qw + 2 * kvw] = qkv[:, qw : qw + 2 * kvw]
         qkv = src
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
+    _split(qkv, positions, config, *outs)
 
 
-def _gemma_weight_as_stored(qkv, positions, cache, hq, hkv, d, *rest):
-    rest = list(rest)
-    rest[_GEMMA] = False
-    _split(qkv, positions, cache, hq, hkv, d, *rest)
+def _gemma_weight_as_stored(qkv, positions, config, *outs):
+    _split(qkv, positions, config._replace(mode=config.mode._replace(gemma=False)), *outs)
 
 
 # name -> (patches [(object, attribute, replacement)], check, parametrisations of its test)

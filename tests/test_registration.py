@@ -6,7 +6,7 @@ from torch.library import opcheck
 
 import qkvfuse
 from qkvfuse._library import decode_flags, decode_rope, encode_rope
-from qkvfuse._library import NAMESPACES
+from qkvfuse._library import NAMESPACES, split_config
 from qkvfuse.backends import get_backend, select_ops
 from qkvfuse._verify import SplitCase, make_split_inputs
 
@@ -18,9 +18,7 @@ MROPE = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64
 def _op_args(case):
     """The split schema's arguments (qkvfuse._library): head_dim implied by qkv, the rope layout as one int."""
     kw = make_split_inputs(case)
-    rope = encode_rope(kw["is_neox"], kw["mrope_section"] or (), kw["mrope_interleaved"])
-    return (kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw.get("q_weight"), kw.get("k_weight"),
-            kw.get("q_bias"), kw.get("k_bias"), kw["num_q_heads"], kw["num_kv_heads"], kw["eps"], rope)
+    return (kw["qkv"], kw["positions"], *split_config(**kw).schema_args())
 
 
 def _overload(op: str, backend: str):

@@ -22,6 +22,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ._rope_mode import GEMMA, MROPE, Q_GATE, decode_rope
+
 __all__ = ["FLOATS", "INTS", "MAX_HEAD_DIM", "MAX_HEADS", "HEADS_EXPECTED", "fail", "fail_gemma_without_weights",
            "check_split", "check_norm", "real_memory", "share_elements"]
 
@@ -35,8 +37,6 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 INTS = (torch.int32, torch.int64)
 _FLOAT_NAMES = "torch.float32, torch.bfloat16 or torch.float16"
 _SPLIT_OUTS = ("q_out", "k_out", "v_out", "gate_out")
-_Q_GATE = 8  # qkvfuse._library.Q_GATE: the rope code's gated-Q bit (that module imports this one)
-_GEMMA = 16  # qkvfuse._library.GEMMA: the rope code's Gemma-norm bit
 
 
 def fail(arg: str, got, expected: str, exc=ValueError):
@@ -225,16 +225,17 @@ def fail_gemma_without_weights():
 
 
 def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads: int,
-                num_kv_heads: int, rope: int, outs: Optional[Sequence[torch.Tensor]] = None, inplace: bool = False,
-                real: bool = True) -> int:
-    """Check a split op's arguments (the lean schema's: ``head_dim`` is derived from ``qkv``'s width), its
-    outputs ``outs`` (``out=`` form) or its in-place target ``qkv`` (``inplace``); returns ``head_dim``."""
+                num_kv_heads: int, eps: float, rope: int, outs: Optional[Sequence[torch.Tensor]] = None,
+                inplace: bool = False, real: bool = True) -> int:
+    """Check a split op's arguments (the lean schema's, in its order: ``head_dim`` is derived from ``qkv``'s
+    width), its outputs ``outs`` (``out=`` form) or its in-place target ``qkv`` (``inplace``); returns
+    ``head_dim``. ``eps`` is taken as the schema gives it (any float; the public layer checks its range)."""
     if qkv.dtype not in FLOATS:
         fail("qkv", f"dtype {qkv.dtype}", _FLOAT_NAMES, TypeError)
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads)):
         if not 1 <= value <= MAX_HEADS:
             fail(name, value, HEADS_EXPECTED)
-    q_gate = bool(rope & _Q_GATE)
+    q_gate = bool(rope & Q_GATE)
     heads = (2 if q_gate else 1) * num_q_heads + 2 * num_kv_heads
     shape = qkv.shape
     if len(shape) != 2 or shape[1] % heads or (shape[1] // heads) % 2 or not 0 < shape[1] // heads <= MAX_HEAD_DIM:
@@ -251,7 +252,7 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     _device("positions", positions, device, "qkv")
     if positions.dtype not in INTS:
         fail("positions", f"dtype {positions.dtype}", "torch.int32 or torch.int64", TypeError)
-    mrope, p_shape = bool(rope & 2), positions.shape
+    mrope, p_shape = bool(rope & MROPE), positions.shape
     if mrope:
         if len(p_shape) != 2 or p_shape[0] != 3 or _sizes_differ(p_shape[1], T):
             fail("positions", f"shape {tuple(p_shape)}", f"shape (3, {T}) (temporal, height, width) with mrope_section")
@@ -271,8 +272,6 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     if cache.stride(1) != 1 or cache.stride(0) < rotary_dim:
         fail("cos_sin_cache", f"strides {cache.stride()}", "a contiguous last dim and row stride >= rotary_dim")
     if mrope:
-        from ._library import decode_rope  # the rope code's one definition (qkvfuse._library imports this module)
-
         sections = decode_rope(rope)[1]
         if sum(sections) != rotary_dim // 2:
             fail("mrope_section", f"{sections} (sum {sum(sections)})",
@@ -292,7 +291,7 @@ def check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     if (q_bias is None) != (k_bias is None):
         given, missing = ("q_bias", "k_bias") if k_bias is None else ("k_bias", "q_bias")
         fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
-    if rope & _GEMMA and q_weight is None:
+    if rope & GEMMA and q_weight is None:
         fail_gemma_without_weights()
     statics = (("q_weight", q_weight), ("k_weight", k_weight), ("q_bias", q_bias), ("k_bias", k_bias))
     _io_dtype("qkv", qkv.dtype, statics)

@@ -1,9 +1,10 @@
 """The bottom layer: the ``torch.library`` schemas of every qkvfuse op, their fake kernels, and kernel registration.
 
-Nothing else of qkvfuse is imported here but :mod:`qkvfuse._checks` (the ops' per-call rules); backends register
-their kernels into these schemas, and the public layer (:mod:`qkvfuse.ops`) checks what the schemas cannot carry
-and calls the ops. There is one call path: public function (or bound object) -> ``torch.ops.qkvfuse.*`` -> the
-kernel the dispatcher picks, which checks its arguments before it reads or writes anything.
+Nothing else of qkvfuse is imported here but :mod:`qkvfuse._checks` (the ops' per-call rules) and
+:mod:`qkvfuse._rope_mode` (the rope code); backends register their launchers into these schemas, and the public
+layer (:mod:`qkvfuse.ops`) checks what the schemas cannot carry and calls the ops. There is one call path: public
+function (or bound object) -> ``torch.ops.qkvfuse.*`` -> the kernel the dispatcher picks, which checks its
+arguments before it reads or writes anything.
 
 Ops, defined in three namespaces with one schema each:
 
@@ -34,23 +35,25 @@ The mutating forms bump the version counter of every tensor they write (an ``ADI
 
 The split schema is lean (a call parses fewer arguments): ``head_dim`` is ``qkv.shape[1] // (num_q_heads +
 2 * num_kv_heads)``, the rotary dim is ``cos_sin_cache.shape[1]``, and the rotation style and the mRoPE layout
-travel in one int, ``rope`` (:func:`encode_rope`), with the two layout flags :data:`Q_GATE` and :data:`GEMMA`;
-gated, ``head_dim`` is ``qkv.shape[1] // (2 * num_q_heads + 2 * num_kv_heads)``. Every kernel -- the Python ones registered here, the fake
-kernels and the native CPU kernels -- checks its own arguments (:mod:`qkvfuse._checks`), so a raw ``torch.ops``
-call is as safe as a public one.
+travel in one int, ``rope`` (:func:`qkvfuse._rope_mode.encode_rope`), with the two layout flags :data:`Q_GATE` and
+:data:`GEMMA`; gated, ``head_dim`` is ``qkv.shape[1] // (2 * num_q_heads + 2 * num_kv_heads)``. Every kernel --
+the Python ones registered here, the fake kernels and the native CPU kernels -- checks its own arguments
+(:mod:`qkvfuse._checks`), so a raw ``torch.ops`` call is as safe as a public one.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import _checks
+from . import _checks, _rope_mode
+from ._rope_mode import RopeMode
 
-__all__ = ["NAMESPACES", "OPS", "Q_GATE", "GEMMA", "encode_rope", "decode_rope", "decode_flags", "impl_library",
-           "register_kernels", "schema_kernels", "check_positions", "MAX_HEAD_DIM"]
+__all__ = ["NAMESPACES", "OPS", "Q_GATE", "GEMMA", "encode_rope", "decode_rope", "decode_flags", "SplitConfig",
+           "config_of", "split_config", "impl_library", "register_kernels", "schema_kernels", "check_positions",
+           "MAX_HEAD_DIM"]
 
 # Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
@@ -58,39 +61,10 @@ OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnor
        "add_rmsnorm_out", "add_rmsnorm_inplace")
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
-# --------------------------------------------------------------------------------------------------------
-# The rope code: bit 0 NeoX pairs, bit 1 mRoPE, bit 2 interleaved mRoPE, bit 3 the gated Q layout (Q_GATE),
-# bit 4 Gemma norm weights (GEMMA), then the three section sizes in 10 bits each (rotary_dim // 2 <= 256). The
-# C++ kernels decode the same layout (decode_rope in backends/cpu/split_qkv_rmsnorm_rope.cpp); a test
-# round-trips codes through both.
-# --------------------------------------------------------------------------------------------------------
-_SECTION_BITS = 10
-_SECTION_SHIFT = (8, 18, 28)
-Q_GATE = 8  # qkv's Q region is [q_0 | g_0 | q_1 | g_1 | ...], 2 * num_q_heads * head_dim wide; the gate is copied
-GEMMA = 16  # q_weight / k_weight are stored centred at 0: heads are normalised and multiplied by 1 + w in fp32
-
-
-def encode_rope(is_neox: bool, mrope_section: Sequence[int] = (), mrope_interleaved: bool = False,
-                q_gate: bool = False, gemma: bool = False) -> int:
-    """The ``rope`` argument of the split ops for validated arguments (``mrope_section`` empty for RoPE)."""
-    code = int(bool(is_neox)) | (Q_GATE if q_gate else 0) | (GEMMA if gemma else 0)
-    if mrope_section:
-        code |= 2 | (4 if mrope_interleaved else 0)
-        for size, shift in zip(mrope_section, _SECTION_SHIFT):
-            code |= int(size) << shift
-    return code
-
-
-def decode_rope(code: int) -> Tuple[bool, Tuple[int, ...], bool]:
-    """``(is_neox, mrope_section, mrope_interleaved)``; ``mrope_section`` is ``()`` for plain RoPE."""
-    mask = (1 << _SECTION_BITS) - 1
-    sections = tuple((code >> shift) & mask for shift in _SECTION_SHIFT) if code & 2 else ()
-    return bool(code & 1), sections, bool(code & 4)
-
-
-def decode_flags(code: int) -> Tuple[bool, bool]:
-    """``(q_gate, gemma)`` of a rope code."""
-    return bool(code & Q_GATE), bool(code & GEMMA)
+# The rope code lives in the bottom module qkvfuse._rope_mode (qkvfuse._checks reads it too); re-exported here,
+# where the schemas that carry it are.
+Q_GATE, GEMMA = _rope_mode.Q_GATE, _rope_mode.GEMMA
+encode_rope, decode_rope, decode_flags = _rope_mode.encode_rope, _rope_mode.decode_rope, _rope_mode.decode_flags
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -113,6 +87,84 @@ for _ns in NAMESPACES.values():
     _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out, bool gemma=False) -> ()")
     _lib.define("add_rmsnorm_inplace(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, Tensor? bias, float eps, "
                 "bool gemma=False) -> ()")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The split's configuration: one object from the schema's arguments to every backend's launcher.
+# --------------------------------------------------------------------------------------------------------
+class SplitConfig(NamedTuple):
+    """Everything a split kernel reads besides ``qkv``, ``positions`` and its outputs.
+
+    The first fields are the split schema's arguments after ``qkv`` and ``positions``, in the schema's order
+    (:meth:`schema_args`; checked at import), then what is derived from them once: ``head_dim`` (from ``qkv``'s
+    width), the decoded rope code ``mode`` and ``inplace`` (the op is the in-place form: its outputs are
+    :func:`inplace_views` of ``qkv``). The public layer builds one per bound object (:class:`qkvfuse.QKNormRope`'s
+    ``config``); each Python kernel builds one from its schema arguments and passes it to its backend's launcher
+    (:func:`register_kernels`), so adding an option adds a field here instead of a parameter to every layer.
+    """
+
+    cos_sin_cache: torch.Tensor
+    q_weight: Optional[torch.Tensor]
+    k_weight: Optional[torch.Tensor]
+    q_bias: Optional[torch.Tensor]
+    k_bias: Optional[torch.Tensor]
+    num_q_heads: int
+    num_kv_heads: int
+    eps: float
+    rope: int  # the schema's code of ``mode`` (_rope_mode.encode_rope)
+    head_dim: int
+    mode: RopeMode
+    inplace: bool = False
+
+    def schema_args(self) -> tuple:
+        """The split ops' arguments after ``qkv`` and ``positions`` (before any outputs)."""
+        return tuple(self[:_SCHEMA_ARGS])
+
+    @property
+    def q_gate(self) -> bool:
+        return self.mode.q_gate
+
+    @property
+    def gemma_norm(self) -> bool:
+        return self.mode.gemma
+
+    @property
+    def mrope(self) -> bool:
+        return bool(self.mode.mrope_section)
+
+    @property
+    def device(self) -> torch.device:
+        return self.cos_sin_cache.device
+
+    @property
+    def width(self) -> int:
+        """``qkv``'s width (gated: each Q head followed by its gate head)."""
+        return ((2 if self.mode.q_gate else 1) * self.num_q_heads + 2 * self.num_kv_heads) * self.head_dim
+
+
+_SCHEMA_ARGS = len(_SPLIT_ARGS.split(",")) - 1  # without positions
+assert SplitConfig._fields[:_SCHEMA_ARGS] == tuple(a.split()[-1] for a in _SPLIT_ARGS.split(",")[1:]), (
+    "SplitConfig's first fields are the split schema's arguments, in its order")
+
+
+def config_of(static_args: tuple, head_dim: int, inplace: bool = False) -> SplitConfig:
+    """The :class:`SplitConfig` of a split op's arguments after ``qkv`` and ``positions`` (checked ones)."""
+    return SplitConfig(*static_args, head_dim, _rope_mode.decode_mode(static_args[-1]), inplace)
+
+
+def split_config(num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
+                 q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
+                 q_bias: Optional[torch.Tensor] = None, k_bias: Optional[torch.Tensor] = None, eps: float = 1e-6,
+                 is_neox: bool = True, mrope_section: Optional[Sequence[int]] = None,
+                 mrope_interleaved: bool = False, q_gate: bool = False, gemma_norm: bool = False,
+                 inplace: bool = False, qkv=None, positions=None, backend=None) -> SplitConfig:
+    """The :class:`SplitConfig` of the public split's keywords (checked ones: :mod:`qkvfuse.ops` checks them
+    first). A call's other keywords (``qkv``, ``positions``, ``backend``) are accepted and ignored, so a case's
+    keyword dict passes through whole: ``split_config(**kwargs).schema_args()`` are a raw op's arguments."""
+    mode = RopeMode(bool(is_neox), tuple(mrope_section or ()), bool(mrope_interleaved) and bool(mrope_section),
+                    bool(q_gate), bool(gemma_norm))
+    return SplitConfig(cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, float(eps),
+                       mode.code(), head_dim, mode, inplace)
 
 
 def _version_bumping_kernel(op, mutated):
@@ -179,20 +231,20 @@ for _ns, _lib in _libs.items():
     def _split_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads,
                     eps, rope):
         _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
-                            num_kv_heads, rope, real=False)
+                            num_kv_heads, eps, rope, real=False)
         return split_outputs(qkv, num_q_heads, num_kv_heads, bool(rope & Q_GATE))
 
     @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_out", lib=_lib)
     def _split_out_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
                         num_kv_heads, eps, rope, q_out, k_out, v_out, gate_out=None):
         _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
-                            num_kv_heads, rope, outs=(q_out, k_out, v_out, gate_out), real=False)
+                            num_kv_heads, eps, rope, outs=(q_out, k_out, v_out, gate_out), real=False)
 
     @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_inplace", lib=_lib)
     def _split_inplace_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
                             num_kv_heads, eps, rope):
         _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
-                            num_kv_heads, rope, inplace=True, real=False)
+                            num_kv_heads, eps, rope, inplace=True, real=False)
 
     @torch.library.register_fake(f"{_ns}::add_rmsnorm", lib=_lib)
     def _norm_fake(x, residual, weight, bias, eps, gemma=False):
@@ -209,13 +261,13 @@ for _ns, _lib in _libs.items():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Registration. Kernels are written against the *reference signature* (:mod:`qkvfuse.reference`):
-#   split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, mrope_section,
-#             mrope_interleaved, q_gate, gemma, q_out, k_out, v_out, gate_out)
+# Registration. A backend gives two launchers:
+#   split_out(qkv, positions, config, q_out, k_out, v_out, gate_out)   (config: a SplitConfig)
 #   norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
-# and adapted here to the schemas (functional and in-place forms derived from the out= form; the norm kernels
-# accept outputs that exactly alias their own inputs; the gated in-place form's outputs are inplace_views, which
-# overlap the interleaved input: the split kernels read a token's Q/gate region before they write it).
+# (qkvfuse.reference's functions are the specification), adapted here to the schemas: functional and in-place
+# forms derived from the out= form; the norm kernels accept outputs that exactly alias their own inputs; the
+# gated in-place form's outputs are inplace_views, which overlap the interleaved input (config.inplace tells the
+# launcher: the split kernels read a token's Q/gate region before they write it).
 # --------------------------------------------------------------------------------------------------------
 SplitOut = Callable[..., None]
 NormOut = Callable[..., None]
@@ -228,41 +280,38 @@ def impl_library(backend: str) -> torch.library.Library:
 
 
 def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut) -> None:
-    """Register reference-signature kernels for all six ops of ``lib``'s namespace on ``dispatch_key``."""
+    """Register a backend's launchers (see above) for all six ops of ``lib``'s namespace on ``dispatch_key``."""
     for op, kernel in schema_kernels(split_out, norm_out).items():
         lib.impl(op, kernel, dispatch_key)
 
 
 def schema_kernels(split_out: SplitOut, norm_out: NormOut) -> dict:
-    """``{op name: kernel with the op's schema}`` for each of :data:`OPS`, from reference-signature kernels."""
+    """``{op name: kernel with the op's schema}`` for each of :data:`OPS`, from a backend's launchers."""
 
     # Each kernel checks its own arguments (qkvfuse._checks), then runs: a raw torch.ops call is as safe as a
     # public one.
-    def run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, q_out, k_out, v_out, gate_out):
-        check_positions(positions, cache.shape[0])  # before any output is written
-        is_neox, sections, interleaved = decode_rope(rope)
-        q_gate, gemma = decode_flags(rope)
-        split_out(qkv, positions, cache, hq, hkv, head_dim, q_w, k_w, q_b, k_b, eps, is_neox, sections, interleaved,
-                  q_gate, gemma, q_out, k_out, v_out, gate_out)
+    def run(qkv, positions, config, q_out, k_out, v_out, gate_out):
+        check_positions(positions, config.cos_sin_cache.shape[0])  # before any output is written
+        split_out(qkv, positions, config, q_out, k_out, v_out, gate_out)
 
     def out(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out, gate_out=None):
+        static = (cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
         outs = (q_out, k_out, v_out, gate_out)
-        head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope, outs=outs)
-        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs)
+        head_dim = _checks.check_split(qkv, positions, *static, outs=outs)
+        run(qkv, positions, config_of(static, head_dim), *outs)
 
     def functional(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
-        head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope)
-        q_gate = bool(rope & Q_GATE)
-        outs = split_outputs(qkv, hq, hkv, q_gate)
-        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *outs[:3],
-            outs[3] if q_gate else None)
+        static = (cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
+        config = config_of(static, _checks.check_split(qkv, positions, *static))
+        outs = split_outputs(qkv, hq, hkv, config.q_gate)
+        run(qkv, positions, config, *outs[:3], outs[3] if config.q_gate else None)
         return outs
 
     def inplace(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
-        head_dim = _checks.check_split(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, rope, inplace=True)
-        views = inplace_views(qkv, hq, hkv, bool(rope & Q_GATE))
-        run(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, head_dim, eps, rope, *views[:3],
-            views[3] if len(views) == 4 else None)
+        static = (cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
+        config = config_of(static, _checks.check_split(qkv, positions, *static, inplace=True), inplace=True)
+        views = inplace_views(qkv, hq, hkv, config.q_gate)
+        run(qkv, positions, config, *views[:3], views[3] if len(views) == 4 else None)
 
     def norm_checked_out(x, residual, weight, bias, eps, y_out, residual_out, gemma=False):
         _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out))

@@ -41,7 +41,8 @@ from ._checks import FLOATS as _FLOATS
 from ._checks import HEADS_EXPECTED as _HEADS_EXPECTED
 from ._checks import MAX_HEAD_DIM, MAX_HEADS
 from ._checks import fail as _fail
-from ._library import encode_rope
+from ._library import SplitConfig, split_config
+from ._rope_mode import encode_rope
 from .backends import select_ops
 
 __all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "add_rmsnorm_", "QKNormRope",
@@ -132,7 +133,7 @@ def _check_flag(arg: str, value) -> bool:
 
 
 def _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate=False, gemma_norm=False) -> Tuple[int, bool]:
-    """``(rope, mrope)``: the lean schema's rope code (:func:`qkvfuse._library.encode_rope`) of checked arguments.
+    """``(rope, mrope)``: the lean schema's rope code (:func:`qkvfuse._rope_mode.encode_rope`) of checked arguments.
     The sections' sum against the rotary dim (the table's width) is the kernel's check."""
     sections: Tuple[int, ...] = ()
     if mrope_section is not None:
@@ -182,31 +183,11 @@ def _check_outs(out, names) -> None:
 # --------------------------------------------------------------------------------------------------------
 # split_qkv_rmsnorm_rope.
 # --------------------------------------------------------------------------------------------------------
-class _SplitConfig(NamedTuple):
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    width: int
-    widths: Tuple[int, ...]  # the in-place views' column widths: q, k, v (gated: q, gate, k, v)
-    cos_sin_cache: torch.Tensor
-    q_weight: Optional[torch.Tensor]
-    k_weight: Optional[torch.Tensor]
-    q_bias: Optional[torch.Tensor]
-    k_bias: Optional[torch.Tensor]
-    eps: float
-    mrope: bool
-    q_gate: bool
-    gemma_norm: bool
-    device: torch.device
-    ops: _Ops
-    static_args: tuple  # the ops' arguments after qkv and positions
-
-
 def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, eps,
-                  is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm, backend) -> _SplitConfig:
-    """A bound object's configuration, validated once (the kernels check the same tensors again on every call:
-    they may be updated in place or swapped under the object)."""
-    width = _check_geometry(num_q_heads, num_kv_heads, head_dim, _check_flag("q_gate", q_gate))
+                  is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm) -> SplitConfig:
+    """A bound object's configuration (:class:`qkvfuse._library.SplitConfig`), validated once (the kernels check the
+    same tensors again on every call: they may be updated in place or swapped under the object)."""
+    _check_geometry(num_q_heads, num_kv_heads, head_dim, _check_flag("q_gate", q_gate))
     _check_tensor("cos_sin_cache", cos_sin_cache)
     device, anchor = cos_sin_cache.device, "cos_sin_cache"
     if cos_sin_cache.dtype not in _FLOATS:
@@ -221,7 +202,7 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
     if cos_sin_cache.stride(1) != 1 or cos_sin_cache.stride(0) < rotary_dim:
         _fail("cos_sin_cache", f"strides {cos_sin_cache.stride()}",
               "a contiguous last dim and row stride >= rotary_dim")
-    rope, mrope = _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm)
+    _, mrope = _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm)
     if mrope and sum(mrope_section) != rotary_dim // 2:
         _fail("mrope_section", f"{tuple(mrope_section)} (sum {sum(mrope_section)})",
               f"sections summing to rotary_dim // 2 = {rotary_dim // 2}")
@@ -242,12 +223,8 @@ def _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, 
         _fail(missing, "None", f"a tensor since {given} is given (a post-norm bias for Q and K: both or neither)")
     if gemma_norm and q_weight is None:
         _checks.fail_gemma_without_weights()
-    eps = _check_eps(eps)
-    tensors = (cos_sin_cache, q_weight, k_weight, q_bias, k_bias)
-    return _SplitConfig(num_q_heads, num_kv_heads, head_dim, width, _view_widths(num_q_heads, num_kv_heads, head_dim,
-                                                                                 q_gate),
-                        *tensors, eps, mrope, q_gate, gemma_norm, device, _ops_for(backend, device),
-                        (*tensors, num_q_heads, num_kv_heads, eps, rope))
+    return split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight, q_bias, k_bias,
+                        _check_eps(eps), is_neox, mrope_section, mrope_interleaved, q_gate, gemma_norm)
 
 
 def _view_widths(num_q_heads: int, num_kv_heads: int, head_dim: int, q_gate: bool) -> Tuple[int, ...]:
@@ -344,7 +321,7 @@ class QKNormRope:
     :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each).
     """
 
-    __slots__ = ("config", "_width", "_widths", "_out", "_inplace", "_args", "_outs", "_n_outs")
+    __slots__ = ("config", "_width", "_widths", "_split", "_out", "_inplace", "_args", "_outs", "_n_outs")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
@@ -353,10 +330,12 @@ class QKNormRope:
                  q_gate: bool = False, gemma_norm: bool = False, backend: Optional[str] = None):
         c = self.config = _split_config(num_q_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight, k_weight,
                                         q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_gate,
-                                        gemma_norm, backend)
+                                        gemma_norm)
         # What a call reads, in slots: the checks of every tensor are the kernel's.
-        self._width, self._widths, self._args = c.width, c.widths, c.static_args
-        self._out, self._inplace = c.ops.split_out, c.ops.split_inplace
+        self._width, self._args = c.width, c.schema_args()
+        self._widths = _view_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
+        ops = _ops_for(backend, c.device)
+        self._split, self._out, self._inplace = ops.split, ops.split_out, ops.split_inplace
         self._outs = _GATED_OUTS if q_gate else _SPLIT_OUTS
         self._n_outs = len(self._outs)
 
@@ -381,7 +360,7 @@ class QKNormRope:
         try:
             if qkv.shape[1] == self._width:
                 if out is None:
-                    outs = self.config.ops.split(qkv, positions, *self._args)
+                    outs = self._split(qkv, positions, *self._args)
                     return outs if self._n_outs == 4 else outs[:3]
                 if type(out) is not tuple or len(out) != self._n_outs:
                     _check_outs(out, self._outs)

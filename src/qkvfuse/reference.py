@@ -76,27 +76,18 @@ def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
 def split_qkv_rmsnorm_rope_out(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_weight: Optional[torch.Tensor],
-    k_weight: Optional[torch.Tensor],
-    q_bias: Optional[torch.Tensor],
-    k_bias: Optional[torch.Tensor],
-    eps: float,
-    is_neox: bool,
-    mrope_section: Sequence[int],
-    mrope_interleaved: bool,
-    q_gate: bool,
-    gemma: bool,
+    config,
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     gate_out: Optional[torch.Tensor],
 ) -> None:
     """Reference ``split_qkv_rmsnorm_rope`` writing into ``q_out, k_out, v_out`` (and ``gate_out`` when
-    ``q_gate``; see the module docstring)."""
+    ``config.q_gate``; see the module docstring). ``config`` is a :class:`qkvfuse._library.SplitConfig`: the
+    table, the norm weights and biases, the head geometry, ``eps`` and the decoded rope mode."""
+    num_q_heads, num_kv_heads, head_dim, eps = config.num_q_heads, config.num_kv_heads, config.head_dim, config.eps
+    q_weight, k_weight, q_bias, k_bias = config.q_weight, config.k_weight, config.q_bias, config.k_bias
+    is_neox, mrope_section, mrope_interleaved, q_gate, gemma = config.mode
     T = qkv.shape[0]
     q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
     q_region = (2 if q_gate else 1) * q_width
@@ -110,7 +101,7 @@ def split_qkv_rmsnorm_rope_out(
     if q_weight is not None:
         q = _rms_norm_fp32(q, q_weight, q_bias, eps, gemma)
         k = _rms_norm_fp32(k, k_weight, k_bias, eps, gemma)
-    cos, sin = _cos_sin(positions, cos_sin_cache, mrope_section, mrope_interleaved)
+    cos, sin = _cos_sin(positions, config.cos_sin_cache, mrope_section, mrope_interleaved)
     q = _rotate(q, cos, sin, is_neox)
     k = _rotate(k, cos, sin, is_neox)
     # Q, K and the gate were read into copies above, so writing them back is safe when outputs alias qkv (the

@@ -20,6 +20,7 @@ import qkvfuse
 from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs,
                              make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
                              unfused_add_rmsnorm, unfused_split)
+from qkvfuse._library import split_config
 from qkvfuse._verify.accuracy import ulp
 from qkvfuse.backends import available_backends
 from qkvfuse.rope import mrope_axis_map
@@ -58,11 +59,7 @@ def _outputs(case: SplitCase):
 
 def _launch(kwargs, out):
     """The launcher called directly (no validation, no range check): what runs under graph capture."""
-    launch.split_qkv_rmsnorm_rope_out(
-        kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"], kwargs["num_kv_heads"],
-        kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"), kwargs.get("q_bias"),
-        kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"], list(kwargs["mrope_section"] or ()),
-        kwargs["mrope_interleaved"], False, False, *out)
+    launch.split_qkv_rmsnorm_rope_out(kwargs["qkv"], kwargs["positions"], split_config(**kwargs), *out)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -271,13 +271,10 @@ def conformance_section(opts: Options) -> Section:
 
 def launch_direct(kwargs, out):
     """The Triton launcher called directly: no validation, no host range check (what runs under capture)."""
+    from .._library import split_config
     from ..backends.triton import launch
 
-    launch.split_qkv_rmsnorm_rope_out(
-        kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"], kwargs["num_kv_heads"],
-        kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"), kwargs.get("q_bias"),
-        kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"], list(kwargs["mrope_section"] or ()),
-        kwargs["mrope_interleaved"], kwargs.get("q_gate", False), kwargs.get("gemma_norm", False), *out)
+    launch.split_qkv_rmsnorm_rope_out(kwargs["qkv"], kwargs["positions"], split_config(**kwargs), *out)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -662,26 +662,25 @@ def _gated_with_out(backend: str, kind: str):
 def _raw_split(backend: str, qkv: torch.Tensor, inplace: bool = False):
     """The raw functional (or in-place) split op, gated layout, on ``qkv``: the kernel's own width rule (the
     public layer checks the width first, so only a raw call -- a loaded program -- reaches it)."""
-    from ..ops import _split_call
-
     kw = _gated_kwargs()
-    ops, static, _ = _split_call(kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw["num_q_heads"],
-                                 kw["num_kv_heads"], kw["head_dim"], kw.get("q_weight"), kw.get("k_weight"),
-                                 kw.get("q_bias"), kw.get("k_bias"), kw["eps"], kw["is_neox"], kw["mrope_section"],
-                                 kw["mrope_interleaved"], True, True, backend)
+    ops, static = _raw_ops(backend, dict(kw, q_gate=True, gemma_norm=True))
     return (ops.split_inplace if inplace else ops.split)(qkv, kw["positions"], *static)
+
+
+def _raw_ops(backend: str, kw):
+    """The ops of ``backend`` and the split schema's arguments after ``qkv`` and ``positions`` for a case's
+    keywords (a loaded program's call)."""
+    from .._library import split_config
+    from ..ops import _ops_for
+
+    return _ops_for(backend, kw["qkv"].device), split_config(**kw).schema_args()
 
 
 def _raw_split_out(backend: str, gated: bool):
     """The raw out op (as a loaded ``torch.export`` program calls it) with ``gate_out`` given exactly when the
     layout is not gated: the kernel's own rule (its C++ copy on the native CPU backend)."""
-    from ..ops import _split_call
-
     kw = _gated_kwargs() if gated else _split_kwargs()
-    ops, static, _ = _split_call(kw["qkv"], kw["positions"], kw["cos_sin_cache"], kw["num_q_heads"],
-                                 kw["num_kv_heads"], kw["head_dim"], kw.get("q_weight"), kw.get("k_weight"),
-                                 kw.get("q_bias"), kw.get("k_bias"), kw["eps"], kw["is_neox"], kw["mrope_section"],
-                                 kw["mrope_interleaved"], gated, gated, backend)
+    ops, static = _raw_ops(backend, dict(kw, q_gate=gated, gemma_norm=gated))
     outs = _split_out(kw)
     gate_out = None if gated else poisoned_like(outs[0])
     return ops.split_out(kw["qkv"], kw["positions"], *static, *outs[:3], gate_out)

@@ -202,8 +202,7 @@ def _split_inputs(case: GuardedSplit):
 
 def _guard_split(kw, align: str, row_pad: int):
     out = dict(kw)
-    for name in ("qkv", "positions", "cos_sin_cache", "q_weight", "k_weight", "q_bias", "k_bias"):
-        t = kw.get(name)
+    for name, t in kw.items():  # every tensor the case passes, whichever the split takes
         if isinstance(t, torch.Tensor):
             out[name] = guarded_copy(t, align, row_pad if name == "qkv" else 0)
     return out

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._library import split_config
 from .._verify.device import launch_direct, poisoned_outputs, row, split_case, synchronize
 from .._verify.inputs import make_norm_inputs, make_split_inputs
 from .._verify.sections import Options, Section, header, print_section, triton_interpreter
@@ -117,11 +118,8 @@ def timing_section(opts: Options, presets: Optional[Sequence[str]] = None,
         for T in tokens:
             case = split_case(preset_name, T, torch.bfloat16)
             kwargs = make_split_inputs(case, seed=T, device=device)
-            call = (kwargs["qkv"], kwargs["positions"], kwargs["cos_sin_cache"], kwargs["num_q_heads"],
-                    kwargs["num_kv_heads"], kwargs["head_dim"], kwargs.get("q_weight"), kwargs.get("k_weight"),
-                    kwargs.get("q_bias"), kwargs.get("k_bias"), kwargs["eps"], kwargs["is_neox"],
-                    list(kwargs["mrope_section"] or ()), kwargs["mrope_interleaved"], case.q_gate, case.gemma_norm,
-                    *poisoned_outputs(case, device), *(() if case.q_gate else (None,)))  # gated: 4 outputs
+            call = (kwargs["qkv"], kwargs["positions"], split_config(**kwargs), *poisoned_outputs(case, device),
+                    *(() if case.q_gate else (None,)))  # gated: 4 outputs
             measure("split_qkv_rmsnorm_rope", preset_name, T, launch.split_qkv_rmsnorm_rope_out,
                     reference.split_qkv_rmsnorm_rope_out, call, _split_bytes(case), kwargs["qkv"])
             del kwargs, call

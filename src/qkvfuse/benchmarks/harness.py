@@ -34,7 +34,7 @@ import torch
 
 from .._verify import (SplitCase, check_norm_outputs, check_split_outputs, make_norm_inputs, make_split_inputs,
                        oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split)
-from .._library import encode_rope
+from .._library import split_config
 from ..ops import add_rmsnorm, split_qkv_rmsnorm_rope
 from ..presets import ModelPreset
 from .timing import Budget, Candidate, measure, paired
@@ -245,19 +245,22 @@ def bare_split_call(kw: Dict[str, object], out: Sequence[torch.Tensor], inplace:
     ``kw["qkv"]`` is rewritten and ``out`` ignored) with the lean schema's arguments, built once: the dispatcher
     and the native kernel, no Python validation (raw ``torch.ops`` calls assume validated input). Written as a
     closure like the public calls, so both pay the same call frame."""
-    qkv, positions, cache, hq, hkv, _, q_w, k_w, q_b, k_b, eps, is_neox, section, interleaved = _split_args(kw)
-    rope = encode_rope(is_neox, tuple(section or ()), interleaved)
+    # The schema's arguments from the case's keywords, whichever it sets; one tuple, passed as it is (f(*t) with a
+    # tuple copies nothing).
+    static = split_config(**kw).schema_args()
     if inplace:
         op_ = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default
+        args_ = (kw["qkv"], kw["positions"], *static)
 
         def call_inplace():
-            return op_(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
+            return op_(*args_)
         return call_inplace
     op = torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default
     q_out, k_out, v_out = out
+    args = (kw["qkv"], kw["positions"], *static, q_out, k_out, v_out)
 
     def call():
-        return op(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, q_out, k_out, v_out)
+        return op(*args)
     return call
 
 

@@ -151,10 +151,8 @@ def _percall_split(cfg: BenchConfig, preset: ModelPreset, dtype: torch.dtype) ->
     inplace_sets = [dict(kw, qkv=kw["qkv"].clone(), q_weight=fixed_point_weights(kw.get("q_weight")),
                          k_weight=fixed_point_weights(kw.get("k_weight"))) for kw in sets]
     copy_dst = [torch.empty_like(kw["qkv"]) for kw in sets]
-    def bound_for(kw):
-        return QKNormRope(hq, hkv, D, kw["cos_sin_cache"], q_weight=kw.get("q_weight"), k_weight=kw.get("k_weight"),
-                          q_bias=kw.get("q_bias"), k_bias=kw.get("k_bias"), eps=kw["eps"], is_neox=kw["is_neox"],
-                          mrope_section=kw["mrope_section"], mrope_interleaved=kw["mrope_interleaved"], backend="cpu")
+    def bound_for(kw):  # the case's keywords, whichever it sets (a call's qkv and positions are not the object's)
+        return QKNormRope(**{k: v for k, v in kw.items() if k not in ("qkv", "positions")}, backend="cpu")
 
     bound, bound_in_place = [bound_for(kw) for kw in sets], [bound_for(kw) for kw in inplace_sets]
 

@@ -206,14 +206,14 @@ def _register_lazy() -> None:
         _lazy_lib.impl(op, _first_call(op, fallback), "CPU")
 
 
-def split_qkv_rmsnorm_rope_out(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
-                               k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_gate,
-                               gemma, q_out, k_out, v_out, gate_out) -> None:
-    """The native kernel with the reference signature (validated input; see :mod:`qkvfuse.reference`)."""
-    rope = _library.encode_rope(is_neox, mrope_section, mrope_interleaved, q_gate, gemma)
-    torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias,
-                                                         k_bias, num_q_heads, num_kv_heads, eps, rope, q_out, k_out,
-                                                         v_out, gate_out)
+def split_qkv_rmsnorm_rope_out(qkv, positions, config, q_out, k_out, v_out, gate_out) -> None:
+    """The native kernel as a launcher (a :class:`qkvfuse._library.SplitConfig`, checked input; see
+    :mod:`qkvfuse.reference`): the op's in-place form when ``config.inplace``, else its out= form."""
+    if config.inplace:
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default(qkv, positions, *config.schema_args())
+    else:
+        torch.ops.qkvfuse.split_qkv_rmsnorm_rope_out.default(qkv, positions, *config.schema_args(), q_out, k_out,
+                                                             v_out, gate_out)
 
 
 def add_rmsnorm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out) -> None:

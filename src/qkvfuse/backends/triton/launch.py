@@ -1,4 +1,5 @@
-"""Launchers: the reference signatures of :mod:`qkvfuse.reference`, running the kernels of :mod:`.kernels`.
+"""Launchers: the signatures of :mod:`qkvfuse.reference` (the split's takes a :class:`qkvfuse._library.SplitConfig`),
+running the kernels of :mod:`.kernels`.
 
 The op's kernel (:func:`qkvfuse._library.register_kernels`) checks every argument before it calls a launcher
 (:func:`qkvfuse._checks.check_split` / ``check_norm``: shapes, strides, dtypes, devices, overlaps), so a raw
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 
+from ..._library import SplitConfig
 from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
 
 __all__ = ["INTERPRET", "split_config", "norm_config", "split_qkv_rmsnorm_rope_out", "add_rmsnorm_out"]
@@ -128,19 +130,6 @@ def _on_device(t: torch.Tensor):
     return module.device(t.device)
 
 
-def _overlaps(a: Optional[torch.Tensor], b: torch.Tensor) -> bool:
-    """Whether the byte spans of ``a`` and ``b`` intersect (a conservative test: interleaved rows count)."""
-    if a is None or a.numel() == 0 or b.numel() == 0:
-        return False
-
-    def span(t):
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1
-        return t.data_ptr(), t.data_ptr() + last * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _is_column_view(t: Optional[torch.Tensor], qkv: torch.Tensor, col: int) -> bool:
     """Whether ``t`` is ``qkv``'s column slice starting at column ``col`` (same rows, same row stride)."""
     return t is not None and t.data_ptr() == qkv.data_ptr() + col * qkv.element_size() and (
@@ -158,45 +147,36 @@ def _dense(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def split_qkv_rmsnorm_rope_out(
     qkv: torch.Tensor,
     positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    q_weight: Optional[torch.Tensor],
-    k_weight: Optional[torch.Tensor],
-    q_bias: Optional[torch.Tensor],
-    k_bias: Optional[torch.Tensor],
-    eps: float,
-    is_neox: bool,
-    mrope_section: Sequence[int],
-    mrope_interleaved: bool,
-    q_gate: bool,
-    gemma: bool,
+    config: SplitConfig,
     q_out: torch.Tensor,
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     gate_out: Optional[torch.Tensor] = None,
 ) -> None:
-    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (and ``gate_out`` when ``q_gate``;
-    reference signature, checked input).
+    """Triton ``split_qkv_rmsnorm_rope`` into ``q_out, k_out, v_out`` (and ``gate_out`` when ``config.q_gate``;
+    ``config`` a :class:`qkvfuse._library.SplitConfig`, checked input).
 
     Positions outside ``[0, cos_sin_cache.shape[0])`` are clamped inside the kernel (the public range check is
     skipped under graph capture and ``torch.compile``). Outputs may exactly alias their own slice of ``qkv``.
 
-    Gated, ``q_out``/``gate_out`` overlap ``qkv`` only in the in-place form (``_library.inplace_views``: the row
-    becomes ``[Q | gate | K | V]``), where a program's writes land on other Q programs' input. Then either one
-    program holds all Q heads of its tokens (``split_config(whole_q_region=True)``: its reads of the whole Q/gate
-    region come before its writes, one barrier) or, when that region is too wide for one program, the kernel
-    writes Q and gate into a scratch ``[T, 2 * Hq * D]`` buffer that two copies move into place afterwards.
+    Gated, ``q_out``/``gate_out`` overlap ``qkv`` only in the in-place form (``config.inplace``; the outputs are
+    ``_library.inplace_views``: the row becomes ``[Q | gate | K | V]``), where a program's writes land on other Q
+    programs' input. Then either one program holds all Q heads of its tokens (``split_config(whole_q_region=True)``:
+    its reads of the whole Q/gate region come before its writes, one barrier) or, when that region is too wide for
+    one program, the kernel writes Q and gate into a scratch ``[T, 2 * Hq * D]`` buffer that two copies move into
+    place afterwards.
     """
+    num_q_heads, num_kv_heads, head_dim, eps = config.num_q_heads, config.num_kv_heads, config.head_dim, config.eps
+    is_neox, mrope_section, mrope_interleaved, q_gate, gemma = config.mode
+    cos_sin_cache = config.cos_sin_cache
     T = qkv.shape[0]
     if T == 0:
         return
     q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
     k_col = (2 if q_gate else 1) * q_width  # first K column of a qkv row
     item = qkv.element_size()
-    # Gated Q/gate outputs overlapping qkv: the in-place form (the checked out= form never overlaps them).
-    gate_in_place = q_gate and (_overlaps(q_out, qkv) or _overlaps(gate_out, qkv))
+    # Gated Q/gate outputs overlap qkv only in the in-place form (the checked out= form never overlaps them).
+    gate_in_place = q_gate and config.inplace
     cfg = split_config(T, num_q_heads, num_kv_heads, head_dim, whole_q_region=gate_in_place)
     scratch = None
     if gate_in_place:
@@ -216,12 +196,14 @@ def split_qkv_rmsnorm_rope_out(
     mrope = bool(mrope_section)
     s_t, s_h, s_w = mrope_section if mrope else (0, 0, 0)
     pos_stride_axis, pos_stride_tok = (positions.stride(0), positions.stride(1)) if mrope else (0, positions.stride(0))
-    # Q/K (and, gated, the gate) written over what their own program reads (the in-place forms) need a barrier
-    # between reads and writes.
-    in_place = (q_out.data_ptr() == qkv.data_ptr() or k_out.data_ptr() == qkv.data_ptr() + k_col * item
-                or (gate_out is not None and _overlaps(gate_out, qkv)))
-    norm = q_weight is not None
-    q_weight, k_weight, q_bias, k_bias = _dense(q_weight), _dense(k_weight), _dense(q_bias), _dense(k_bias)
+    # Q/K (and, gated, the gate) written over what their own program reads need a barrier between reads and writes:
+    # the in-place form, and an out= call whose q_out / k_out is exactly its own slice of qkv (the checks accept
+    # that alias; ungated only, as a gated Q head is no column slice).
+    in_place = (config.inplace or q_out.data_ptr() == qkv.data_ptr()
+                or k_out.data_ptr() == qkv.data_ptr() + k_col * item)
+    norm = config.q_weight is not None
+    q_weight, k_weight = _dense(config.q_weight), _dense(config.k_weight)
+    q_bias, k_bias = _dense(config.q_bias), _dense(config.k_bias)
     # Absent weights/biases/gate are never read or written (constexpr flags); any pointer of the right device
     # fills the slot.
     q_w, k_w = (q_weight, k_weight) if norm else (qkv, qkv)
