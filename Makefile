@@ -20,8 +20,10 @@ STAMP_SGLANG := $(VENV_SGLANG)/.installed
 SGLANG_PIN = $(shell sed -n 's/^# no-deps: //p' requirements-sglang.txt)
 # SGLang's base platform imports vllm._custom_ops.rotary_embedding (never called on CPU): the tests' stand-in.
 SGLANG_TEST_PATH := tests/_support/sglang_stubs
+# The research and maintainer harnesses (bench/qkvfuse_bench) are not part of the package: run from bench/.
+BENCH_PATH := bench
 
-.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-vllm bench-sglang verify clean
+.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-vllm bench-sglang verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,7 +43,11 @@ bench: $(STAMP)
 
 # Maintainers: the team's speed, overhead and per-call targets judged on a short bench run.
 bench-targets: $(STAMP)
-	$(PY) -m qkvfuse.benchmarks.targets --quick
+	PYTHONPATH=$(BENCH_PATH) $(PY) -m qkvfuse_bench.targets --quick
+
+# Whole transformers models with the published layer geometry, patched vs unpatched (eager; minutes).
+bench-e2e: $(STAMP)
+	PYTHONPATH=$(BENCH_PATH) $(PY) -m qkvfuse_bench.e2e
 
 # The native kernels' shared suite and CPU tests once more for every narrower build this CPU runs (a Zen 5:
 # DEFAULT, AVX2, AVX512 besides its AVX512_BF16 default), each in its own process and build.
@@ -79,7 +85,7 @@ test-vllm-slow: $(STAMP_VLLM)
 	$(PY_VLLM) -m pytest -q -p no:logging -m slow tests/integrations/in_vllm
 
 bench-vllm: $(STAMP_VLLM)
-	$(PY_VLLM) -m qkvfuse.benchmarks.vllm
+	PYTHONPATH=$(BENCH_PATH) $(PY_VLLM) -m qkvfuse_bench.vllm
 
 $(STAMP_SGLANG): requirements-sglang.txt pyproject.toml
 	test -x $(PY_SGLANG) || $(PYTHON) -m venv $(VENV_SGLANG)
@@ -95,7 +101,7 @@ test-sglang: $(STAMP_SGLANG)
 	PYTHONPATH=$(SGLANG_TEST_PATH) $(PY_SGLANG) -m pytest -q -p no:logging tests/integrations/in_sglang
 
 bench-sglang: $(STAMP_SGLANG)
-	PYTHONPATH=$(SGLANG_TEST_PATH) $(PY_SGLANG) -m qkvfuse.benchmarks.sglang
+	PYTHONPATH=$(BENCH_PATH):$(SGLANG_TEST_PATH) $(PY_SGLANG) -m qkvfuse_bench.sglang
 
 test-slow: $(STAMP)
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow

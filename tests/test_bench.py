@@ -13,10 +13,10 @@ import torch
 
 import qkvfuse.benchmarks as benchmarks
 from qkvfuse.benchmarks.harness import BARE, COPY, CPU, EAGER, BenchConfig, Row
-from qkvfuse.benchmarks import targets
 from qkvfuse.benchmarks.report import summarize
 from qkvfuse.benchmarks.timing import Budget, Candidate, measure, restorer
 from qkvfuse.cli import main
+from qkvfuse_bench import targets
 
 TINY = ["bench", "--preset", "Qwen3-8B", "--tokens", "1", "--dtype", "bf16", "--hidden", "256", "--no-compile",
         "--seconds", "0.05"]
@@ -306,7 +306,7 @@ _E2E_TINY = (("hidden_size", 64), ("num_attention_heads", 4), ("num_key_value_he
 
 
 def _e2e_cfg(models=("Qwen3-8B", "GLM-4.7"), **changes):
-    from qkvfuse.benchmarks.e2e import E2EConfig
+    from qkvfuse_bench.e2e import E2EConfig
 
     changes.setdefault("config_changes", tuple(kv for kv in _E2E_TINY if models != ("Qwen3-8B",)
                                                or kv[0] != "moe_intermediate_size"))
@@ -317,7 +317,7 @@ def _e2e_cfg(models=("Qwen3-8B", "GLM-4.7"), **changes):
 
 
 def test_e2e_models_keep_the_published_layer_geometry():
-    from qkvfuse.benchmarks.e2e import E2EConfig, e2e_transformers_config
+    from qkvfuse_bench.e2e import E2EConfig, e2e_transformers_config
 
     qwen, text = e2e_transformers_config("Qwen3-8B", E2EConfig())
     assert (qwen.hidden_size, qwen.num_attention_heads, qwen.num_key_value_heads, qwen.head_dim,
@@ -336,7 +336,7 @@ def test_e2e_models_keep_the_published_layer_geometry():
 
 @needs_cpu
 def test_e2e_smoke_rows_are_checked_and_attributed():
-    from qkvfuse.benchmarks.e2e import print_e2e, run_e2e
+    from qkvfuse_bench.e2e import print_e2e, run_e2e
 
     cfg = _e2e_cfg()
     results = run_e2e(cfg, log=lambda line: None)
@@ -362,7 +362,7 @@ def test_e2e_check_catches_a_wrong_patched_model(monkeypatch):
     import torch
 
     from qkvfuse import ops
-    from qkvfuse.benchmarks.e2e import print_e2e, run_e2e
+    from qkvfuse_bench.e2e import print_e2e, run_e2e
 
     real = ops.AddRMSNorm.__call__
 
@@ -379,13 +379,13 @@ def test_e2e_check_catches_a_wrong_patched_model(monkeypatch):
 
 @needs_cpu
 def test_e2e_cli(monkeypatch, tmp_path, capsys):
-    from qkvfuse.benchmarks import e2e
+    from qkvfuse_bench import e2e
 
-    assert main(["bench", "--e2e", "--preset", "Qwen3-VL-8B"]) == 2
+    assert e2e.main(["--preset", "Qwen3-VL-8B"]) == 2
     assert "not supported" in capsys.readouterr().out
     monkeypatch.setattr(e2e, "config_from_args", lambda args: _e2e_cfg(models=("Qwen3-8B",)))
     json_path = tmp_path / "e2e.json"
-    assert main(["bench", "--e2e", "--json", str(json_path)]) == 0
+    assert e2e.main(["--json", str(json_path)]) == 0
     text = capsys.readouterr().out
     assert "== end to end: Qwen3-8B geometry, batch 1" in text and "share of a step" in text
     assert text.rstrip().splitlines()[-1].startswith("bench --e2e: 0 failed rows")
@@ -393,10 +393,30 @@ def test_e2e_cli(monkeypatch, tmp_path, capsys):
     assert payload["results"][0]["timing"][0]["check"] == "ok" and "machine" in payload
 
 
+def test_bench_e2e_says_where_the_harness_lives(capsys):
+    assert main(["bench", "--e2e"]) == 2
+    assert "PYTHONPATH=bench python -m qkvfuse_bench.e2e" in capsys.readouterr().err
+
+
+def test_the_package_never_imports_the_harnesses_outside_it():
+    """bench/qkvfuse_bench builds on qkvfuse.benchmarks, never the other way: the installed package has no bench/."""
+    import ast
+    from pathlib import Path
+
+    src = Path(benchmarks.__file__).resolve().parents[1]
+    found = []
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.relative_to(src)}: {n}" for n in names if n.split(".")[0] == "qkvfuse_bench"]
+    assert found == []
+
+
 @needs_cpu
 @pytest.mark.slow
 def test_e2e_with_torch_compile():
-    from qkvfuse.benchmarks.e2e import run_e2e
+    from qkvfuse_bench.e2e import run_e2e
 
     results = run_e2e(_e2e_cfg(models=("Qwen3-8B",), compile=True), log=lambda line: None)
     compiled = [r for r in results[0]["timing"] if r["mode"] == "torch.compile"]
@@ -407,7 +427,7 @@ def test_e2e_with_torch_compile():
 def test_vllm_bench_refuses_avx2_peers_for_engine_parts(part, capsys):
     """``--peer-isa avx2`` swaps vLLM's library in the benchmark's own process only: the engine parts, whose
     engines load the library vLLM picks, refuse it before anything is imported."""
-    from qkvfuse.benchmarks import vllm as bench_vllm
+    from qkvfuse_bench import vllm as bench_vllm
 
     with pytest.raises(SystemExit) as exc:
         bench_vllm.main(["--part", part, "--peer-isa", "avx2"])
@@ -418,7 +438,7 @@ def test_vllm_bench_refuses_avx2_peers_for_engine_parts(part, capsys):
 def test_vllm_bench_times_avx2_peers_only_against_the_avx2_build(monkeypatch, capsys):
     """``--peer-isa avx2`` compares like with like: with qkvfuse's library built for anything but AVX2 it is an
     error that says how to force the AVX2 build, before vLLM is imported."""
-    from qkvfuse.benchmarks import vllm as bench_vllm
+    from qkvfuse_bench import vllm as bench_vllm
 
     monkeypatch.setenv("QKVFUSE_CPU_CAPABILITY", "DEFAULT")
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_ENABLE_V1_MULTIPROCESSING"):
@@ -432,7 +452,7 @@ def test_vllm_bench_times_avx2_peers_only_against_the_avx2_build(monkeypatch, ca
 def test_vllm_latency_rows_pair_rounds_and_profile_parts_split_by_name():
     """The vLLM bench's arithmetic (its engines run in ``make bench-vllm``): per-round ratios off/on, the ratio of
     the fastest rounds, and the profiler's split of a step into GEMM/MoE, attention and the rest."""
-    from qkvfuse.benchmarks import vllm as bench_vllm
+    from qkvfuse_bench import vllm as bench_vllm
 
     row = bench_vllm._paired_row("m", "compiled", "decode", on=[10.0, 20.0, 12.0], off=[11.0, 18.0, 12.0])
     assert row["off_over_on"] == pytest.approx(1.0) and row["min_off_over_min_on"] == pytest.approx(1.1)
@@ -448,7 +468,7 @@ def test_vllm_bench_judges_the_peer_targets_per_cell():
     judged), the split at T = 4096 against the copy, engines off/on (flagged when the rounds fall on both sides of
     the threshold); zentorch's verdicts carry a caveat when the qkvfuse build is forced (zentorch has no such
     switch), and a run without zentorch says so instead of judging nothing."""
-    from qkvfuse.benchmarks import vllm as bench_vllm
+    from qkvfuse_bench import vllm as bench_vllm
 
     def measured(part, impl, T, vs_vllm, roofline=0.5, **extra):
         return {"part": part, "T": T, "buffers": "hot", "impl": impl, "us": 1.0, "vs_vllm": vs_vllm,
@@ -489,7 +509,7 @@ def test_engine_benches_refuse_an_unwritable_json_before_the_run(bench, tmp_path
     like ``bench/results/`` in a fresh clone, would otherwise lose a long run's rows at its end)."""
     import importlib
 
-    module = importlib.import_module(f"qkvfuse.benchmarks.{bench}")
+    module = importlib.import_module(f"qkvfuse_bench.{bench}")
     path = tmp_path / "results" / "x.json"
     with pytest.raises(SystemExit) as exc:
         module.main(["--json", str(path)])

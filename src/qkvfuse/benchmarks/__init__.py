@@ -4,8 +4,8 @@ Modules: :mod:`.timing` (interleaved rounds, the machine line), :mod:`.harness` 
 implementations and buffer placements), :mod:`.percall` (T = 1: bound objects, functional ops and bare
 ``torch.ops`` calls of one kernel), :mod:`.report` (tables, compile times, the team's targets, JSON,
 chart), :mod:`.overview` (the main job's speed matrix: the user-facing calls against the alternatives),
-:mod:`.targets` (maintainers: the team's targets judged on a run), :mod:`.e2e` (``--e2e``: transformers models with the published layer geometry,
-patched vs unpatched). How to run and read it: ``bench/README.md``.
+:mod:`.device` (``--device cuda``). The engine, end-to-end and target harnesses live outside the package, in the
+repository's ``bench/qkvfuse_bench/``. How to run and read it: ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ TOKENS = (1, 16, 256, 4096)
 QUICK_TOKENS = (1, 256, 4096)
 HIDDEN_SIZES = (4096, 5120)
 PERCALL_PRESETS = ("Qwen3-8B", "GLM-4.7")  # the per-call rows' presets
+E2E_MOVED = ("the end-to-end bench lives in a qkvfuse checkout's bench/ folder: PYTHONPATH=bench python -m "
+             "qkvfuse_bench.e2e [--preset NAME] [--quick] [--compile] (bench/README.md)")
 OPS = ("split", "norm", "percall")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 FULL_BUDGET = Budget()
@@ -103,16 +105,17 @@ def _config_json(cfg: BenchConfig) -> dict:
 
 def run_bench(args) -> int:
     """Run the benchmark described by the CLI flags; print the tables and the summary last (with ``args.targets``,
-    the maintainers' :mod:`.targets`: also the team's targets, judged on this run's rows, printed and in the JSON).
+    the maintainers' ``qkvfuse_bench.targets``: also the team's targets, judged on this run's rows, printed and in
+    the JSON).
 
     Returns 0, or 1 when the cpu backend broke the accuracy rule on the benchmark's inputs (checked once per
     cell, NaN-poisoned outputs, before timing) or ``--json`` / ``--plot`` could not be written after the run (the
-    tables and summary are printed first, then the error), or 2 for bad flags. ``--e2e`` runs :mod:`.e2e` instead.
+    tables and summary are printed first, then the error), or 2 for bad flags and for ``--e2e``, which says where
+    that harness lives now.
     """
     if getattr(args, "e2e", False):
-        from .e2e import run_e2e_cli
-
-        return run_e2e_cli(args)
+        print(f"bench: --e2e: {E2E_MOVED}", file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     cfg, code = configure(args, config_from_args)
     if code is not None:

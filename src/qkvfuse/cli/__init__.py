@@ -66,16 +66,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.add_argument("--hidden", action="append", type=int, help="add_rmsnorm hidden sizes (default 4096, 5120)")
     bench.add_argument("--seconds", type=float, help="about this many seconds per measurement (rounds adapt)")
     bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
-    bench.add_argument("--e2e", action="store_true",
-                       help="instead: end to end, 2-layer transformers models with the published Qwen3-8B / GLM-4.7 "
-                            "layer geometry, patched vs unpatched (minutes)")
-    bench.add_argument("--e2e-compile", action="store_true",
-                       help="with --e2e: also torch.compile both models (slow: minutes per model)")
+    # End to end moved to the repository's bench/ folder: the flags remain to say where (not in the help).
+    bench.add_argument("--e2e", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--e2e-compile", action="store_true", help=argparse.SUPPRESS)
     bench.add_argument("--tile-sweep", action="store_true",
                        help="with --device: also sweep the Triton split kernel's tile size and warps (the full tier "
                             "always does)")
     _device_arguments(bench, " (--preset, --tokens, --quick and --json apply there too)")
-    # The team's own targets, for maintainers (python -m qkvfuse.benchmarks.targets): not in the user's help.
+    # The team's own targets, for maintainers (bench/qkvfuse_bench/targets.py): not in the user's help.
     bench.add_argument("--targets", action="store_true", help=argparse.SUPPRESS)
     sub.add_parser("build", help="build (once per version of its sources) and load the native CPU library, "
                                  "then print its path")

