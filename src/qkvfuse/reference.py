@@ -1,7 +1,7 @@
 """The reference backend: the specification of every qkvfuse op, in plain PyTorch.
 
 Every fast backend is checked against these functions (and all of them against an independent float64
-oracle, ``qkvfuse._verify.oracle``). They assume validated input (``qkvfuse.ops`` validates once, at the
+oracle, ``qkvfuse.testing.oracle``). They assume validated input (``qkvfuse.ops`` validates once, at the
 public boundary) and write into caller-provided outputs, which may exactly alias their own slice of the input.
 
 Semantics of ``split_qkv_rmsnorm_rope``. Per token ``t`` and head ``h``, ``x = qkv[t, h*D:(h+1)*D]`` in fp32:

@@ -21,7 +21,7 @@ from qkvfuse._verify import (SplitCase, check_norm_outputs, check_split_outputs,
                              make_split_inputs, oracle_add_rmsnorm, oracle_split, poisoned_like,
                              unfused_add_rmsnorm, unfused_split)
 from qkvfuse._library import split_config
-from qkvfuse._verify.accuracy import ulp
+from qkvfuse.testing.accuracy import ulp
 from qkvfuse.backends import available_backends
 from qkvfuse.rope import mrope_axis_map
 

@@ -22,9 +22,9 @@ import torch
 
 from ..backends import backend_unavailable
 from ..presets import PRESETS, get_preset
-from .accuracy import check_norm_outputs, check_split_outputs
+from ..testing.accuracy import check_norm_outputs, check_split_outputs
+from ..testing.oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like
-from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .sections import Options, Section
 
 __all__ = ["TIERS", "conformance_section", "stability_section", "device_unavailable", "split_case",

@@ -39,9 +39,9 @@ import qkvfuse
 from ..backends import available_backends
 from ..presets import get_preset
 from ..rope import build_cos_sin_cache
-from .accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
+from ..testing.accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
+from ..testing.oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
-from .oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .sections import Options, Section, advance, planned, triton_interpreter
 
 __all__ = [
@@ -57,7 +57,7 @@ PARTIAL_ROTARY_THRESHOLD = 10240
 
 def _extra_ulps(backend: str, dtype: torch.dtype) -> float:
     """The accuracy rule's one extra allowance, for Triton under the CPU interpreter (see
-    :mod:`qkvfuse._verify.accuracy`)."""
+    :mod:`qkvfuse.testing.accuracy`)."""
     interpreted = backend == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     return INTERPRETER_BF16_ULPS if interpreted and dtype == torch.bfloat16 else 0.0
 

@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 
-from qkvfuse._verify.accuracy import check_split_outputs
-from qkvfuse._verify.oracle import oracle_split
+from qkvfuse.testing.accuracy import check_split_outputs
+from qkvfuse.testing.oracle import oracle_split
 from qkvfuse.integrations import sglang as plugin
 
 from _support.live_edits import set_eps, set_rotary
@@ -241,8 +241,8 @@ def test_tested_sources_are_this_sglangs():
 def test_add_rmsnorm_matches_sglangs_rmsnorm(sglang_dist, dtype):
     from sglang.srt.layers.layernorm import RMSNorm
 
-    from qkvfuse._verify.accuracy import check_norm_outputs
-    from qkvfuse._verify.oracle import oracle_add_rmsnorm
+    from qkvfuse.testing.accuracy import check_norm_outputs
+    from qkvfuse.testing.oracle import oracle_add_rmsnorm
 
     layer = types.SimpleNamespace()
     hidden = 256
