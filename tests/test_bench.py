@@ -46,11 +46,6 @@ def test_bench_prints_table_and_writes_json_and_png(tmp_path, capsys):
     # every placement has its own roofline row, measured in the same rounds as the kernels
     assert sum(r["impl"] == COPY for r in rows) == len(placements)
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the default run includes the per-call section (T = 1) for the given preset and hidden size
-    percall = payload["percall"]["rows"]
-    assert {(r["op"], r["shape"]) for r in percall} == {("split_qkv_rmsnorm_rope", "Qwen3-8B"),
-                                                        ("add_rmsnorm", "hidden 256")}
-    assert "== per-call cost: split_qkv_rmsnorm_rope: Qwen3-8B" in text
 
 
 def test_unavailable_cpu_backend_is_reported_and_its_column_skipped(monkeypatch, tmp_path, capsys):
@@ -192,6 +187,23 @@ def test_t16_cells_time_the_bare_op_and_print_the_overhead_verdict(tmp_path, cap
 
 
 @needs_cpu
+def test_percall_harness_times_the_given_preset_and_hidden_size(tmp_path, capsys):
+    from qkvfuse_bench import percall
+
+    assert main(TINY + ["--op", "percall"]) == 2  # the package says where the per-call harness lives
+    assert "PYTHONPATH=bench python -m qkvfuse_bench.percall" in capsys.readouterr().err
+    json_path = tmp_path / "percall.json"
+    assert percall.main(TINY[1:] + ["--json", str(json_path)]) == 0
+    text = capsys.readouterr().out
+    payload = json.loads(json_path.read_text())
+    # the per-call section (T = 1) for the given preset and hidden size
+    percall = payload["percall"]["rows"]
+    assert {(r["op"], r["shape"]) for r in percall} == {("split_qkv_rmsnorm_rope", "Qwen3-8B"),
+                                                        ("add_rmsnorm", "hidden 256")}
+    assert "== per-call cost: split_qkv_rmsnorm_rope: Qwen3-8B" in text
+
+
+@needs_cpu
 def test_percall_section_alone(tmp_path, capsys):
     json_path = tmp_path / "bench.json"
     assert targets.main(["--op", "percall", "--preset", "GLM-4.7", "--hidden", "256", "--seconds", "0.02",
@@ -230,7 +242,7 @@ def test_percall_section_alone(tmp_path, capsys):
 def test_percall_modes_make_and_call_in_the_mode():
     """The per-call rows' modes: inference_mode makes the tensors and the calls under torch.inference_mode()
     (inference tensors, as vLLM's runner has them), default outside it; a mode of neither is an error."""
-    from qkvfuse.benchmarks import percall
+    from qkvfuse_bench import percall
 
     seen = {}
 
@@ -259,7 +271,7 @@ def test_percall_checks_each_candidate_on_its_own(monkeypatch, broken):
     import torch
 
     import qkvfuse
-    from qkvfuse.benchmarks import percall
+    from qkvfuse_bench import percall
 
     if broken == "split_qkv_rmsnorm_rope_":
         def wrong(*args, **kwargs):

@@ -1,11 +1,11 @@
 """``python -m qkvfuse bench``: the fused ops against eager, ``torch.compile`` and a copy roofline, in one run.
 
 Modules: :mod:`.timing` (interleaved rounds, the machine line), :mod:`.harness` (the matrix of shapes,
-implementations and buffer placements), :mod:`.percall` (T = 1: bound objects, functional ops and bare
-``torch.ops`` calls of one kernel), :mod:`.report` (tables, compile times, the team's targets, JSON,
+implementations and buffer placements), :mod:`.report` (tables, compile times, the team's targets, JSON,
 chart), :mod:`.overview` (the main job's speed matrix: the user-facing calls against the alternatives),
-:mod:`.device` (``--device cuda``). The engine, end-to-end and target harnesses live outside the package, in the
-repository's ``bench/qkvfuse_bench/``. How to run and read it: ``bench/README.md``.
+:mod:`.device` (``--device cuda``). The engine, end-to-end, per-call and target harnesses live outside the
+package, in the repository's ``bench/qkvfuse_bench/``; they build on these modules, and the per-call one runs as a
+section of :func:`run_bench`. How to run and read it: ``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ import os
 import sys
 import time
 import warnings
-from typing import List
+from typing import List, Sequence
 
 import torch
 
 from ..backends import resolve_backend
 from ..presets import get_preset
 from .harness import COMPILED, CPU, EAGER, REFERENCE, BenchConfig, Row, bench_norm, bench_split, dtype_name
-from .percall import (MODES as PERCALL_MODES, CallRow, percall_norm, percall_split, percall_summary, print_percall,
-                      print_percall_summary)
 from .report import (BUSY_SHARE, configure, TABLE_NOTE, busy_warning, check_failures, print_compile_times, print_machine,
                      print_summary, print_tables, summarize, write_json, write_plot)
 from .timing import Budget, cache_bytes, cpu_snapshot, machine_info, others_share
@@ -35,10 +33,11 @@ QUICK_PRESETS = ("Qwen3-8B", "GLM-4.7")
 TOKENS = (1, 16, 256, 4096)
 QUICK_TOKENS = (1, 256, 4096)
 HIDDEN_SIZES = (4096, 5120)
-PERCALL_PRESETS = ("Qwen3-8B", "GLM-4.7")  # the per-call rows' presets
 E2E_MOVED = ("the end-to-end bench lives in a qkvfuse checkout's bench/ folder: PYTHONPATH=bench python -m "
              "qkvfuse_bench.e2e [--preset NAME] [--quick] [--compile] (bench/README.md)")
-OPS = ("split", "norm", "percall")
+PERCALL_MOVED = ("the per-call bench lives in a qkvfuse checkout's bench/ folder: PYTHONPATH=bench python -m "
+                 "qkvfuse_bench.percall [bench flags] (bench/README.md)")
+OPS = ("split", "norm")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 FULL_BUDGET = Budget()
 # --quick budget: ~1 s per measurement and the reference backend left out (it is as slow as eager at
@@ -67,8 +66,6 @@ def config_from_args(args) -> BenchConfig:
     if any(h < 1 for h in hidden):
         raise ValueError(f"--hidden: expected positive hidden sizes, got {list(hidden)}")
     ops = tuple(getattr(args, "op", None) or OPS)
-    percall_presets = presets if args.preset else tuple(get_preset(name) for name in PERCALL_PRESETS)
-    percall_dtypes = tuple(DTYPES[d] for d in dict.fromkeys(args.dtype or ["bf16"]))
     impls = [EAGER] + ([] if args.no_compile else [COMPILED]) + ([] if quick else [REFERENCE]) + [CPU]
     compile_cells = None
     if quick and presets and "split" in ops:
@@ -83,13 +80,9 @@ def config_from_args(args) -> BenchConfig:
             raise ValueError(f"--seconds: expected a positive number, got {seconds}")
         budget = dataclasses.replace(budget, cell_s=seconds, block_s=min(budget.block_s, seconds / 10),
                                      warm_s=min(budget.warm_s, seconds / 10))
-    cpu_reason = cpu_unavailable_reason()
-    percall = "percall" in ops and not cpu_reason  # bound vs bare calls of the cpu kernel: nothing without it
     return BenchConfig(presets=presets if "split" in ops else (), hidden_sizes=hidden if "norm" in ops else (),
                        dtypes=dtypes, tokens=tokens, impls=tuple(impls), compile_cells=compile_cells, budget=budget,
-                       l2_bytes=cache_bytes(2, 1 << 20), cpu_reason=cpu_reason,
-                       percall_presets=percall_presets if percall else (), percall_hidden=hidden if percall else (),
-                       percall_dtypes=percall_dtypes)
+                       l2_bytes=cache_bytes(2, 1 << 20), cpu_reason=cpu_unavailable_reason())
 
 
 def _config_json(cfg: BenchConfig) -> dict:
@@ -98,15 +91,19 @@ def _config_json(cfg: BenchConfig) -> dict:
             "compile_cells": None if cfg.compile_cells is None else
             [[s, dtype_name(d), t] for s, d, t in cfg.compile_cells],
             "budget": dataclasses.asdict(cfg.budget),
-            "l2_bytes": cfg.l2_bytes, "cpu_backend_unavailable": cfg.cpu_reason,
-            "percall_presets": [p.name for p in cfg.percall_presets], "percall_hidden": list(cfg.percall_hidden),
-            "percall_dtypes": [dtype_name(d) for d in cfg.percall_dtypes]}
+            "l2_bytes": cfg.l2_bytes, "cpu_backend_unavailable": cfg.cpu_reason}
 
 
-def run_bench(args) -> int:
+def run_bench(args, sections: Sequence = ()) -> int:
     """Run the benchmark described by the CLI flags; print the tables and the summary last (with ``args.targets``,
     the maintainers' ``qkvfuse_bench.targets``: also the team's targets, judged on this run's rows, printed and in
     the JSON).
+
+    ``sections``: more tables from harnesses outside the package (the per-call one, ``qkvfuse_bench.percall``),
+    each an object with ``NAME`` (the ``--op`` value that selects it; without ``--op`` every section runs),
+    ``cells(cfg, args)`` (``(bench, what, label, dtype, T)`` tuples, timed like the op cells),
+    ``print_rows(rows)``, ``judge(rows, busy_share)`` (target verdicts), ``print_verdicts(verdicts)``,
+    ``failures(rows)`` (lines) and ``to_json(rows, verdicts)`` (its entry in ``--json``, under ``NAME``).
 
     Returns 0, or 1 when the cpu backend broke the accuracy rule on the benchmark's inputs (checked once per
     cell, NaN-poisoned outputs, before timing) or ``--json`` / ``--plot`` could not be written after the run (the
@@ -116,6 +113,10 @@ def run_bench(args) -> int:
     if getattr(args, "e2e", False):
         print(f"bench: --e2e: {E2E_MOVED}", file=sys.stderr)
         return 2
+    if "percall" in (getattr(args, "op", None) or ()) and "percall" not in {s.NAME for s in sections}:
+        print(f"bench: --op percall: {PERCALL_MOVED}", file=sys.stderr)
+        return 2
+    chosen = {s.NAME for s in sections if not getattr(args, "op", None) or s.NAME in args.op}
     t_start = time.perf_counter()
     cfg, code = configure(args, config_from_args)
     if code is not None:
@@ -131,25 +132,21 @@ def run_bench(args) -> int:
     with warnings.catch_warnings():
         # dynamo traces through the lru_cache'd mRoPE axis map on purpose (its result is a constant)
         warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
-        cells = [(bench_split, preset, "split " + preset.name, dtype, T)
+        cells = [(bench_split, preset, "split " + preset.name, dtype, T, rows)
                  for preset in cfg.presets for dtype in cfg.dtypes for T in cfg.tokens]
-        cells += [(bench_norm, hidden, f"add_rmsnorm hidden {hidden}", dtype, T)
+        cells += [(bench_norm, hidden, f"add_rmsnorm hidden {hidden}", dtype, T, rows)
                   for hidden in cfg.hidden_sizes for dtype in cfg.dtypes for T in cfg.tokens]
-        cells += [(lambda c, p, d, T, m=mode: percall_split(c, p, d, m), preset,
-                   f"per-call split {preset.name} ({mode})", dtype, 1)
-                  for preset in cfg.percall_presets for dtype in cfg.percall_dtypes for mode in PERCALL_MODES]
-        cells += [(lambda c, h, d, T, m=mode: percall_norm(c, h, d, m), hidden,
-                   f"per-call add_rmsnorm hidden {hidden} ({mode})", dtype, 1)
-                  for hidden in cfg.percall_hidden for dtype in cfg.percall_dtypes for mode in PERCALL_MODES]
-        percall_rows: List[CallRow] = []
+        section_rows: List[list] = [[] for _ in sections]  # a section not chosen still has its (empty) JSON entry
+        cells += [cell + (sink,) for section, sink in zip(sections, section_rows) if section.NAME in chosen
+                  for cell in section.cells(cfg, args)]
         run_start = cpu_snapshot()
-        for bench, what, label, dtype, T in cells:
+        for bench, what, label, dtype, T, sink in cells:
             t0, before = time.perf_counter(), cpu_snapshot()
             cell = bench(cfg, what, dtype, T)
             share = others_share(before, cpu_snapshot())
             for row in cell:
                 row.others = share
-            (percall_rows if label.startswith("per-call") else rows).extend(cell)
+            sink.extend(cell)
             print(f"  measured {label} {dtype_name(dtype)} T={T} in {time.perf_counter() - t0:.1f} s"
                   + (f" (other processes: {share:.0%} of the CPUs)" if share is not None else ""), flush=True)
         machine["others_cpu_share"] = others_share(run_start, cpu_snapshot())
@@ -158,20 +155,18 @@ def run_bench(args) -> int:
         print("\n" + TABLE_NOTE)
         print_tables(rows)
         print_compile_times(rows)
-    if percall_rows:
-        from .percall import PERCALL_NOTE
-
-        print("\nper-call cost: " + PERCALL_NOTE)
-        print_percall(percall_rows)
+    for section, its_rows in zip(sections, section_rows):
+        if its_rows:
+            section.print_rows(its_rows)
     judge = getattr(args, "targets", False)
     summary = summarize(rows, cfg.cpu_reason) if judge else []
-    percall_verdicts = percall_summary(percall_rows, BUSY_SHARE) if judge else []
+    verdicts = [section.judge(its_rows, BUSY_SHARE) if judge else []
+                for section, its_rows in zip(sections, section_rows)]
     written, output_errors = [], []  # an output that fails after the run is reported after the summary
     if args.json:
         try:
             write_json(args.json, machine, _config_json(cfg), rows, summary,
-                       {"percall": {"rows": [dataclasses.asdict(r) for r in percall_rows],
-                                    "summary": percall_verdicts}})
+                       {s.NAME: s.to_json(r, v) for s, r, v in zip(sections, section_rows, verdicts)})
             written.append(args.json)
         except Exception as exc:  # noqa: BLE001 -- the measurements are printed regardless
             output_errors.append(f"--json {args.json}: {type(exc).__name__}: {exc}")
@@ -185,17 +180,18 @@ def run_bench(args) -> int:
     if rows:
         print_summary(rows, summary, cfg.cpu_reason, judge)
     if judge:
-        print_percall_summary(percall_verdicts)
+        for section, its_verdicts in zip(sections, verdicts):
+            section.print_verdicts(its_verdicts)
     busy = busy_warning(machine)
     if busy:
         print("\n" + busy)
-    failures = check_failures(rows) + [f"per-call {r.op} {r.shape} {r.dtype} {r.impl} {r.form}: {r.check}"
-                                       for r in percall_rows if r.check and r.check != "ok" and r.data == "hot"]
+    failures = check_failures(rows) + [line for s, r in zip(sections, section_rows) for line in s.failures(r)]
     for line in failures:
         print(f"ACCURACY FAILURE (qkvfuse cpu vs the float64 oracle, accuracy rule): {line}")
     for line in output_errors:
         print(f"bench: could not write {line}", file=sys.stderr)
-    print(f"\nbench: {len(rows) + len(percall_rows)} rows in {time.perf_counter() - t_start:.0f} s; load average "
+    n_rows = len(rows) + sum(map(len, section_rows))
+    print(f"\nbench: {n_rows} rows in {time.perf_counter() - t_start:.0f} s; load average "
           f"{' '.join(f'{x:.2f}' for x in machine['loadavg_end'] or [])} at the end"
           + (f"; wrote {', '.join(written)}" if written else "")
           + (f"; FAILED to write {', '.join(e.split(':')[0] for e in output_errors)}" if output_errors else ""),

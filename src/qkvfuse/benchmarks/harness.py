@@ -65,10 +65,6 @@ class BenchConfig:
     budget: Budget
     l2_bytes: int
     cpu_reason: str  # why the cpu backend is unavailable ("" when it is available)
-    # the per-call section (:mod:`.percall`, T = 1): presets, add_rmsnorm hidden sizes, dtypes
-    percall_presets: Tuple[ModelPreset, ...] = ()
-    percall_hidden: Tuple[int, ...] = ()
-    percall_dtypes: Tuple[torch.dtype, ...] = ()
 
     def compiles(self, shape: str, dtype: torch.dtype, T: int) -> bool:
         return COMPILED in self.impls and (self.compile_cells is None or (shape, dtype, T) in self.compile_cells)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, *, bench_sections: Sequence = ()) -> int:
+    """Run the command line; ``bench_sections``: the extra ``bench`` sections of the harnesses outside the package
+    (:func:`qkvfuse.benchmarks.run_bench`), which call this with them."""
     from .._verify.sections import REGISTRY
     from ..backends import BACKEND_NAMES
     from .run import DEFAULT_REPORT_DIR
@@ -62,7 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     bench.add_argument("--tokens", action="append", type=int, help="only these token counts")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     bench.add_argument("--op", action="append", choices=["split", "norm", "percall"],
-                       help="only these sections (repeatable): split, norm (the T tables), percall (T=1 per-call cost)")
+                       help="only these sections (repeatable): split, norm (the T tables); percall (T=1 per-call "
+                            "cost) runs from a checkout's bench/ folder (bench/README.md)")
     bench.add_argument("--hidden", action="append", type=int, help="add_rmsnorm hidden sizes (default 4096, 5120)")
     bench.add_argument("--seconds", type=float, help="about this many seconds per measurement (rounds adapt)")
     bench.add_argument("--threads", type=int, help="torch.set_num_threads(N) first (default: torch's choice)")
@@ -118,7 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return run_device_bench(args)
     from ..benchmarks import run_bench
 
-    return run_bench(args)
+    return run_bench(args, bench_sections)
 
 
 def _output_problem(args) -> str:

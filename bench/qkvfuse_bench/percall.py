@@ -1,8 +1,14 @@
 """Per-call cost at T = 1: the bound objects, the functional ops and bare ``torch.ops`` calls of one kernel.
 
+``PYTHONPATH=bench python -m qkvfuse_bench.percall [bench flags]`` from the repository root, in ``.venv``: the
+per-call tables only (``--op split`` / ``norm`` add the op tables of ``python -m qkvfuse bench``, whose runner times
+this module's cells as a section). ``--preset`` and ``--hidden`` pick the shapes (default Qwen3-8B and GLM-4.7,
+hidden 4096 and 5120), ``--dtype`` the dtypes (default bf16); the team's per-call targets are judged by
+``qkvfuse_bench.targets``.
+
 At one token the kernel moves a few KB and the cost of a call is mostly what surrounds the kernel: the Python
 validation, the dispatcher, the argument parsing. This section times, side by side in interleaved rounds (see
-:mod:`.timing`), for ``split_qkv_rmsnorm_rope`` (per preset) and ``add_rmsnorm`` (per hidden size), bf16 with
+:mod:`qkvfuse.benchmarks.timing`), for ``split_qkv_rmsnorm_rope`` (per preset) and ``add_rmsnorm`` (per hidden size), bf16 with
 **bf16 norm weights** (what :func:`qkvfuse.integrations.transformers.apply_qkvfuse` passes: transformers keeps
 RMSNorm weights in the model dtype):
 
@@ -36,18 +42,25 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._verify import SplitCase, make_norm_inputs, make_split_inputs
-from ..ops import AddRMSNorm, QKNormRope, add_rmsnorm, add_rmsnorm_, split_qkv_rmsnorm_rope, split_qkv_rmsnorm_rope_
-from ..presets import ModelPreset
-from .harness import (CACHE_ROWS, BenchConfig, _more_sets, _nbytes, _rotation, _split_args, bare_norm_call,
-                      bare_split_call, check_norm, check_split, dtype_name)
-from .timing import Candidate, fixed_point_weights, measure, paired, restorer
+from qkvfuse._verify import SplitCase, make_norm_inputs, make_split_inputs
+from qkvfuse._verify.sections import Section, print_section
+from qkvfuse.benchmarks import DTYPES, HIDDEN_SIZES
+from qkvfuse.benchmarks.harness import (CACHE_ROWS, BenchConfig, _more_sets, _nbytes, _rotation, _split_args,
+                                        bare_norm_call, bare_split_call, check_norm, check_split, dtype_name)
+from qkvfuse.benchmarks.timing import Candidate, fixed_point_weights, measure, paired, restorer
+from qkvfuse.ops import (AddRMSNorm, QKNormRope, add_rmsnorm, add_rmsnorm_, split_qkv_rmsnorm_rope,
+                         split_qkv_rmsnorm_rope_)
+from qkvfuse.presets import ModelPreset, get_preset
 
-__all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T", "MODES"]
+__all__ = ["CallRow", "percall_split", "percall_norm", "BOUND_MAX_OVER_BARE_US", "PERCALL_T", "MODES", "main"]
+
+NAME = "percall"  # the bench's --op value that selects this section
+PRESETS = ("Qwen3-8B", "GLM-4.7")  # without --preset
 
 PERCALL_T = 1
 BOUND_MAX_OVER_BARE_US = 2.0  # per-call target: the bound object within 2 us of the bare torch.ops call
@@ -338,8 +351,6 @@ def _us(x: Optional[float], signed: bool = False) -> str:
 
 
 def print_percall(rows: Sequence[CallRow]) -> None:
-    from .._verify.sections import Section, print_section
-
     groups: Dict[Tuple[str, str, str, str], List[CallRow]] = {}
     for r in rows:
         groups.setdefault((r.op, r.shape, r.dtype, r.mode), []).append(r)
@@ -382,9 +393,58 @@ def percall_summary(rows: Sequence[CallRow], busy_share: float) -> List[Dict[str
 
 
 def print_percall_summary(summary: Sequence[Dict[str, object]]) -> None:
-    from .._verify.sections import Section, print_section
-
     if summary:
         print_section(Section("per-call targets (bound and functional vs bare "
                               "torch.ops, T=1)", ("target", "shape", "mode", "data", "measured", "verdict"),
                               [dict(s) for s in summary]))
+
+
+# --------------------------------------------------------------------------------------------------------
+# The section of ``qkvfuse.benchmarks.run_bench`` (its docstring names these functions) and the command.
+# --------------------------------------------------------------------------------------------------------
+def cells(cfg: BenchConfig, args) -> list:
+    """The per-call cells of a run: each preset and hidden size, dtype and mode; none without the cpu backend (the
+    section times bound and functional calls against bare calls of its kernel)."""
+    if cfg.cpu_reason:
+        return []
+    presets = tuple(get_preset(name) for name in (args.preset or PRESETS))
+    hidden = tuple(dict.fromkeys(args.hidden or HIDDEN_SIZES))
+    dtypes = tuple(DTYPES[d] for d in dict.fromkeys(args.dtype or ["bf16"]))
+    split = [(lambda c, p, d, T, m=mode: percall_split(c, p, d, m), preset,
+              f"per-call split {preset.name} ({mode})", dtype, PERCALL_T)
+             for preset in presets for dtype in dtypes for mode in MODES]
+    return split + [(lambda c, h, d, T, m=mode: percall_norm(c, h, d, m), size,
+                     f"per-call add_rmsnorm hidden {size} ({mode})", dtype, PERCALL_T)
+                    for size in hidden for dtype in dtypes for mode in MODES]
+
+
+def print_rows(rows: Sequence[CallRow]) -> None:
+    print("\nper-call cost: " + PERCALL_NOTE)
+    print_percall(rows)
+
+
+judge = percall_summary
+print_verdicts = print_percall_summary
+
+
+def failures(rows: Sequence[CallRow]) -> List[str]:
+    return [f"per-call {r.op} {r.shape} {r.dtype} {r.impl} {r.form}: {r.check}"
+            for r in rows if r.check and r.check != "ok" and r.data == "hot"]
+
+
+def to_json(rows: Sequence[CallRow], verdicts: Sequence[Dict[str, object]]) -> Dict[str, object]:
+    return {"rows": [dataclasses.asdict(r) for r in rows], "summary": list(verdicts)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m qkvfuse bench`` with this section and, unless ``--op`` says otherwise, only it."""
+    from qkvfuse.cli import main as cli_main
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--op" not in argv:
+        argv += ["--op", NAME]
+    return cli_main(["bench", *argv], bench_sections=(sys.modules[__name__],))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
