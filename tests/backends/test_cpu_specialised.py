@@ -1,7 +1,7 @@
 """The specialised bf16/fp16 kernels of the native CPU backend against its generic kernels, bit for bit.
 
-The AVX-512 specialisations (``backends/cpu/avx512.h``) run the generic kernel's operations per element, so on
-an AVX-512 build (``AVX512`` or ``AVX512_BF16``) their outputs are compared with the generic path's
+The AVX-512 specialisations (``backends/cpu/isa/avx512_kernels.h``) run the generic kernel's operations per
+element, so on an AVX-512 build (``AVX512`` or ``AVX512_BF16``) their outputs are compared with the generic path's
 (``torch.ops.qkvfuse_cpu.split_generic_out`` / ``add_rmsnorm_generic_out``: the same kernels with the
 specialised paths off), NaN positions included (a NaN's payload may differ): bit for bit for fp16 and wherever
 no norm is taken; the bf16 heads and rows in lane order sum their squares in another fp32 order, so a normed

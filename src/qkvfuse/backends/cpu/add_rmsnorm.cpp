@@ -2,9 +2,10 @@
 // the first forms s = x + residual rounded to the I/O dtype (stored as residual_out) and sums its squares, the
 // second normalises s -- re-read from residual_out, still in L1/L2 -- into y. Each row's bits depend only on
 // that row, never on the thread split or on T.
-#include "avx512.h"
 #include "checks.h"
+#include "isa.h"
 #include "optional_ref.h"
+#include "plan.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -22,25 +23,6 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-struct NormPlan {
-  int64_t T, H;
-  const void* x;
-  int64_t x_rs;
-  const void* r;  // nullptr without residual
-  int64_t r_rs;
-  void* y;
-  int64_t y_rs;
-  void* r_out;  // nullptr without residual
-  int64_t r_out_rs;
-  const float* w;
-  const float* b;  // nullptr without bias
-  // bf16 weight / bias read as stored (the lane-order bf16 rows only; then w and b are unused)
-  const c10::BFloat16* w16;
-  const c10::BFloat16* b16;
-  bool weights_finite;
-  float eps;
-};
 
 template <typename T>
 QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
@@ -108,178 +90,12 @@ QKVFUSE_FLATTEN void norm_row(const NormPlan& p, int64_t t) {
   }
 }
 
-// Rows split statically: thread i always takes the same contiguous block of rows (at::parallel_for), so a call
-// on the same buffers (the residual stream of the next layer, an in-place x) finds its rows in the same core's
-// L2. Dynamic chunks (parallel_chunks) moved rows between cores from call to call: 1.3-1.5x slower at T = 16-64.
-template <typename F>
-void for_rows(const NormPlan& p, const F& f) {
-  if (p.T > 0) at::parallel_for(0, p.T, grain_items(p.H), f);
-}
-
 template <typename T>
 void run_norm(const NormPlan& p) {
   for_rows(p, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) norm_row<T>(p, t);
   });
 }
-
-#if defined(CPU_CAPABILITY_AVX2)
-// bf16 rows of a multiple of 16 values with finite weights, in the lane order of the split's specialised path
-// (Bf16Block, pack_rne; p.w and p.b are in lane order): s = x + residual rounded once to bf16 (the unfused
-// add's value), the sum of the rounded s^2 in fp32, y = (s * inv) * w (+ b) rounded once -- the generic row's
-// sequence, except that the sum runs over even/odd lanes instead of halves (another fp32 summation order).
-// Chosen by dtype, H and the weights only: every row of a call takes the same path. Any NaN reaching pack_rne
-// comes from a bf16 input or is the default NaN (the weights are finite), so its rounding is exact.
-// kBf16Weights: the weight (and bias) are bf16 and read as stored -- Bf16Block::load puts them in the same lane
-// order, with the same fp32 values as the converted ones, so the bits are those of the fp32-weight rows. Any
-// NaN then also comes from a bf16 input (a weight) or is the default NaN: no finiteness check is needed, and the
-// call makes no conversion pass over the weights (~0.7-1 us of a decode row).
-// Both passes load ahead of their stores (ahead_of_stores): the sum pass two blocks of x and residual (four
-// would not fit AVX2's sixteen registers), the normalising pass four blocks of the sums; the weights are read in
-// the step (no register left for them), and no placement of x, residual and weight tried was slower for it (the
-// AVX-512 rows load them ahead: one was).
-template <bool kBf16Weights>
-QKVFUSE_FLATTEN void norm_row_bf16(const NormPlan& p, int64_t t) {
-  using bf16 = c10::BFloat16;
-  const int64_t H = p.H;
-  const bf16* x = static_cast<const bf16*>(p.x) + t * p.x_rs;
-  const bf16* r = p.r != nullptr ? static_cast<const bf16*>(p.r) + t * p.r_rs : nullptr;
-  bf16* r_out = p.r_out != nullptr ? static_cast<bf16*>(p.r_out) + t * p.r_out_rs : nullptr;
-  bf16* y = static_cast<bf16*>(p.y) + t * p.y_rs;
-  struct XR {
-    __m256i x, r;
-  };
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  ahead_of_stores<16, 2, XR>(
-      H, [&](int64_t i) { return XR{Bf16Block::raw(x + i), r != nullptr ? Bf16Block::raw(r + i) : __m256i{}}; },
-      [&](int64_t i, const XR& v) {
-        Bf16Block a = Bf16Block::of(v.x);
-        if (r != nullptr) {
-          const Bf16Block c = Bf16Block::of(v.r);
-          const __m256i s = Bf16Block::pack_rne(_mm256_add_ps(a.even, c.even), _mm256_add_ps(a.odd, c.odd));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(r_out + i), s);
-          a = Bf16Block::of(s);
-        }
-        acc0 = _mm256_fmadd_ps(a.even, a.even, acc0);
-        acc1 = _mm256_fmadd_ps(a.odd, a.odd, acc1);
-      });
-  double ss = 0.0;
-  const __m256 inv = _mm256_set1_ps(inv_rms<bf16>(fVec(acc0), fVec(acc1), 0.0, H, p.eps, &ss));
-  const bf16* s = r != nullptr ? r_out : x;  // re-read after its own block is written: aliasing is safe
-  ahead_of_stores<16, 4, __m256i>(
-      H, [&](int64_t i) { return Bf16Block::raw(s + i); },
-      [&](int64_t i, __m256i sv) {
-        const Bf16Block v = Bf16Block::of(sv);
-        __m256 even, odd;
-        if constexpr (kBf16Weights) {
-          const Bf16Block w = Bf16Block::load(p.w16 + i);
-          even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), w.even);
-          odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), w.odd);
-          if (p.b16 != nullptr) {
-            const Bf16Block b = Bf16Block::load(p.b16 + i);
-            even = _mm256_add_ps(even, b.even);
-            odd = _mm256_add_ps(odd, b.odd);
-          }
-        } else {
-          even = _mm256_mul_ps(_mm256_mul_ps(v.even, inv), _mm256_loadu_ps(p.w + i));
-          odd = _mm256_mul_ps(_mm256_mul_ps(v.odd, inv), _mm256_loadu_ps(p.w + i + 8));
-          if (p.b != nullptr) {
-            even = _mm256_add_ps(even, _mm256_loadu_ps(p.b + i));
-            odd = _mm256_add_ps(odd, _mm256_loadu_ps(p.b + i + 8));
-          }
-        }
-        Bf16Block::store<false>(y + i, even, odd);
-      });
-}
-
-// The lane-order rows when they apply (see norm_row_bf16); returns whether they ran.
-bool run_norm_bf16(NormPlan p) {
-  if (p.H % 16 != 0) return false;
-  // The weights in lane order, checked finite in the same pass, in a per-thread buffer that only grows: no
-  // allocation, zero-filling or second pass per call (a decode row of 4096 costs ~1.2 us; these were ~0.7 us).
-  // The calling thread owns the buffer until the parallel loop has joined.
-  thread_local std::vector<float> lane;
-  const size_t need = static_cast<size_t>(p.H) * (p.b != nullptr ? 2 : 1);
-  if (lane.size() < need) lane.resize(need);
-  bool finite = to_lane_order(p.w, lane.data(), p.H);
-  p.w = lane.data();
-  if (p.b != nullptr) {
-    finite = to_lane_order(p.b, lane.data() + p.H, p.H) && finite;
-    p.b = lane.data() + p.H;
-  }
-  if (!finite) return false;
-  p.weights_finite = true;
-  for_rows(p, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) norm_row_bf16<false>(p, t);
-  });
-  return true;
-}
-
-bool is_bf16_vector(const Tensor& t, int64_t n) {
-  return t.scalar_type() == at::kBFloat16 && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
-}
-#endif
-
-#if defined(CPU_CAPABILITY_AVX512)
-// The specialised rows (avx512.h) for 16-bit activations and H % 32 == 0: bf16 in lane order, fp16 with the
-// generic bits. Weights (and bias) in the activations' dtype are read as stored; fp32 ones are read in place
-// (fp16) or from a lane-order copy made once per call (bf16), in a per-thread buffer that only grows.
-bool is_vector_of(const Tensor& t, at::ScalarType dtype, int64_t n) {
-  return t.scalar_type() == dtype && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
-}
-
-template <typename T, typename W>
-void run_norm_avx512_rows(const NormPlan& p, const W* w, const W* b) {
-  for_rows(p, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* x = static_cast<const T*>(p.x) + t * p.x_rs;
-      const T* r = p.r != nullptr ? static_cast<const T*>(p.r) + t * p.r_rs : nullptr;
-      T* r_out = p.r_out != nullptr ? static_cast<T*>(p.r_out) + t * p.r_out_rs : nullptr;
-      T* y = static_cast<T*>(p.y) + t * p.y_rs;
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        avx512::norm_row_bf16<W>(x, r, r_out, y, w, b, p.H, p.eps);
-      } else {
-        avx512::norm_row_fp16<W>(x, r, r_out, y, w, b, p.H, p.eps);
-      }
-    }
-  });
-}
-
-// fp32_w: an fp32 weight to use instead of `weight` (the Gemma rows' 1 + w), or nullptr.
-template <typename T>
-bool run_norm_avx512_typed(const NormPlan& p, const Tensor& weight, const OptRef& bias, at::ScalarType dtype,
-                           const float* fp32_w) {
-  if (fp32_w == nullptr && is_vector_of(weight, dtype, p.H) && (!bias.has_value() || is_vector_of(*bias, dtype, p.H))) {
-    run_norm_avx512_rows<T, T>(p, static_cast<const T*>(weight.const_data_ptr()),
-                               bias.has_value() ? static_cast<const T*>(bias->const_data_ptr()) : nullptr);
-    return true;
-  }
-  if ((fp32_w == nullptr && !is_vector_of(weight, at::kFloat, p.H)) ||
-      (bias.has_value() && !is_vector_of(*bias, at::kFloat, p.H))) {
-    return false;
-  }
-  const float* w = fp32_w != nullptr ? fp32_w : weight.const_data_ptr<float>();
-  const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // The calling thread owns the buffer until the parallel loop has joined.
-    thread_local std::vector<float> lanes;
-    const size_t need = static_cast<size_t>(p.H) * (b != nullptr ? 2 : 1);
-    if (lanes.size() < need) lanes.resize(need);
-    avx512::to_lanes(w, lanes.data(), p.H);
-    if (b != nullptr) avx512::to_lanes(b, lanes.data() + p.H, p.H);
-    w = lanes.data();
-    b = b != nullptr ? lanes.data() + p.H : nullptr;
-  }
-  run_norm_avx512_rows<T, float>(p, w, b);
-  return true;
-}
-
-bool run_norm_avx512(const NormPlan& p, at::ScalarType dtype, const Tensor& weight, const OptRef& bias,
-                     const float* fp32_w) {
-  return dtype == at::kBFloat16 ? run_norm_avx512_typed<c10::BFloat16>(p, weight, bias, dtype, fp32_w)
-                                : run_norm_avx512_typed<c10::Half>(p, weight, bias, dtype, fp32_w);
-}
-#endif
 
 void check_rows(const Tensor& t, const Tensor& x, const char* what) {
   TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device().is_cpu() &&
@@ -334,35 +150,15 @@ void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor&
     p.r_out_rs = residual_out->stride(0);
   }
   p.eps = static_cast<float>(eps);
-#if defined(CPU_CAPABILITY_AVX512)
-  // bf16 / fp16 rows of whole 32-value blocks (avx512.h: the generic row's bits); a weight (and bias) in the
-  // activations' dtype, contiguous, is widened as it is read -- no conversion pass per call.
-  if (!generic_only && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) && H % 32 == 0 &&
-      run_norm_avx512(p, x.scalar_type(), weight, bias, gemma_w)) {
-    return;
-  }
-#endif
-#if defined(CPU_CAPABILITY_AVX2)
-  // A bf16 model's weights: read as stored, no conversion (the common case of an engine's decoder norms).
-  if (!generic_only && gemma_w == nullptr && x.scalar_type() == at::kBFloat16 && H % 16 == 0 &&
-      is_bf16_vector(weight, H) && (!bias.has_value() || is_bf16_vector(*bias, H))) {
-    p.w16 = weight.const_data_ptr<c10::BFloat16>();
-    p.b16 = bias.has_value() ? bias->const_data_ptr<c10::BFloat16>() : nullptr;
-    for_rows(p, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) norm_row_bf16<true>(p, t);
-    });
-    return;
-  }
-#endif
+  // The build's specialised rows reading the weights as stored (isa.h), where they apply.
+  if (!generic_only && isa::norm_rows_stored(p, x.scalar_type(), weight, bias, gemma_w)) return;
   // std::vectors rather than stack arrays: H is the model's hidden size, unbounded here.
   std::vector<float> w_buf, b_buf;
   const float* w = gemma_w != nullptr ? gemma_w : fp32_vector(weight, H, w_buf);
   const float* b = bias.has_value() ? fp32_vector(*bias, H, b_buf) : nullptr;
   p.w = w;
   p.b = b;
-#if defined(CPU_CAPABILITY_AVX2)
-  if (!generic_only && x.scalar_type() == at::kBFloat16 && run_norm_bf16(p)) return;
-#endif
+  if (!generic_only && isa::norm_rows_fp32(p, x.scalar_type())) return;
   p.weights_finite = all_finite(w, H) && (b == nullptr || all_finite(b, H));
   switch (x.scalar_type()) {
     case at::kFloat: return run_norm<float>(p);

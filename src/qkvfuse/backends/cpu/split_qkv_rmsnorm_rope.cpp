@@ -8,12 +8,13 @@
 // fp32 stack buffer (summing squares on the way), then normalises, rotates and rounds it straight into the
 // output. Each item's bits depend only on its own head, the token's cos/sin row and the weights, never on how
 // items are split over threads or on the other tokens in the batch.
-// bf16 heads of the published shapes (128 or 256 dims, QK-norm weight or no QK-norm, no post-norm bias) take a
-// specialised path on AVX2 (fast_heads); AVX-512 builds specialise bf16/fp16 heads of D % 32 == 0 (avx512.h).
-// Both read a batch of heads a given stride apart, so the gated layout's Q heads (2 * D apart) take them too.
-#include "avx512.h"
+// Where the build's instruction set has specialised heads for the call (isa.h: AVX2 bf16 heads of the published
+// shapes, AVX-512 bf16/fp16 heads of D % 32 == 0), they take a batch of heads a given stride apart, so the gated
+// layout's Q heads (2 * D apart) take them too; README.md lists the paths and their bit contracts.
 #include "checks.h"
+#include "isa.h"
 #include "optional_ref.h"
+#include "plan.h"
 #include "vec_io.h"
 
 #include <ATen/Parallel.h>
@@ -38,8 +39,6 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-constexpr int64_t kMaxHalf = kMaxHeadDim / 2;
-
 // The mRoPE axis rule of qkvfuse.rope.mrope_axis_map (the Python function is the definition; the op
 // qkvfuse_cpu::mrope_axis_map exposes this copy so a test compares the two on every layout).
 int64_t mrope_axis(int64_t j, int64_t s_t, int64_t s_h, int64_t s_w, bool interleaved) {
@@ -50,42 +49,6 @@ int64_t mrope_axis(int64_t j, int64_t s_t, int64_t s_h, int64_t s_w, bool interl
   }
   return j < s_t ? 0 : (j < s_t + s_h ? 1 : 2);
 }
-
-struct SplitPlan {
-  int64_t T, hq, hkv, D, R, half, max_pos;
-  const void* qkv;
-  int64_t qkv_rs;  // row strides in elements
-  // The row's layout: Q head h at column h * q_hs, K head j at k_col + j * D, V at k_col + hkv * D. Plain:
-  // q_hs = D, k_col = hq * D; gated (q_gate): [q_0 | g_0 | q_1 | g_1 | ...], q_hs = 2 * D (gate head h at
-  // column h * q_hs + D), k_col = 2 * hq * D.
-  int64_t q_hs, k_col;
-  void* q;
-  int64_t q_rs;
-  void* k;
-  int64_t k_rs;
-  void* v;  // nullptr when v_out already is qkv's own V slice
-  int64_t v_rs;
-  void* gate;  // the gated out= forms' gate_out (gate heads copied), nullptr otherwise
-  int64_t gate_rs;
-  // The gated in-place form: each token's Q/gate region is one work item, read whole (into a per-thread copy)
-  // before its Q heads and then its gate heads are written back over it; q is qkv itself (Q heads from column
-  // 0, gate heads from column hq * D after them).
-  bool gated_inplace;
-  const void* pos;
-  bool pos64;
-  int64_t pos_s_axis, pos_s_t;
-  bool mrope;
-  uint8_t axis[kMaxHalf];
-  alignas(64) float on_h[kMaxHalf], on_w[kMaxHalf];  // axis == 1 / axis == 2 as all-ones lane masks
-  const void* cache;
-  at::ScalarType cache_dtype;
-  int64_t cache_rs;
-  const float *wq, *wk, *bq, *bk;  // fp32 copies, nullptr when absent
-  bool weights_finite;
-  float eps;
-  bool neox;
-  bool generic_only;  // the specialised heads off (qkvfuse_cpu::split_generic_out, for tests)
-};
 
 int64_t read_pos(const SplitPlan& p, int64_t axis, int64_t t) {
   const int64_t off = axis * p.pos_s_axis + t * p.pos_s_t;
@@ -259,248 +222,6 @@ HeadFn<T> pick_style(bool neox) {
   return neox ? &qk_head<T, kNorm, true> : &qk_head<T, kNorm, false>;
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
-// bf16, head_dim 128 or 256, rotary half 64 or 32, QK-norm with a weight and no bias or no QK-norm (the
-// published models: Qwen3, GLM, Llama-style at 128; Qwen3-Next / Qwen3.5 at 256): a head specialised at compile
-// time. A 16-value bf16 block is read as two fp32 vectors without a lane shuffle -- even elements (bits << 16)
-// and odd elements (bits & 0xffff0000) -- and written back with one word blend, so every table is kept in that
-// lane order. Per token the weights are folded into cos/sin:
-//   out_a = inv * (x_a * (w_a c) - x_b * (w_b s)),  out_b = inv * (x_b * (w_b c) + x_a * (w_a s)),
-// pass-through dims: out = (x * w) * inv. Every element of a head takes the same sequence whatever its
-// position, and the choice of this path depends only on the head's shape, its token's cos/sin and the
-// weights, so results stay independent of threads and batch.
-constexpr int kFastMaxD = 256;
-constexpr int kFastMaxHalf = 64;
-
-struct FastWeights {  // one per weight set (Q, K), per call, shared by the threads; lane order
-  alignas(32) float wa[kFastMaxHalf], wb[kFastMaxHalf];  // the pairs' weights
-  alignas(32) float pass[kFastMaxD];                      // pass-through weights (from index 2 * half)
-};
-
-struct FastTables {  // one per weight set (Q, K), per token, per thread; lane order
-  alignas(32) float p[kFastMaxHalf], q[kFastMaxHalf], r[kFastMaxHalf], s[kFastMaxHalf];
-  const float* pass;  // FastWeights::pass
-};
-
-inline void fast_weights(const float* w, int64_t D, int64_t half, bool neox, FastWeights& t) {
-  if (neox) {  // NeoX pair j = (j, half + j): its tables in lane order
-    to_lane_order(w, t.wa, half);
-    to_lane_order(w + half, t.wb, half);
-  } else {  // GPT-J pair j = (2j, 2j + 1) sits in one block's even/odd lanes: its tables in natural order
-    for (int64_t j = 0; j < half; j += kF) {
-      const auto [even, odd] = at::vec::deinterleave2(fVec::loadu(w + 2 * j), fVec::loadu(w + 2 * j + kF));
-      even.store(t.wa + j);
-      odd.store(t.wb + j);
-    }
-  }
-  to_lane_order(w + 2 * half, t.pass + 2 * half, D - 2 * half);
-}
-
-// This token's tables for both weight sets (Q, K); half is a multiple of 16. Without weights (no QK-norm)
-// the tables are cos and sin as they are.
-inline void fast_token(const float* cos, const float* sin, int64_t half, bool neox, const FastWeights* w,
-                       FastTables* t) {
-  alignas(32) float cs[2][kFastMaxHalf];
-  const float* c = cos;
-  const float* s = sin;
-  if (neox) {  // into lane order
-    to_lane_order(cos, cs[0], half);
-    to_lane_order(sin, cs[1], half);
-    c = cs[0];
-    s = cs[1];
-  }
-  if (w == nullptr) {
-    for (int k = 0; k < 2; ++k) {
-      std::copy(c, c + half, t[k].p);
-      std::copy(c, c + half, t[k].r);
-      std::copy(s, s + half, t[k].q);
-      std::copy(s, s + half, t[k].s);
-    }
-    return;
-  }
-  for (int k = 0; k < 2; ++k) {
-    for (int64_t j = 0; j < half; j += kF) {
-      const fVec wa = fVec::loadu(w[k].wa + j), wb = fVec::loadu(w[k].wb + j);
-      const fVec cv = fVec::loadu(c + j), sv = fVec::loadu(s + j);
-      (wa * cv).store(t[k].p + j);
-      (wb * sv).store(t[k].q + j);
-      (wb * cv).store(t[k].r + j);
-      (wa * sv).store(t[k].s + j);
-    }
-  }
-}
-
-constexpr int kFastBatch = 8;
-
-// The head's sum of squares (per lane).
-template <int kD>
-inline __m256 fast_sum_squares(const c10::BFloat16* src) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  for (int c = 0; c < kD / 16; ++c) {
-    const Bf16Block x = Bf16Block::load(src + 16 * c);
-    acc0 = _mm256_fmadd_ps(x.even, x.even, acc0);
-    acc1 = _mm256_fmadd_ps(x.odd, x.odd, acc1);
-  }
-  return _mm256_add_ps(acc0, acc1);
-}
-
-// Lane k: the sum of v[k]'s lanes, ((0+1)+(2+3))+((4+5)+(6+7)) whatever k is.
-inline __m256 sum_lanes8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
-}
-
-// kNorm false (no QK-norm): the tables are cos/sin themselves and inv is not applied, so a rotated element is
-// fmsub(x_a, c, x_b * s) -- the generic path's own sequence, bit for bit -- and pass-through dims are copied.
-// The head is read from src again (L1 after fast_sum_squares), each block before the outputs that overwrite it are
-// written, so dst may be src (the in-place form). Re-reading and re-widening costs less than keeping the widened
-// values (two 256-bit stores and loads per 16 values): forced AVX2 build on a Zen 4, Qwen3-8B, in place at T = 4096
-// on 2 threads, 0.99-1.20 -> 1.23-1.41 of the copy of the same bytes (one thread on L2-resident heads: 23.5-25 ->
-// 23.1-24 ns a head, within that hour's noise).
-template <int kD, int kHalf, bool kNeox, bool kStream, bool kNorm>
-inline void fast_body(const c10::BFloat16* src, c10::BFloat16* dst, const FastTables& t,
-                      float inv_scalar) {
-  constexpr int kBlocks = kD / 16;
-  auto load = [&](int off) { return Bf16Block::load(src + off); };
-  const __m256 inv = _mm256_set1_ps(inv_scalar);
-  auto scale = [&](__m256 v) { return kNorm ? _mm256_mul_ps(v, inv) : v; };
-  auto rot = [&](__m256 xa, __m256 xb, int64_t j, __m256& oa, __m256& ob) {
-    oa = scale(_mm256_fmsub_ps(xa, _mm256_load_ps(t.p + j), _mm256_mul_ps(xb, _mm256_load_ps(t.q + j))));
-    ob = scale(_mm256_fmadd_ps(xb, _mm256_load_ps(t.r + j), _mm256_mul_ps(xa, _mm256_load_ps(t.s + j))));
-  };
-  if constexpr (kNeox) {
-    for (int c = 0; c < kHalf / 16; ++c) {
-      const Bf16Block a = load(16 * c), b = load(kHalf + 16 * c);
-      __m256 ae, be, ao, bo;
-      rot(a.even, b.even, 16 * c, ae, be);
-      rot(a.odd, b.odd, 16 * c + 8, ao, bo);
-      Bf16Block::store<kStream>(dst + 16 * c, ae, ao);
-      Bf16Block::store<kStream>(dst + kHalf + 16 * c, be, bo);
-    }
-  } else {
-    for (int c = 0; c < kHalf / 8; ++c) {
-      const Bf16Block x = load(16 * c);
-      __m256 oa, ob;
-      rot(x.even, x.odd, 8 * c, oa, ob);
-      Bf16Block::store<kStream>(dst + 16 * c, oa, ob);
-    }
-  }
-  for (int c = kHalf / 8; c < kBlocks; ++c) {
-    if constexpr (!kNorm) {  // widening and rounding back is the identity on bf16 values, NaN payloads included
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * c));
-      if constexpr (kStream) {
-        _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 16 * c), x);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), x);
-      }
-      continue;
-    }
-    const Bf16Block x = load(16 * c);
-    const float* w = t.pass + 16 * c;
-    Bf16Block::store<kStream>(dst + 16 * c, _mm256_mul_ps(_mm256_mul_ps(x.even, _mm256_load_ps(w)), inv),
-                     _mm256_mul_ps(_mm256_mul_ps(x.odd, _mm256_load_ps(w + 8)), inv));
-  }
-}
-
-// Up to kFastBatch consecutive heads at once (n >= 1; src holds them src_stride values apart -- kD, or 2 * kD
-// for the gated layout's Q heads -- and dst kD values apart, all with the tables t; unused slots repeat head 0
-// and are not written): their sums of squares are reduced and scaled together so that the per-head reduction,
-// square root and division overlap.
-// Each head's value is computed the same way whatever its slot. Returns the heads whose sum of squares is
-// not finite (bit k for slot k), left unwritten for the generic path. Without QK-norm there is no sum and
-// every head is written: the rounding of Bf16Block::store is exact for any value a rotation computes (its
-// NaNs are quiet, so none rounds into an infinity).
-template <int kD, int kHalf, bool kNeox, bool kStream, bool kNorm>
-QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, int64_t src_stride, c10::BFloat16* dst,
-                               const FastTables& t, int n, float eps) {
-  if constexpr (!kNorm) {
-    for (int k = 0; k < n; ++k) {
-      for (int c = 0; c < kD; c += 32) prefetch_ahead(src + k * src_stride + c);  // no first pass to make them
-      fast_body<kD, kHalf, kNeox, kStream, false>(src + k * src_stride, dst + k * kD, t, 1.f);
-    }
-    return 0;
-  }
-  __m256 sums[kFastBatch];
-  for (int k = 0; k < kFastBatch; ++k) {
-    sums[k] = fast_sum_squares<kD>(src + (k < n ? k : 0) * src_stride);
-  }
-  const __m256 ss = sum_lanes8(sums);
-  const __m256 inv = _mm256_div_ps(
-      _mm256_set1_ps(1.f),
-      _mm256_sqrt_ps(_mm256_add_ps(_mm256_div_ps(ss, _mm256_set1_ps(static_cast<float>(kD))),
-                                   _mm256_set1_ps(eps))));
-  // |ss| < inf, NaN compares false
-  const __m256 finite = _mm256_cmp_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.f), ss), _mm256_set1_ps(INFINITY),
-                                      _CMP_LT_OQ);
-  const int bad = ~_mm256_movemask_ps(finite) & ((1 << n) - 1);
-  alignas(32) float inv_k[kFastBatch];
-  _mm256_store_ps(inv_k, inv);
-  for (int k = 0; k < n; ++k) {
-    request_next_batch(src + k * src_stride, n, src_stride * 2, kD * 2);
-    if (bad >> k & 1) continue;
-    fast_body<kD, kHalf, kNeox, kStream, true>(src + k * src_stride, dst + k * kD, t, inv_k[k]);
-  }
-  return bad;
-}
-
-using FastFn = int (*)(const c10::BFloat16*, int64_t, c10::BFloat16*, const FastTables&, int, float);
-
-template <int kD, bool kNorm>
-FastFn pick_fast_variant(const SplitPlan& p, bool stream) {
-  const bool h64 = p.half == 64;
-  if (stream) {
-    return h64 ? (p.neox ? &fast_heads<kD, 64, true, true, kNorm> : &fast_heads<kD, 64, false, true, kNorm>)
-               : (p.neox ? &fast_heads<kD, 32, true, true, kNorm> : &fast_heads<kD, 32, false, true, kNorm>);
-  }
-  return h64 ? (p.neox ? &fast_heads<kD, 64, true, false, kNorm> : &fast_heads<kD, 64, false, false, kNorm>)
-             : (p.neox ? &fast_heads<kD, 32, true, false, kNorm> : &fast_heads<kD, 32, false, false, kNorm>);
-}
-
-// The specialised head for this call, or nullptr.
-template <typename T>
-FastFn pick_fast(const SplitPlan& p, int norm_mode, bool stream) {
-  if constexpr (!std::is_same_v<T, c10::BFloat16>) {
-    return nullptr;
-  } else {
-    if (norm_mode > 1 || (p.D != 128 && p.D != 256) || (p.half != 64 && p.half != 32)) return nullptr;
-    if (p.D == 256) {
-      return norm_mode == 1 ? pick_fast_variant<256, true>(p, stream) : pick_fast_variant<256, false>(p, stream);
-    }
-    return norm_mode == 1 ? pick_fast_variant<128, true>(p, stream) : pick_fast_variant<128, false>(p, stream);
-  }
-}
-
-#endif
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-// Outputs far larger than the caches (a prefill batch) are written with non-temporal stores, as a large
-// memcpy is: no read-for-ownership of lines that are only overwritten. Needs 32-byte aligned rows, and not
-// the in-place form (its lines are already cached by the read).
-constexpr int64_t kStreamBytes = int64_t{16} << 20;
-
-bool aligned32(const void* ptr, int64_t row_stride_bytes) {
-  return reinterpret_cast<uintptr_t>(ptr) % 32 == 0 && row_stride_bytes % 32 == 0;
-}
-
-template <typename T>
-bool stream_outputs(const SplitPlan& p) {
-  const int64_t e = sizeof(T);
-  const int64_t gate_heads = p.gate != nullptr ? p.hq : 0;
-  return p.v != nullptr && p.T * (p.hq + gate_heads + 2 * p.hkv) * p.D * e >= kStreamBytes &&
-         aligned32(p.q, p.q_rs * e) && aligned32(p.k, p.k_rs * e) && aligned32(p.v, p.v_rs * e) &&
-         (p.hkv * p.D * e) % 32 == 0 &&
-         (p.gate == nullptr || (aligned32(p.gate, p.gate_rs * e) && (p.D * e) % 32 == 0));
-}
-
-// V rows and gate heads under the same policy (a V row is hkv * D values, a gate head D values: multiples of 32
-// bytes when streaming).
-inline void stream_copy(void* dst, const void* src, size_t bytes) {
-  auto* d = static_cast<__m256i*>(dst);
-  const auto* s = static_cast<const __m256i*>(src);
-  for (size_t i = 0; i < bytes / 32; ++i) _mm256_stream_si256(d + i, _mm256_loadu_si256(s + i));
-}
-#endif
 
 template <typename T>
 void run_split(const SplitPlan& p) {
@@ -521,93 +242,29 @@ void run_split(const SplitPlan& p) {
   const int64_t per_token = qk_items + (v != nullptr ? 1 : 0) + (gate != nullptr ? 1 : 0);
   const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
   const size_t head_bytes = static_cast<size_t>(p.D) * sizeof(T);
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  const bool stream = stream_outputs<T>(p);
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-  // The specialised heads (avx512.h), a batch of heads at a time: bf16 in lane order where the rotary pairs
-  // allow it (its weights in lane order, once per call), else in natural order with the generic head's bits.
-  avx512::HeadsFn<T> fast = nullptr;
-  bool lanes = false;
-  alignas(64) float lane_w[4][kMaxHeadDim];  // q weight, k weight, q bias, k bias
-  if (!p.generic_only) {
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      fast = avx512::pick_lane_heads(p.D, p.half, norm_mode, p.neox);
-      lanes = fast != nullptr;
-    }
-    if (fast == nullptr) fast = avx512::pick_heads<T>(p.D, p.half, norm_mode, p.neox);
-  }
-  const float* head_w[4] = {p.wq, p.wk, p.bq, p.bk};
-  if (lanes) {
-    for (int i = 0; i < 4; ++i) {
-      if (head_w[i] == nullptr) continue;
-      avx512::to_lanes(head_w[i], lane_w[i], p.D);
-      head_w[i] = lane_w[i];
-    }
-  }
-  const int64_t batch = avx512::batch_heads(p.D);
-#endif
-#if defined(CPU_CAPABILITY_AVX2)
-  const FastFn fast = p.generic_only ? nullptr : pick_fast<T>(p, norm_mode, stream);
-  FastWeights fast_w[2];
-  if (fast != nullptr && norm_mode == 1) {
-    fast_weights(p.wq, p.D, p.half, p.neox, fast_w[0]);
-    fast_weights(p.wk, p.D, p.half, p.neox, fast_w[1]);
-  }
-#endif
+  // The build's specialised heads for this call, if any (isa.h), and its per-call tables.
+  const isa::SplitHeads<T> fast(p, norm_mode);
   parallel_chunks(p.T * per_token, grain_items(p.D), per_token, [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;
     std::vector<T> region(p.gated_inplace ? 2 * p.hq * p.D : 0);  // gated in place: a token's Q/gate region
-#if defined(CPU_CAPABILITY_AVX2)
-    FastTables tables[2];
-    tables[0].pass = fast_w[0].pass;
-    tables[1].pass = fast_w[1].pass;
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-    alignas(64) float cos2[kMaxHeadDim], sin2[kMaxHeadDim];  // GPT-J tables, or NeoX cos/sin in lane order
-    const bool lane_neox = lanes && p.neox;
-    const float* head_cos = lane_neox ? cos2 : cos;
-    const float* head_sin = lane_neox ? sin2 : sin;
-    const avx512::HeadTables tables[2] = {{head_w[0], head_w[2], head_cos, head_sin, cos2, sin2},
-                                          {head_w[1], head_w[3], head_cos, head_sin, cos2, sin2}};
-#endif
+    typename isa::SplitHeads<T>::Token fast_token(fast, cos, sin);
     // n consecutive heads of one weight set (Q when is_q, else K) of this token: from src, ss values apart,
     // to dst, D values apart; the specialised heads a batch at a time where they apply.
     auto heads = [&](const T* src, int64_t ss, T* dst, int64_t n, bool is_q) {
       const float* w = is_q ? p.wq : p.wk;
       const float* b = is_q ? p.bq : p.bk;
+      auto generic = [&](const T* s, T* d) { head(s, d, w, b, p.eps, p.D, p.half, cos, sin, finite); };
       for (int64_t j = 0; j < n;) {
-#if defined(CPU_CAPABILITY_AVX2)
-        if (fast != nullptr && finite) {
-          const int m = static_cast<int>(std::min<int64_t>(kFastBatch, n - j));
-          const int bad = fast(reinterpret_cast<const c10::BFloat16*>(src + j * ss), ss,
-                               reinterpret_cast<c10::BFloat16*>(dst + j * p.D), tables[is_q ? 0 : 1], m, p.eps);
-          for (int l = 0; l < m; ++l) {  // left unwritten by the batch: src is intact (a head never writes another's)
-            if (bad >> l & 1) head(src + (j + l) * ss, dst + (j + l) * p.D, w, b, p.eps, p.D, p.half, cos, sin, finite);
-          }
+        const int64_t m = fast_token.run(src + j * ss, ss, dst + j * p.D, n - j, is_q, finite, generic);
+        if (m > 0) {
           j += m;
           continue;
         }
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-        if (fast != nullptr) {
-          const int64_t m = std::min<int64_t>(batch, n - j);
-          fast(src + j * ss, ss, dst + j * p.D, m, p.D, p.half, p.eps, tables[is_q ? 0 : 1], stream);
-          j += m;
-          continue;
-        }
-#endif
-        head(src + j * ss, dst + j * p.D, w, b, p.eps, p.D, p.half, cos, sin, finite);
+        generic(src + j * ss, dst + j * p.D);
         ++j;
       }
-    };
-    auto copy = [&](T* dst, const T* src, size_t bytes) {
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-      if (stream && fast != nullptr) return stream_copy(dst, src, bytes);
-#endif
-      std::memcpy(dst, src, bytes);
     };
     for (int64_t i = begin; i < end; ++i) {
       const T* row = qkv + t * p.qkv_rs;
@@ -616,19 +273,7 @@ void run_split(const SplitPlan& p) {
           if (t + 1 < p.T) prefetch_cos_sin(p, t + 1);
           finite = token_cos_sin(p, t, cos, sin) && p.weights_finite;
           cos_sin_token = t;
-#if defined(CPU_CAPABILITY_AVX2)
-          if (fast != nullptr && finite) {
-            fast_token(cos, sin, p.half, p.neox, norm_mode == 1 ? fast_w : nullptr, tables);
-          }
-#endif
-#if defined(CPU_CAPABILITY_AVX512)
-          if (lane_neox) {
-            avx512::to_lanes(cos, cos2, p.half);
-            avx512::to_lanes(sin, sin2, p.half);
-          } else if (fast != nullptr && !lanes && !p.neox) {
-            avx512::gptj_tables(cos, sin, p.half, cos2, sin2);
-          }
-#endif
+          fast_token.start(finite);
         }
         if (p.gated_inplace && h == 0) {
           // [q_0 | g_0 | q_1 | g_1 | ...] -> [Q heads | gate heads]: each write lands on other heads' inputs, so
@@ -651,10 +296,10 @@ void run_split(const SplitPlan& p) {
           h += n - 1;
         }
       } else if (h == v_item) {
-        copy(v + t * p.v_rs, row + p.k_col + p.hkv * p.D, v_bytes);
+        fast.copy(v + t * p.v_rs, row + p.k_col + p.hkv * p.D, v_bytes);
       } else {  // the gate heads, bit-exact
         for (int64_t hh = 0; hh < p.hq; ++hh) {
-          copy(gate + t * p.gate_rs + hh * p.D, row + hh * p.q_hs + p.D, head_bytes);
+          fast.copy(gate + t * p.gate_rs + hh * p.D, row + hh * p.q_hs + p.D, head_bytes);
         }
       }
       if (++h == per_token) {
@@ -662,9 +307,7 @@ void run_split(const SplitPlan& p) {
         ++t;
       }
     }
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-    if (stream) _mm_sfence();  // the streamed stores are visible before the join
-#endif
+    fast.fence();
   });
 }
 
@@ -1037,36 +680,22 @@ std::vector<int64_t> mrope_axis_map(int64_t half, c10::IntArrayRef section, bool
   return axes;
 }
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-// The specialised paths' bf16 rounding on its own, for tests: x (fp32, a multiple of 32 values) in blocks of B
-// values (B = 16: AVX2's Bf16Block; B = 32: AVX-512's round_lanes), the first B/2 as even lanes and the last B/2 as
-// odd lanes, so out[B c + 2j] = bf16(x[B c + j]) and out[B c + 2j + 1] = bf16(x[B c + B/2 + j]).
+// The specialised paths' bf16 rounding on its own, for tests (builds with isa::kPackBlock > 0): x (fp32, a multiple
+// of 32 values) in blocks of B = kPackBlock values (AVX2's Bf16Block: 16; AVX-512's round_lanes: 32), the first B/2
+// as even lanes and the last B/2 as odd lanes, so out[B c + 2j] = bf16(x[B c + j]) and
+// out[B c + 2j + 1] = bf16(x[B c + B/2 + j]).
 Tensor pack_rne_blocks(const Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() && x.numel() % 32 == 0,
+  TORCH_CHECK(isa::kPackBlock > 0 && x.scalar_type() == at::kFloat && x.dim() == 1 && x.is_contiguous() &&
+                  x.numel() % 32 == 0,
               "pack_rne_blocks: a contiguous 1-D fp32 tensor of 32k values");
   Tensor out = at::empty({x.numel()}, x.options().dtype(at::kBFloat16));
   const float* src = x.const_data_ptr<float>();
   auto* dst = out.mutable_data_ptr<c10::BFloat16>();
-#if defined(CPU_CAPABILITY_AVX512)
-  for (int64_t i = 0; i < x.numel(); i += 32) {
-    _mm512_storeu_si512(dst + i, avx512::round_lanes(_mm512_loadu_ps(src + i), _mm512_loadu_ps(src + i + 16)));
-  }
-#else
-  for (int64_t i = 0; i < x.numel(); i += 16) {
-    Bf16Block::store<false>(dst + i, _mm256_loadu_ps(src + i), _mm256_loadu_ps(src + i + 8));
-  }
-#endif
+  for (int64_t i = 0; i < x.numel(); i += isa::kPackBlock) isa::pack_rne_block(src + i, dst + i);
   return out;
 }
 
-int64_t pack_rne_block_size() {
-#if defined(CPU_CAPABILITY_AVX512)
-  return 32;
-#else
-  return 16;
-#endif
-}
-#endif
+int64_t pack_rne_block_size() { return isa::kPackBlock; }
 
 }  // namespace
 }  // namespace qkvfuse_cpu
@@ -1091,8 +720,8 @@ TORCH_LIBRARY(qkvfuse_cpu, m) {
         "Tensor? q_bias, Tensor? k_bias, int num_q_heads, int num_kv_heads, float eps, int rope, Tensor(a!) q_out, "
         "Tensor(b!) k_out, Tensor(c!) v_out, Tensor(d!)? gate_out=None) -> ()",
         &qkvfuse_cpu::split_generic_out);
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  m.def("pack_rne_blocks(Tensor x) -> Tensor", &qkvfuse_cpu::pack_rne_blocks);
-  m.def("pack_rne_block_size() -> int", &qkvfuse_cpu::pack_rne_block_size);
-#endif
+  if (qkvfuse_cpu::isa::kPackBlock > 0) {  // the DEFAULT build has no specialised rounding
+    m.def("pack_rne_blocks(Tensor x) -> Tensor", &qkvfuse_cpu::pack_rne_blocks);
+    m.def("pack_rne_block_size() -> int", &qkvfuse_cpu::pack_rne_block_size);
+  }
 }

@@ -1,12 +1,16 @@
-// Specialised bf16 / fp16 code for AVX-512 builds (CPU_CAPABILITY_AVX512), shared by the split and add_rmsnorm
-// kernels.
+// The AVX-512 builds' bf16 / fp16 kernels (CPU_CAPABILITY_AVX512; selected by isa.h, adapted in avx512.h),
+// shared by the split and add_rmsnorm.
 //
-// Values are kept in natural order, 16 per __m512: a 16-bit block widens exactly with one instruction pair
-// and rounds back with one conversion. Every function here computes the generic kernel's arithmetic sequence
-// (same operations, same order, same reduction tree as at::vec::vec_reduce_all), so its bits are the generic
-// path's bits for every input whose outputs are not NaN (a NaN stays a NaN; its payload may differ). What it
-// saves is the generic path's per-head overheads: one head's reduction, square root and division at a time,
-// staging through ATen's converters, a call per head.
+// Values in natural order are kept 16 per __m512: a 16-bit block widens exactly with one instruction pair and
+// rounds back with one conversion. The natural-order heads (heads_impl: fp16, and bf16 where the rotary pairs do
+// not fill lane-order blocks) and the fp16 rows compute the generic kernel's arithmetic sequence (same operations,
+// same order, same reduction tree as at::vec::vec_reduce_all), so their bits are the generic path's for every
+// input whose outputs are not NaN (a NaN stays a NaN; its payload may differ). What they save is the generic
+// path's per-head overheads: one head's reduction, square root and division at a time, staging through ATen's
+// converters, a call per head.
+// The bf16 heads and rows in lane order (below) take the same operations per element, but sum a head's or row's
+// squares over even/odd lanes: another fp32 summation order, so a normed bf16 output is within one ulp of the
+// generic one (without a norm, and the rounded residual sum, bit for bit).
 //
 // bf16 rounding is to nearest even with denormals kept (torch's `.to(torch.bfloat16)`). With AVX512-BF16
 // (QKVFUSE_AVX512_BF16: the AVX512_BF16 capability) it is one VCVTNEPS2BF16, which flushes denormal inputs to
@@ -14,9 +18,7 @@
 // In lane order (below) the same holds for VCVTNE2PS2BF16 (round_lanes) and the integer pack_rne.
 #pragma once
 
-#if defined(CPU_CAPABILITY_AVX512)
-
-#include "vec_io.h"
+#include "../vec_io.h"
 
 #include <immintrin.h>
 
@@ -503,5 +505,3 @@ QKVFUSE_FLATTEN void norm_row_fp16(const c10::Half* x, const c10::Half* r, c10::
 
 }  // namespace avx512
 }  // namespace qkvfuse_cpu
-
-#endif  // CPU_CAPABILITY_AVX512

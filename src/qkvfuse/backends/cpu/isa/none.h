@@ -1,0 +1,43 @@
+// No specialisation (the DEFAULT build): every head and row takes the generic kernel, nothing is streamed.
+#pragma once
+
+#include "../optional_ref.h"
+#include "../plan.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <cstring>
+
+namespace qkvfuse_cpu {
+namespace isa {
+
+constexpr const char* kName = "none";
+
+template <typename T>
+class SplitHeads {
+ public:
+  SplitHeads(const SplitPlan&, int) {}
+  void copy(void* dst, const void* src, size_t bytes) const { std::memcpy(dst, src, bytes); }
+  void fence() const {}
+
+  class Token {
+   public:
+    Token(const SplitHeads&, const float*, const float*) {}
+    void start(bool) {}
+    template <typename Generic>
+    int64_t run(const T*, int64_t, T*, int64_t, bool, bool, const Generic&) const {
+      return 0;
+    }
+  };
+};
+
+inline bool norm_rows_stored(NormPlan&, at::ScalarType, const at::Tensor&, const OptRef&, const float*) {
+  return false;
+}
+inline bool norm_rows_fp32(const NormPlan&, at::ScalarType) { return false; }
+
+constexpr int64_t kPackBlock = 0;
+inline void pack_rne_block(const float*, c10::BFloat16*) {}
+
+}  // namespace isa
+}  // namespace qkvfuse_cpu
