@@ -149,7 +149,9 @@ assert SplitConfig._fields[:_SCHEMA_ARGS] == tuple(a.split()[-1] for a in _SPLIT
 
 def config_of(static_args: tuple, head_dim: int, inplace: bool = False) -> SplitConfig:
     """The :class:`SplitConfig` of a split op's arguments after ``qkv`` and ``positions`` (checked ones)."""
-    return SplitConfig(*static_args, head_dim, _rope_mode.decode_mode(static_args[-1]), inplace)
+    # tuple.__new__ skips the generated keyword __new__ (a Python kernel builds one per call); the schema fixes the
+    # number of static arguments, so the fields line up.
+    return tuple.__new__(SplitConfig, (*static_args, head_dim, _rope_mode.decode_mode(static_args[-1]), inplace))
 
 
 def split_config(num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,

@@ -12,6 +12,7 @@ round-trips codes through both.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Sequence, Tuple
 
 __all__ = ["NEOX", "MROPE", "MROPE_INTERLEAVED", "Q_GATE", "GEMMA", "RopeMode", "encode_rope", "decode_rope",
@@ -62,6 +63,8 @@ def decode_flags(code: int) -> Tuple[bool, bool]:
     return bool(code & Q_GATE), bool(code & GEMMA)
 
 
+# Cached: every Python kernel call decodes its code, and a process sees a handful of codes.
+@functools.lru_cache(maxsize=1024)
 def decode_mode(code: int) -> RopeMode:
     """The whole :class:`RopeMode` of a rope code."""
     return RopeMode(*decode_rope(code), *decode_flags(code))
