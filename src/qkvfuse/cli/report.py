@@ -20,16 +20,18 @@ import io
 import json
 import os
 import shutil
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["write_report", "plot_speed", "plot_accuracy", "FILES"]
 
 FILES = {"markdown": "report.md", "json": "report.json", "speed": "speed.png", "accuracy": "accuracy.png"}
 
 
-def write_report(folder: str, data: Dict[str, object], json_copy: Optional[str] = None) -> Dict[str, object]:
-    """Write the report files of ``data`` into ``folder`` (made if needed) and return their paths; ``json_copy``:
-    also write the JSON there. A plot that cannot be drawn (no matplotlib) is left out, with the reason."""
+def write_report(folder: str, data: Dict[str, object], summary: Callable[[Dict[str, object]], List[str]],
+                 json_copy: Optional[str] = None) -> Dict[str, object]:
+    """Write the report files of ``data`` into ``folder`` (made if needed) and return their paths. ``summary``
+    gives the screen's lines for ``data`` (the report opens with them); ``json_copy``: also write the JSON there.
+    A plot that cannot be drawn (no matplotlib) is left out, with the reason."""
     os.makedirs(folder, exist_ok=True)
     paths = {key: os.path.join(folder, name) for key, name in FILES.items()}
     report: Dict[str, object] = {"folder": folder, "markdown": paths["markdown"], "json": paths["json"]}
@@ -52,7 +54,7 @@ def write_report(folder: str, data: Dict[str, object], json_copy: Optional[str] 
     if json_copy:
         shutil.copyfile(paths["json"], json_copy)
     with open(paths["markdown"], "w", encoding="utf-8") as fh:
-        fh.write(markdown(data, {k: os.path.basename(v) for k, v in plots.items()}))
+        fh.write(markdown(data, {k: os.path.basename(v) for k, v in plots.items()}, summary(data)))
     return report
 
 
@@ -70,15 +72,15 @@ def _printed(fn, *args) -> str:
     return buf.getvalue().strip("\n")
 
 
-def markdown(data: Dict[str, object], plots: Dict[str, str]) -> str:
-    """The report's Markdown: the screen, the plots, then every table as the sub-commands print them."""
+def markdown(data: Dict[str, object], plots: Dict[str, str], screen: List[str]) -> str:
+    """The report's Markdown: the screen (its ``screen`` lines), the plots, then every table as the sub-commands
+    print them."""
     from .._verify.sections import Section, print_section
     from ..benchmarks.harness import Row
     from ..benchmarks.report import print_compile_times, print_tables
-    from .run import summary_lines
 
     out = ["# qkvfuse report", "", f"Run started {data.get('started', '')}; `python -m qkvfuse` writes this folder "
-           "again on every run.", "", "## Summary", "", "```", *summary_lines(data), "```", ""]
+           "again on every run.", "", "## Summary", "", "```", *screen, "```", ""]
     m = data["machine"]
     out += ["## Machine", "", "```", json.dumps({k: m[k] for k in m if k != "malloc_env"}, indent=1, default=str),
             "```", ""]

@@ -63,7 +63,7 @@ def run_main(args) -> int:
     from .report import write_report
 
     try:
-        data["report"] = write_report(args.report, data, json_copy=args.json)
+        data["report"] = write_report(args.report, data, summary_lines, json_copy=args.json)
     except Exception as exc:  # noqa: BLE001 -- the screen is printed regardless, then the reason
         data["report"] = {"error": f"{type(exc).__name__}: {exc}"}
         data["exit"]["code"] = 1
