@@ -1,4 +1,4 @@
-"""Hardening (issue 16, items 1, 2 and 8) on every backend (CPU tensors; Triton under the interpreter).
+"""Hardening on every backend (CPU tensors; Triton under the interpreter).
 
 1. Norm weights and biases with any strides: a stride-2 view, a stride-0 ``expand`` and a storage offset give the
    bits of the same call with ``.contiguous()`` vectors (the Triton kernels read them as contiguous; the launcher

@@ -1,4 +1,4 @@
-"""Contract: a result never depends on which PyTorch mode is active (issue 12).
+"""Contract: a result never depends on which PyTorch mode is active.
 
 Every entry point -- :class:`qkvfuse.QKNormRope` (call, ``out=`` into a packed buffer, ``out=`` exactly aliasing
 its own slices of ``qkv``, ``.inplace``), the public :func:`~qkvfuse.split_qkv_rmsnorm_rope` (functional, ``out=``)

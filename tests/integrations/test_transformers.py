@@ -1,7 +1,7 @@
 """apply_qkvfuse on transformers' own modeling code: tiny random-weight models, patched vs unpatched.
 
-Every family of issue 5 (Qwen3, Qwen3-MoE, Qwen3-VL with an image, GLM-4.7, GLM-4.5-Air, GLM-4.5V with an
-image), GLM-4.6V and Qwen3-VL-MoE (with an image), and the gated-attention families of issue 22 (Qwen3-Next,
+Every family (Qwen3, Qwen3-MoE, Qwen3-VL with an image, GLM-4.7, GLM-4.5-Air, GLM-4.5V with an
+image), GLM-4.6V and Qwen3-VL-MoE (with an image), and the gated-attention families (Qwen3-Next,
 Qwen3.5 with an image, Qwen3.5-MoE: 3 Gated DeltaNet layers + 1 full-attention layer) is checked with the
 harness of ``qkvfuse._verify.models`` (the same checks ``verify`` prints) and the tolerances of
 ``qkvfuse.testing.accuracy``:
@@ -492,7 +492,7 @@ def test_invalid_backend_raises_before_patching():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# GLM shared-expert overlap (qkvfuse.moe.glm4, issue 6).
+# GLM shared-expert overlap (qkvfuse.moe.glm4).
 # ------------------------------------------------------------------------------------------------------------
 def _moe_blocks(model):
     return [m for m in model.modules() if type(m).__name__ == "Glm4MoeMoE"]

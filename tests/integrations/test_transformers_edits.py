@@ -1,6 +1,6 @@
 """A patched model behaves like the unpatched one in what users do with it besides a forward, or refuses clearly.
 
-Each row of issue 15 is one test, run on every family (tiny random Qwen3, Qwen3-MoE, Qwen3-VL, GLM-4.7,
+Each edit is one test, run on every family (tiny random Qwen3, Qwen3-MoE, Qwen3-VL, GLM-4.7,
 GLM-4.5-Air, GLM-4.5V, GLM-4.6V, Qwen3-VL-MoE, and the gated-attention Qwen3-Next, Qwen3.5, Qwen3.5-MoE; fp32)
 with the reference and native CPU backends, and with Triton (interpreted: about 20x slower) on Qwen3, GLM-4.5V
 and Qwen3.5 (plain RoPE with QK-norm; mRoPE without QK-norm; gated, Gemma norms and interleaved mRoPE). The
@@ -530,7 +530,7 @@ def test_peft_lora_added_after_patching(name, backend, op_calls):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# A model changed while it serves (issue 21): storage swaps, _apply, a replaced rotary module.
+# A model changed while it serves: storage swaps, _apply, a replaced rotary module.
 # ------------------------------------------------------------------------------------------------------------
 def _fresh(t, seed):
     """New values for a norm weight: around 1, different per seed."""
@@ -571,7 +571,7 @@ def _replace_rotary(model, rope_update):
 
 def _assert_spans_current(model):
     """No bound object keeps memory ranges of its tensors that a storage swap could leave pointing at freed memory:
-    the kernels take the overlap check on each call's tensors (issue 20), so a bound configuration records none."""
+    the kernels take the overlap check on each call's tensors, so a bound configuration records none."""
     bound = [m._qkvfuse._bound.value for m in model.modules()
              if getattr(m.__dict__.get("_qkvfuse"), "_bound", None) is not None]
     assert bound

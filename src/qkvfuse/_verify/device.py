@@ -177,7 +177,7 @@ def conformance_section(opts: Options) -> Section:
             rows.append(failed_row(label, exc))
 
     # Norm weights and biases that are not contiguous (a column of a stacked parameter, a stride-0 expand, an
-    # offset view): the launcher must honour what the validator accepts (issue 16 item 1); on a GPU a kernel
+    # offset view): the launcher must honour what the validator accepts; on a GPU a kernel
     # reading them as contiguous reads out of bounds.
     for label, make in (("strided weights (stride 2)", lambda w: torch.stack([w, torch.full_like(w, float("nan"))],
                                                                               1)[:, 0]),
