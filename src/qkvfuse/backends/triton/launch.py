@@ -32,10 +32,9 @@ __all__ = ["INTERPRET", "split_config", "norm_config", "split_qkv_rmsnorm_rope_o
 INTERPRET = type(split_qkv_rmsnorm_rope_kernel).__name__ == "InterpretedFunction"
 
 # The split kernel on a device: fp32 elements of work per program (several heads of one token) and per thread
-# (num_warps = tile / (32 * per thread), 1..16). More bytes in flight per thread hide more memory latency: on an
-# H200 (`python -m qkvfuse bench --device cuda --tile-sweep`, which sweeps both; 2026-12-04) 1024 x 32 (one warp,
-# four 16-byte loads in flight per thread) moved 3.1-3.3 TB/s at T = 4096 / 16384 (Qwen3-8B, GLM-4.7), 2048 x 8
-# 1.8-2.0 TB/s, a same-size copy 4.1 TB/s.
+# (num_warps = tile / (32 * per thread), 1..16). More bytes in flight per thread hide more memory latency: one warp
+# with four 16-byte loads in flight per thread was the fastest pair of the sweep on an H200
+# (`python -m qkvfuse bench --device cuda --tile-sweep`; the numbers are in bench/README.md).
 GPU_SPLIT_TILE = 1024
 GPU_SPLIT_PER_THREAD = 32
 # add_rmsnorm on a device: rows per program up to this many elements, 8 per thread (at a same-size copy's
