@@ -97,10 +97,11 @@ void run_norm(const NormPlan& p) {
   });
 }
 
+// A row tensor as check_norm() checked it (checks::rows / out_tensor), or as the functional form allocated it.
 void check_rows(const Tensor& t, const Tensor& x, const char* what) {
-  TORCH_CHECK(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device().is_cpu() &&
-                  (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1))),
-              "qkvfuse cpu kernel: bad ", what, " ", t.sizes(), " ", t.strides());
+  QKVFUSE_DEBUG_ASSERT(t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() && t.device().is_cpu() &&
+                           (t.numel() == 0 || (t.stride(1) == 1 && t.stride(0) >= t.size(1))),
+                       "qkvfuse cpu kernel: bad ", what, " ", t.sizes(), " ", t.strides());
 }
 
 // A 1-D weight or bias as fp32: a contiguous fp32 tensor is used where it is, anything else converted into buf.
@@ -111,17 +112,22 @@ const float* fp32_vector(const Tensor& t, int64_t n, std::vector<float>& buf) {
   return buf.data();
 }
 
-// generic_only: the specialised rows off (qkvfuse_cpu::add_rmsnorm_generic_out, for tests).
+// From arguments check_norm() has checked: every registered op runs it first, so its memory-safety rules are
+// asserted again only in a debug build. generic_only: the specialised rows off (qkvfuse_cpu::add_rmsnorm_generic_out,
+// for tests).
 void add_rmsnorm_out_impl(const Tensor& x, const OptRef& residual, const Tensor& weight, const OptRef& bias,
                           double eps, const Tensor& y_out, const OptRef& residual_out, bool generic_only = false,
                           bool gemma = false) {
-  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
-                               x.scalar_type() == at::kHalf),
-              "qkvfuse cpu kernel: bad x ", x.sizes());
+  QKVFUSE_DEBUG_ASSERT(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 ||
+                                        x.scalar_type() == at::kHalf),
+                       "qkvfuse cpu kernel: bad x ", x.sizes());
   check_rows(x, x, "x");
   check_rows(y_out, x, "y_out");
-  TORCH_CHECK(residual.has_value() == residual_out.has_value(),
-              "qkvfuse cpu kernel: residual and residual_out come together");
+  QKVFUSE_DEBUG_ASSERT(residual.has_value() == residual_out.has_value(),
+                       "qkvfuse cpu kernel: residual and residual_out come together");
+  QKVFUSE_DEBUG_ASSERT(weight.dim() == 1 && weight.size(0) == x.size(1) && (!bias.has_value() ||
+                           (bias->dim() == 1 && bias->size(0) == x.size(1))),
+                       "qkvfuse cpu kernel: bad weight or bias");
   const int64_t T = x.size(0), H = x.size(1);
   if (T == 0 || H == 0) return;
   // Gemma norms: the weight is stored centred at 0; the rows use 1 + w, computed in fp32 as the models do (the

@@ -326,40 +326,41 @@ const float* to_fp32(const OptRef& t, int64_t D, float* out, bool gemma = false)
 
 bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
+// An output as head_dim() checked it (checks::out_tensor), or as the functional form allocated it.
 void check_out(const Tensor& out, const Tensor& qkv, int64_t width) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == qkv.size(0) && out.size(1) == width &&
-                  out.scalar_type() == qkv.scalar_type() && out.device().is_cpu() &&
-                  (out.numel() == 0 || (out.stride(1) == 1 && out.stride(0) >= width)),
-              "qkvfuse cpu kernel: bad output ", out.sizes(), " ", out.strides());
+  QKVFUSE_DEBUG_ASSERT(out.dim() == 2 && out.size(0) == qkv.size(0) && out.size(1) == width &&
+                           out.scalar_type() == qkv.scalar_type() && out.device().is_cpu() &&
+                           (out.numel() == 0 || (out.stride(1) == 1 && out.stride(0) >= width)),
+                       "qkvfuse cpu kernel: bad output ", out.sizes(), " ", out.strides());
 }
 
-// Everything the kernel needs, from validated arguments. The TORCH_CHECKs only guard memory safety for
-// callers that reach torch.ops.qkvfuse.* directly; qkvfuse.ops validates with user-facing messages first.
+// Everything the kernel needs, from arguments head_dim() has checked: every registered op runs it first, so the
+// rules below (the memory-safety ones among its rules) are asserted only in a debug build.
 SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& cache, int64_t hq, int64_t hkv,
                     int64_t D, const OptRef& q_weight, const OptRef& k_weight, const OptRef& q_bias,
                     const OptRef& k_bias, double eps, bool is_neox, c10::IntArrayRef mrope_section,
                     bool mrope_interleaved, float* weight_buffers, bool gemma = false, bool q_gate = false) {
-  TORCH_CHECK(hq >= 1 && hkv >= 1 && hq <= checks::kMaxHeads && hkv <= checks::kMaxHeads && D >= 2 && D % 2 == 0 &&
-                  D <= kMaxHeadDim,
-              "qkvfuse cpu kernel: bad head geometry");
+  QKVFUSE_DEBUG_ASSERT(hq >= 1 && hkv >= 1 && hq <= checks::kMaxHeads && hkv <= checks::kMaxHeads && D >= 2 &&
+                           D % 2 == 0 && D <= kMaxHeadDim,
+                       "qkvfuse cpu kernel: bad head geometry");
   const int64_t width = ((q_gate ? 2 : 1) * hq + 2 * hkv) * D;
-  TORCH_CHECK(qkv.dim() == 2 && qkv.size(1) == width && is_float_type(qkv.scalar_type()) &&
-                  (qkv.numel() == 0 || (qkv.stride(1) == 1 && qkv.stride(0) >= width)),
-              "qkvfuse cpu kernel: bad qkv ", qkv.sizes(), " ", qkv.strides());
-  TORCH_CHECK(cache.dim() == 2 && cache.size(0) >= 1 && cache.size(1) >= 2 && cache.size(1) % 2 == 0 &&
-                  cache.size(1) <= D && cache.stride(1) == 1 && cache.stride(0) >= cache.size(1) &&
-                  is_float_type(cache.scalar_type()) && cache.device().is_cpu(),
-              "qkvfuse cpu kernel: bad cos_sin_cache ", cache.sizes());
+  QKVFUSE_DEBUG_ASSERT(qkv.dim() == 2 && qkv.size(1) == width && is_float_type(qkv.scalar_type()) &&
+                           (qkv.numel() == 0 || (qkv.stride(1) == 1 && qkv.stride(0) >= width)),
+                       "qkvfuse cpu kernel: bad qkv ", qkv.sizes(), " ", qkv.strides());
+  QKVFUSE_DEBUG_ASSERT(cache.dim() == 2 && cache.size(0) >= 1 && cache.size(1) >= 2 && cache.size(1) % 2 == 0 &&
+                           cache.size(1) <= D && cache.stride(1) == 1 && cache.stride(0) >= cache.size(1) &&
+                           is_float_type(cache.scalar_type()) && cache.device().is_cpu(),
+                       "qkvfuse cpu kernel: bad cos_sin_cache ", cache.sizes());
   const bool mrope = !mrope_section.empty();
   const int64_t T = qkv.size(0), R = cache.size(1);
-  TORCH_CHECK((positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt) &&
-                  positions.device().is_cpu() &&
-                  (mrope ? (positions.dim() == 2 && positions.size(0) == 3 && positions.size(1) == T)
-                         : (positions.dim() == 1 && positions.size(0) == T)),
-              "qkvfuse cpu kernel: bad positions ", positions.sizes());
-  TORCH_CHECK(q_weight.has_value() == k_weight.has_value() && (q_weight.has_value() || !q_bias.has_value()) &&
-                  q_bias.has_value() == k_bias.has_value(),
-              "qkvfuse cpu kernel: norm weights and biases come in pairs (both Q and K)");
+  QKVFUSE_DEBUG_ASSERT((positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt) &&
+                           positions.device().is_cpu() &&
+                           (mrope ? (positions.dim() == 2 && positions.size(0) == 3 && positions.size(1) == T)
+                                  : (positions.dim() == 1 && positions.size(0) == T)),
+                       "qkvfuse cpu kernel: bad positions ", positions.sizes());
+  QKVFUSE_DEBUG_ASSERT(q_weight.has_value() == k_weight.has_value() && (q_weight.has_value() || !q_bias.has_value()) &&
+                           q_bias.has_value() == k_bias.has_value(),
+                       "qkvfuse cpu kernel: norm weights and biases come in pairs (both Q and K)");
 
   SplitPlan p{};
   p.T = T;
@@ -379,8 +380,8 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
   p.pos_s_t = positions.stride(-1);
   p.mrope = mrope;
   if (mrope) {
-    TORCH_CHECK(mrope_section.size() == 3 && mrope_section[0] + mrope_section[1] + mrope_section[2] == p.half,
-                "qkvfuse cpu kernel: mrope_section must be three sizes summing to rotary_dim // 2");
+    QKVFUSE_DEBUG_ASSERT(mrope_section.size() == 3 && mrope_section[0] + mrope_section[1] + mrope_section[2] == p.half,
+                         "qkvfuse cpu kernel: mrope_section must be three sizes summing to rotary_dim // 2");
     const float on = c10::bit_cast<float>(~uint32_t{0});
     for (int64_t j = 0; j < p.half; ++j) {
       p.axis[j] = static_cast<uint8_t>(
@@ -407,7 +408,8 @@ SplitPlan make_plan(const Tensor& qkv, const Tensor& positions, const Tensor& ca
 void set_outputs(SplitPlan& p, const Tensor& qkv, const Tensor& q_out, const Tensor& k_out, const Tensor& v_out,
                  const Tensor* gate_out) {
   const int64_t kv = p.hkv * p.D;
-  TORCH_CHECK((gate_out != nullptr) == (p.q_hs != p.D), "qkvfuse cpu kernel: gate_out is given exactly when gated");
+  QKVFUSE_DEBUG_ASSERT((gate_out != nullptr) == (p.q_hs != p.D),
+                       "qkvfuse cpu kernel: gate_out is given exactly when gated");
   check_out(q_out, qkv, p.hq * p.D);
   check_out(k_out, qkv, kv);
   check_out(v_out, qkv, kv);

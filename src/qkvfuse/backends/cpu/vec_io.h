@@ -24,7 +24,7 @@ using fVec = at::vec::Vectorized<float>;
 constexpr int64_t kF = fVec::size();  // fp32 lanes per register (8 with AVX2, 16 with AVX-512)
 
 // On a per-row/per-head kernel: inline every call in it. GCC otherwise keeps ATen's fp32 -> bf16 converter
-// out of line, and the call spills the vectors to memory on every store (3x slower heads).
+// out of line, and the call spills the vectors to memory on every store.
 #if defined(__GNUC__)
 #define QKVFUSE_FLATTEN __attribute__((flatten))
 #else
@@ -52,10 +52,9 @@ inline void prefetch_ahead(const void* p) { prefetch_past(p, kPrefetchAhead); }
 // after the last one the K and V heads, after the K heads the V columns. A batch of 16 normed heads computes for
 // longer than a line takes to arrive, so the next batch's first pass finds its heads in cache, and the requests
 // stay sequential through the V columns (which nothing reads in place), so the hardware's stream prefetcher
-// carries on into the next token (the AVX-512 heads and the AVX2 fast_heads). Zen 4, Qwen3-8B T = 4096 in place,
-// 2 threads, bf16: 2.85 ms with the first pass's prefetch_ahead -> 1.70 ms (the copy of the same bytes: 2.6-2.8 ms;
-// without QK-norm 1.6 ms); requesting exactly the next heads instead (K, then the next token's Q) 2.2 ms. Without QK-norm (one pass, ~11 ns a head)
-// there is no computing to hide a request behind and prefetch_ahead stays the faster.
+// carries on into the next token (the AVX-512 heads and the AVX2 fast_heads); requesting exactly the next heads
+// instead (K, then the next token's Q) breaks that stream. Without QK-norm (one pass) there is no computing to hide a
+// request behind and prefetch_ahead stays the faster (bench/ has the measurements).
 inline void request_next_batch(const void* head, int64_t n, int64_t src_stride_bytes, int64_t head_bytes) {
   for (int64_t b = 0; b < head_bytes; b += 64) prefetch_past(head, n * src_stride_bytes + b);
 }
@@ -64,10 +63,9 @@ inline void request_next_batch(const void* head, int64_t n, int64_t src_stride_b
 // with the loads one group of kAhead blocks ahead of the steps' stores. A load issued after a store whose address
 // matches its own in the low 12 bits waits on that store (4 KiB aliasing), so when the buffer written lies just
 // past the one read modulo 4 KiB -- as two allocations may fall -- a pass loading each block right after storing the
-// previous one waits at every block. Zen 4, add_rmsnorm in place, bf16, 2 threads, the residual at each of the 64
-// cache-line offsets past x modulo 4 KiB, interleaved: hidden 5120 T = 16, the slowest offset 1.38x the fastest
-// (4032 bytes; 64 bytes 1.14x) -> within 1.05x at every offset; the AVX2 rows at hidden 4096 T = 256 1.22x ->
-// 1.05x. A step may store over its own block, never over a later one: the next group is loaded before it runs.
+// previous one waits at every block; loading a group ahead makes a pass's speed independent of where its buffers
+// lie (bench/ has the sweep over offsets). A step may store over its own block, never over a later one: the next
+// group is loaded before it runs.
 template <int64_t kBlock, int kAhead, typename V, typename Load, typename Step>
 inline void ahead_of_stores(int64_t n, const Load& load, const Step& step) {
   constexpr int64_t kGroup = kBlock * kAhead;
@@ -91,7 +89,7 @@ inline void ahead_of_stores(int64_t n, const Load& load, const Step& step) {
 }
 
 // Minimum elements a thread's share must hold before at::parallel_for forks: below it the fork/join costs
-// more than the work (a decode token of Qwen3-8B is 40 heads x 128 = 5 120 elements, done in ~2 us).
+// more than the work (a decode token of Qwen3-8B is 40 heads x 128 = 5 120 elements: one thread).
 constexpr int64_t kGrainElems = 16384;
 
 inline int64_t grain_items(int64_t elems_per_item) {

@@ -105,8 +105,7 @@ inline __m512i pack_rne(__m512 even, __m512 odd) {
 
 // pack_rne's result, with AVX512-BF16 (QKVFUSE_AVX512_BF16) from one VCVTNE2PS2BF16 (even's values in the low
 // half, odd's in the high) and a word permutation back to memory order. The conversion flushes denormal inputs
-// to zero, so a block holding one (two VFPCLASSPS tests) takes pack_rne; a NaN stays a NaN either way. An
-// add_rmsnorm row of 4096 bf16 values: 0.75 -> 0.69 us (Zen 4, stand-alone loop, 2026-12-04).
+// to zero, so a block holding one (two VFPCLASSPS tests) takes pack_rne; a NaN stays a NaN either way.
 inline __m512i round_lanes(__m512 even, __m512 odd) {
 #if defined(QKVFUSE_AVX512_BF16)
   if ((_mm512_fpclass_ps_mask(even, 0x20) | _mm512_fpclass_ps_mask(odd, 0x20)) == 0) {
@@ -266,8 +265,7 @@ inline bool takes_lane_heads(int64_t D, int64_t half, bool neox) {
 
 // kPack: round with the integer pack_rne rather than round_lanes (the same bits). The normed heads take it: their
 // multiplies keep the FP pipes busy, and the conversion's two denormal tests, mask moves and word permutation cost
-// more than the integer rounding (Zen 4, Qwen3-8B, one thread, hot: 25.2 -> 21.7 ns a head; T = 4096 in place,
-// 2 threads: 3.3 -> 2.9 ms). Without QK-norm the conversion is the faster (11.1 vs 11.9 ns a head).
+// more than the integer rounding. Without QK-norm the conversion is the faster (bench/ has both).
 template <bool kPack>
 inline void store_lanes(c10::BFloat16* p, __m512 even, __m512 odd, bool stream) {
   const __m512i bits = kPack ? pack_rne(even, odd) : round_lanes(even, odd);
@@ -407,8 +405,7 @@ inline void normalising_pass(int64_t H, const void* b, const Load& load, const S
 
 // One add+RMSNorm row: the rounded sum over r_out (when r is given), then y. Each pass loads everything it reads
 // a group of blocks ahead of its stores (ahead_of_stores): r_out may lie just past x, y just past r_out or w, modulo
-// 4 KiB. Zen 4, T = 1, hidden 4096, in place, x 64 bytes past w and the residual 128 bytes before it: 4.0 us with
-// the weights loaded in the step, 2.7 us loaded ahead (like every other placement tried).
+// 4 KiB, and the weights are loaded ahead too (loading them in the step made some placements wait on 4 KiB aliasing).
 template <typename W>
 QKVFUSE_FLATTEN void norm_row_bf16(const c10::BFloat16* x, const c10::BFloat16* r, c10::BFloat16* r_out,
                                    c10::BFloat16* y, const W* w, const W* b, int64_t H, float eps) {
