@@ -10,9 +10,11 @@ exported or compiled -- reaches the native kernel through the dispatcher without
 Vector width follows ``torch.backends.cpu.get_cpu_capability()`` (AVX-512, AVX2 or ATen's portable
 ``DEFAULT`` vectors), and an AVX-512 CPU with AVX512-BF16 gets the ``AVX512_BF16`` build (its bf16 rounding is one
 instruction); ``QKVFUSE_CPU_CAPABILITY`` forces a narrower one (``DEFAULT``, ``AVX2``, ``AVX512``, ``AVX512_BF16``).
-The bf16/fp16 kernels are specialised for AVX2 and for AVX-512; the AVX-512 ones give the generic kernel's bits. A machine that cannot build the library (no
-C++ compiler) gets ``available() == (False, reason)``; the lazy kernel then falls back to the reference backend
-with one warning (an explicit ``backend="cpu"`` raises instead).
+The bf16/fp16 kernels are specialised for AVX2 and for AVX-512 (``isa.h``); each path's bit contract against the
+generic kernel -- bit for bit, or within one ulp for the normed bf16 outputs in lane order -- is listed in this
+folder's README.md. A machine that cannot build the library (no C++ compiler) gets ``available() == (False,
+reason)``; the lazy kernel then falls back to the reference backend with one warning (an explicit ``backend="cpu"``
+raises instead).
 """
 
 from __future__ import annotations
