@@ -238,57 +238,6 @@ struct Io<c10::BFloat16> : Io16<c10::BFloat16> {
 template <>
 struct Io<c10::Half> : Io16<c10::Half> {};
 
-#if defined(CPU_CAPABILITY_AVX2)
-// bf16 in "lane order", for the specialised AVX2 kernels: a 16-value bf16 block is read as two fp32 vectors
-// without a lane shuffle -- even elements (bits << 16) and odd elements (bits & 0xffff0000) -- and written back
-// with word blends, so fp32 tables used with it (weights, cos/sin) are kept in the same order.
-// Lane order of 16 consecutive values: the 8 even ones, then the 8 odd ones.
-// Returns whether every value is finite (callers converting a weight need both: one pass instead of two).
-inline bool to_lane_order(const float* src, float* dst, int64_t n) {  // n: a multiple of 16
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 probe = zero;  // x * 0 is 0 for finite x, NaN for an infinity or a NaN
-  for (int64_t i = 0; i < n; i += 16) {
-    const auto [even, odd] = at::vec::deinterleave2(fVec::loadu(src + i), fVec::loadu(src + i + kF));
-    even.store(dst + i);
-    odd.store(dst + i + kF);
-    probe = _mm256_add_ps(probe, _mm256_add_ps(_mm256_mul_ps(even, zero), _mm256_mul_ps(odd, zero)));
-  }
-  return _mm256_movemask_ps(_mm256_cmp_ps(probe, probe, _CMP_UNORD_Q)) == 0;
-}
-
-struct Bf16Block {
-  __m256 even, odd;
-  static Bf16Block of(__m256i raw) {
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)),
-            _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
-  }
-  static __m256i raw(const c10::BFloat16* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static Bf16Block load(const c10::BFloat16* p) { return of(raw(p)); }
-  // 16 values, rounded to nearest even, in memory order: even's words in the low halves, odd's in the high.
-  // Per 16-bit word: the truncated value hi and the dropped half lo; it rounds up iff lo + lsb(hi) > 0x8000,
-  // i.e. iff avg_epu16(lo, 0x7ffe | lsb(hi)) = (lo + 0x7fff + lsb(hi)) >> 1 has its top bit set. The same bits
-  // as (v + 0x7fff + lsb) >> 16 in 32-bit lanes (Io<BFloat16>::store2_finite; same argument for exactness),
-  // in nine instructions instead of ten.
-  static __m256i pack_rne(__m256 even, __m256 odd) {
-    const __m256i e = _mm256_castps_si256(even), o = _mm256_castps_si256(odd);
-    const __m256i hi = _mm256_blend_epi16(_mm256_srli_epi32(e, 16), o, 0xaa);
-    const __m256i lo = _mm256_blend_epi16(e, _mm256_slli_epi32(o, 16), 0xaa);
-    const __m256i k = _mm256_or_si256(_mm256_and_si256(hi, _mm256_set1_epi16(1)), _mm256_set1_epi16(0x7ffe));
-    return _mm256_add_epi16(hi, _mm256_srli_epi16(_mm256_avg_epu16(lo, k), 15));
-  }
-  template <bool kStream>
-  static void store(c10::BFloat16* p, __m256 even, __m256 odd) {
-    const __m256i out = pack_rne(even, odd);
-    if constexpr (kStream) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(p), out);
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
-    }
-  }
-};
-
-#endif
-
 // A weight or bias the kernels can read in place: a contiguous fp32 vector of n values.
 inline bool is_fp32_vector(const at::Tensor& t, int64_t n) {
   return t.scalar_type() == at::kFloat && t.dim() == 1 && t.size(0) == n && t.stride(0) == 1 && t.device().is_cpu();
