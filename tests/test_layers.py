@@ -17,8 +17,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "qkvfuse"
 # option uses the public qkvfuse.testing).
 TOOLS = ("qkvfuse._verify", "qkvfuse.benchmarks", "qkvfuse.cli", "qkvfuse.__main__")
 # The bottom of the ops: what each may import within qkvfuse.
-BOTTOM = {"qkvfuse._rope_mode": set(), "qkvfuse._checks": {"qkvfuse._rope_mode"},
-          "qkvfuse._library": {"qkvfuse._checks", "qkvfuse._rope_mode"}, "qkvfuse.rope": set(),
+BOTTOM = {"qkvfuse._rope_mode": set(), "qkvfuse._cache_mode": set(),
+          "qkvfuse._checks": {"qkvfuse._rope_mode", "qkvfuse._cache_mode"},
+          "qkvfuse._library": {"qkvfuse._checks", "qkvfuse._rope_mode", "qkvfuse._cache_mode"}, "qkvfuse.rope": set(),
           "qkvfuse.presets": set()}
 
 

@@ -22,10 +22,11 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from ._cache_mode import AMX, FP8_MAX, LAYOUT_NAMES, NHD, VEC, cache_dims, decode_cache, is_fp8
 from ._rope_mode import GEMMA, MROPE, Q_GATE, decode_rope
 
 __all__ = ["FLOATS", "INTS", "MAX_HEAD_DIM", "MAX_HEADS", "HEADS_EXPECTED", "fail", "fail_gemma_without_weights",
-           "check_split", "check_norm", "real_memory", "share_elements"]
+           "check_split", "check_norm", "check_cache", "real_memory", "share_elements", "strided_share"]
 
 MAX_HEAD_DIM = 512
 # Head counts are bounded before anything is derived from them: with Hq, Hkv <= 2**20 and head_dim <= 512 every
@@ -361,3 +362,127 @@ def check_norm(x, residual, weight, bias, outs: Optional[Sequence[Optional[torch
                            lambda name: ("x", x) if name == "y_out" else ("residual", residual))
     elif inplace and real and real_memory(x, residual):
         _check_targets((("x", x), ("residual", residual)), statics)
+
+
+# --------------------------------------------------------------------------------------------------------
+# The cache-writing split's caches (qkvfuse._cache_mode; the C++ copy: backends/cpu/checks.h).
+# --------------------------------------------------------------------------------------------------------
+_CACHE_SHAPES = {"NHD": "(num_blocks, block_size, num_kv_heads, head_dim)",
+                 "HND": "(num_blocks, num_kv_heads, block_size, head_dim)",
+                 "vec": "(num_blocks, num_kv_heads, block_size, head_dim)",
+                 "amx": "(num_blocks, num_kv_heads, block_size, head_dim)"}
+_FP8_NAMES = "torch.float8_e4m3fn or torch.float8_e5m2"
+
+
+def _nested(sizes, strides) -> bool:
+    """Whether no two indices of a strided tensor reach the same element, by the sufficient rule the cache
+    layouts meet: sorted by stride, each stride exceeds the reach of the dims below it."""
+    reach = 0
+    for size, stride in sorted(((n, s) for n, s in zip(sizes, strides) if n > 1), key=lambda p: p[1]):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+def _offset_reachable(d: int, dims) -> bool:
+    """Whether ``d = sum(i_k * stride_k)`` with ``|i_k| < size_k`` for ``dims = [(size, stride), ...]`` sorted by
+    decreasing stride, each stride above the reach of the smaller ones (:func:`_nested`)."""
+    if not dims:
+        return d == 0
+    (size, stride), rest = dims[0], dims[1:]
+    reach = sum((n - 1) * s for n, s in rest)
+    q = d // stride
+    return any(abs(i) < size and abs(d - i * stride) <= reach and _offset_reachable(d - i * stride, rest)
+               for i in (q, q + 1))
+
+
+def strided_share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two non-empty strided tensors share a byte. Exact for two translates of one nested layout (the K
+    and V halves of an interleaved KV buffer: same shape, strides and element size); otherwise intersecting byte
+    ranges count as sharing."""
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    if not (a0 < b1 and b0 < a1):
+        return False
+    size_of = a.element_size()
+    if (a.shape != b.shape or a.stride() != b.stride() or size_of != b.element_size()
+            or (b.data_ptr() - a.data_ptr()) % size_of or not _nested(a.shape, a.stride())):
+        return True
+    dims = sorted(((n, s) for n, s in zip(a.shape, a.stride()) if n > 1), key=lambda p: -p[1])
+    return _offset_reachable((b.data_ptr() - a.data_ptr()) // size_of, dims)
+
+
+def _scale(name: str, scale, device: torch.device, fp8: bool) -> None:
+    if not fp8:
+        if scale is not None:
+            fail(name, "a tensor", "None for a cache of qkv's dtype (scales are for FP8 caches)")
+        return
+    if scale is None:
+        fail(name, "None", "a 0-d (or one-element) torch.float32 tensor for an FP8 cache")
+    _device(name, scale, device, "qkv")
+    if scale.dtype != torch.float32:
+        fail(name, f"dtype {scale.dtype}", "torch.float32", TypeError)
+    if scale.numel() != 1 or scale.dim() > 1:
+        fail(name, f"shape {tuple(scale.shape)}", "shape () or (1,)")
+
+
+def check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode: int, k_scale, v_scale, num_kv_heads: int,
+                head_dim: int, inputs=(), real: bool = True) -> None:
+    """Check the cache arguments of the cache-writing split (after :func:`check_split` checked the rest):
+    ``cache_mode`` (:func:`qkvfuse._cache_mode.encode_cache`), the two caches' device, dtype, shape for the layout
+    and ``(num_kv_heads, head_dim)``, strides, ``slot_mapping`` and the FP8 scales; with ``real``, that the caches
+    share no element with each other (an interleaved KV buffer's halves are fine), with ``qkv`` or with
+    ``inputs`` (``(name, tensor or None)`` pairs: the split's other tensors). Slot and scale values are
+    :func:`qkvfuse._library.check_cache_values`' (data, not metadata)."""
+    layout, truncate = decode_cache(cache_mode)
+    if layout not in LAYOUT_NAMES or cache_mode < 0 or cache_mode & ~31:
+        fail("cache_mode", cache_mode, f"a layout code in {sorted(LAYOUT_NAMES)}, plus 16 for truncating FP8 "
+             "rounding (qkvfuse._cache_mode.encode_cache)")
+    name_of = LAYOUT_NAMES[layout]
+    device, dtype = qkv.device, qkv.dtype
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _device(name, c, device, "qkv")
+        if c.dtype != dtype and not is_fp8(c.dtype):
+            fail(name, f"dtype {c.dtype}", f"qkv's dtype {dtype}, {_FP8_NAMES}", TypeError)
+        if c.dim() != 4:
+            fail(name, f"shape {tuple(c.shape)}", f"a 4-D cache {_CACHE_SHAPES[name_of]} (layout {name_of!r})")
+    if value_cache.dtype != key_cache.dtype:
+        fail("value_cache", f"dtype {value_cache.dtype}", f"key_cache's dtype {key_cache.dtype}", TypeError)
+    if value_cache.shape != key_cache.shape:
+        fail("value_cache", f"shape {tuple(value_cache.shape)}", f"key_cache's shape {tuple(key_cache.shape)}")
+    blocks, block_size, heads, dim = cache_dims(layout, key_cache)
+    if heads != num_kv_heads or dim != head_dim or blocks < 1 or block_size < 1:
+        fail("key_cache", f"shape {tuple(key_cache.shape)}",
+             f"{_CACHE_SHAPES[name_of]} with num_kv_heads={num_kv_heads}, head_dim={head_dim} and at least one "
+             f"block (layout {name_of!r})")
+    if layout == AMX and (key_cache.element_size() != 2 or block_size % 16 or head_dim % 16):
+        fail("key_cache", f"dtype {key_cache.dtype}, block_size {block_size} and head_dim {head_dim}",
+             "a 16-bit cache with block_size and head_dim multiples of 16 (layout 'amx')")
+    for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if layout in (VEC, AMX):
+            if c.stride(3) != 1 or c.stride(2) != head_dim or c.stride(1) < block_size * head_dim:
+                fail(name, f"strides {c.stride()}", f"a contiguous (block_size, head_dim) region per block and "
+                     f"head (layout {name_of!r})")
+        if not _nested(c.shape, c.stride()) or min(c.stride()) < 0:
+            fail(name, f"strides {c.stride()}", "non-negative strides with no element reached twice")
+    _device("slot_mapping", slot_mapping, device, "qkv")
+    if slot_mapping.dtype not in INTS:
+        fail("slot_mapping", f"dtype {slot_mapping.dtype}", "torch.int32 or torch.int64", TypeError)
+    if slot_mapping.dim() != 1:
+        fail("slot_mapping", f"shape {tuple(slot_mapping.shape)}", "shape (num_slots,) (tokens past its end are not "
+             "written)")
+    fp8 = is_fp8(key_cache.dtype)
+    _scale("k_scale", k_scale, device, fp8)
+    _scale("v_scale", v_scale, device, fp8)
+    _no_grad((("key_cache", key_cache), ("value_cache", value_cache)))
+    if real and real_memory(qkv, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                            *(t for _, t in inputs)):
+        if key_cache.numel() and strided_share(key_cache, value_cache):
+            fail("value_cache", "memory shared with key_cache",
+                 "a cache that shares no element with key_cache (K and V may interleave in one buffer)")
+        others = (("qkv", qkv),) + tuple(inputs) + (("slot_mapping", slot_mapping), ("k_scale", k_scale),
+                                                    ("v_scale", v_scale))
+        for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
+            for other, t in others:
+                if t is not None and t.numel() and c.numel() and strided_share(c, t):
+                    fail(name, f"memory shared with {other}", "a cache that shares no element with an input")

@@ -15,6 +15,8 @@ Ops, defined in three namespaces with one schema each:
   :data:`Q_GATE`);
 * ``split_qkv_rmsnorm_rope_inplace`` -- rewrites the Q and K heads inside ``qkv``; with :data:`Q_GATE` it also
   de-interleaves the row's Q/gate region into ``[Q heads | gate heads]`` (:func:`inplace_views`);
+* ``split_qkv_rmsnorm_rope_cache`` -- the in-place form that also writes each token's K (normed, rotated) and V
+  into a paged KV cache in the same pass (:class:`CacheTarget`, :mod:`qkvfuse._cache_mode`);
 * ``add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias); without a residual the second
   output of the functional form is an empty placeholder;
 * ``add_rmsnorm_inplace`` -- the engines' in-place form: ``y`` over ``x``, the rounded sum over ``residual``.
@@ -48,17 +50,17 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import _checks, _rope_mode
+from . import _cache_mode, _checks, _rope_mode
 from ._rope_mode import RopeMode
 
 __all__ = ["NAMESPACES", "OPS", "Q_GATE", "GEMMA", "encode_rope", "decode_rope", "decode_flags", "SplitConfig",
-           "config_of", "split_config", "impl_library", "register_kernels", "schema_kernels", "check_positions",
-           "MAX_HEAD_DIM"]
+           "config_of", "split_config", "CacheTarget", "impl_library", "register_kernels", "schema_kernels",
+           "check_positions", "check_cache_values", "MAX_HEAD_DIM"]
 
 # Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
 OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
-       "add_rmsnorm_out", "add_rmsnorm_inplace")
+       "add_rmsnorm_out", "add_rmsnorm_inplace", "split_qkv_rmsnorm_rope_cache")
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
 # The rope code lives in the bottom module qkvfuse._rope_mode (qkvfuse._checks reads it too); re-exported here,
@@ -75,7 +77,8 @@ _SPLIT_ARGS = ("Tensor positions, Tensor cos_sin_cache, Tensor? q_weight, Tensor
 _NORM_ARGS = "Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps"
 
 _MUTATED = {"split_qkv_rmsnorm_rope_out": (11, 12, 13, 14), "split_qkv_rmsnorm_rope_inplace": (0,),
-            "add_rmsnorm_out": (5, 6), "add_rmsnorm_inplace": (0, 1)}  # argument indices each mutating form writes
+            "add_rmsnorm_out": (5, 6), "add_rmsnorm_inplace": (0, 1),
+            "split_qkv_rmsnorm_rope_cache": (0, 11, 12)}  # argument indices each mutating form writes
 _libs = {}
 for _ns in NAMESPACES.values():
     _lib = _libs[_ns] = torch.library.Library(_ns, "DEF")
@@ -83,6 +86,9 @@ for _ns in NAMESPACES.values():
     _lib.define(f"split_qkv_rmsnorm_rope_out(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) q_out, Tensor(b!) k_out, "
                 "Tensor(c!) v_out, Tensor(d!)? gate_out=None) -> ()")
     _lib.define(f"split_qkv_rmsnorm_rope_inplace(Tensor(a!) qkv, {_SPLIT_ARGS}) -> ()")
+    _lib.define(f"split_qkv_rmsnorm_rope_cache(Tensor(a!) qkv, {_SPLIT_ARGS}, Tensor(b!) key_cache, "
+                "Tensor(c!) value_cache, Tensor slot_mapping, int cache_mode, Tensor? k_scale=None, "
+                "Tensor? v_scale=None) -> ()")
     _lib.define(f"add_rmsnorm({_NORM_ARGS}, bool gemma=False) -> (Tensor, Tensor)")
     _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out, bool gemma=False) -> ()")
     _lib.define("add_rmsnorm_inplace(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, Tensor? bias, float eps, "
@@ -152,6 +158,37 @@ def config_of(static_args: tuple, head_dim: int, inplace: bool = False) -> Split
     # tuple.__new__ skips the generated keyword __new__ (a Python kernel builds one per call); the schema fixes the
     # number of static arguments, so the fields line up.
     return tuple.__new__(SplitConfig, (*static_args, head_dim, _rope_mode.decode_mode(static_args[-1]), inplace))
+
+
+class CacheTarget(NamedTuple):
+    """The cache-writing split's cache arguments, as its schema takes them (after the split's own): each launcher
+    of ``split_qkv_rmsnorm_rope_cache`` gets one. ``cache_mode`` is :func:`qkvfuse._cache_mode.encode_cache`'s
+    code; ``k_scale`` / ``v_scale`` are 0-d fp32 tensors for FP8 caches, else None."""
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    cache_mode: int
+    k_scale: Optional[torch.Tensor] = None
+    v_scale: Optional[torch.Tensor] = None
+
+    @property
+    def layout(self) -> int:
+        return self.cache_mode & 15
+
+    @property
+    def truncate(self) -> bool:
+        return bool(self.cache_mode & _cache_mode.TRUNCATE)
+
+    @property
+    def fp8(self) -> bool:
+        return _cache_mode.is_fp8(self.key_cache.dtype)
+
+    @property
+    def capacity(self) -> int:
+        """Slots in the cache: ``num_blocks * block_size``."""
+        blocks, block_size, _, _ = _cache_mode.cache_dims(self.layout, self.key_cache)
+        return blocks * block_size
 
 
 def split_config(num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
@@ -248,6 +285,15 @@ for _ns, _lib in _libs.items():
         _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
                             num_kv_heads, eps, rope, inplace=True, real=False)
 
+    @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_cache", lib=_lib)
+    def _split_cache_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                          num_kv_heads, eps, rope, key_cache, value_cache, slot_mapping, cache_mode, k_scale=None,
+                          v_scale=None):
+        head_dim = _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias,
+                                       num_q_heads, num_kv_heads, eps, rope, inplace=True, real=False)
+        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, num_kv_heads,
+                            head_dim, real=False)
+
     @torch.library.register_fake(f"{_ns}::add_rmsnorm", lib=_lib)
     def _norm_fake(x, residual, weight, bias, eps, gemma=False):
         _checks.check_norm(x, residual, weight, bias, real=False)
@@ -266,13 +312,15 @@ for _ns, _lib in _libs.items():
 # Registration. A backend gives two launchers:
 #   split_out(qkv, positions, config, q_out, k_out, v_out, gate_out)   (config: a SplitConfig)
 #   norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
+#   split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target)   (target: a CacheTarget)
 # (qkvfuse.reference's functions are the specification), adapted here to the schemas: functional and in-place
-# forms derived from the out= form; the norm kernels accept outputs that exactly alias their own inputs; the
+# forms derived from the out= form (the cache form gets the in-place views and config.inplace); the norm kernels accept outputs that exactly alias their own inputs; the
 # gated in-place form's outputs are inplace_views, which overlap the interleaved input (config.inplace tells the
 # launcher: the split kernels read a token's Q/gate region before they write it).
 # --------------------------------------------------------------------------------------------------------
 SplitOut = Callable[..., None]
 NormOut = Callable[..., None]
+SplitCache = Callable[..., None]
 
 
 def impl_library(backend: str) -> torch.library.Library:
@@ -281,13 +329,16 @@ def impl_library(backend: str) -> torch.library.Library:
     return torch.library.Library(NAMESPACES[backend], "IMPL")
 
 
-def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut) -> None:
-    """Register a backend's launchers (see above) for all six ops of ``lib``'s namespace on ``dispatch_key``."""
-    for op, kernel in schema_kernels(split_out, norm_out).items():
-        lib.impl(op, kernel, dispatch_key)
+def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: SplitOut, norm_out: NormOut,
+                     split_cache: SplitCache, ops: Sequence[str] = OPS) -> None:
+    """Register a backend's launchers (see above) for the ops ``ops`` (default: all) of ``lib``'s namespace on
+    ``dispatch_key``."""
+    for op, kernel in schema_kernels(split_out, norm_out, split_cache).items():
+        if op in ops:
+            lib.impl(op, kernel, dispatch_key)
 
 
-def schema_kernels(split_out: SplitOut, norm_out: NormOut) -> dict:
+def schema_kernels(split_out: SplitOut, norm_out: NormOut, split_cache: SplitCache) -> dict:
     """``{op name: kernel with the op's schema}`` for each of :data:`OPS`, from a backend's launchers."""
 
     # Each kernel checks its own arguments (qkvfuse._checks), then runs: a raw torch.ops call is as safe as a
@@ -315,6 +366,20 @@ def schema_kernels(split_out: SplitOut, norm_out: NormOut) -> dict:
         views = inplace_views(qkv, hq, hkv, config.q_gate)
         run(qkv, positions, config, *views[:3], views[3] if len(views) == 4 else None)
 
+    def cache(qkv, positions, cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, key_cache, value_cache, slot_mapping,
+              cache_mode, k_scale=None, v_scale=None):
+        static = (cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
+        head_dim = _checks.check_split(qkv, positions, *static, inplace=True)
+        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, hkv, head_dim,
+                            inputs=(("positions", positions), ("cos_sin_cache", cs), ("q_weight", q_w),
+                                    ("k_weight", k_w), ("q_bias", q_b), ("k_bias", k_b)))
+        config = config_of(static, head_dim, inplace=True)
+        target = CacheTarget(key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale)
+        check_positions(positions, cs.shape[0])  # before anything is written
+        check_cache_values(target, qkv.shape[0])
+        views = inplace_views(qkv, hq, hkv, config.q_gate)
+        split_cache(qkv, positions, config, *views[:3], views[3] if len(views) == 4 else None, target)
+
     def norm_checked_out(x, residual, weight, bias, eps, y_out, residual_out, gemma=False):
         _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out))
         norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
@@ -330,7 +395,8 @@ def schema_kernels(split_out: SplitOut, norm_out: NormOut) -> dict:
         norm_out(x, residual, weight, bias, eps, gemma, x, residual)
 
     return {"split_qkv_rmsnorm_rope": functional, "split_qkv_rmsnorm_rope_out": out,
-            "split_qkv_rmsnorm_rope_inplace": inplace, "add_rmsnorm": norm_functional,
+            "split_qkv_rmsnorm_rope_inplace": inplace, "split_qkv_rmsnorm_rope_cache": cache,
+            "add_rmsnorm": norm_functional,
             "add_rmsnorm_out": norm_checked_out, "add_rmsnorm_inplace": norm_inplace}
 
 
@@ -361,3 +427,35 @@ def check_positions(positions: torch.Tensor, max_position: int) -> None:
     lo, hi = int(positions.min()), int(positions.max())
     if lo < 0 or hi >= max_position:
         raise positions_error(lo, hi, max_position)
+
+
+def _data_checked(t: torch.Tensor) -> bool:
+    """Whether a value rule may read ``t``'s data here: always on CPU (no sync); on accelerators only with
+    ``QKVFUSE_CHECK_POSITIONS=1`` and outside graph capture (a host sync)."""
+    if t.device.type == "cpu":
+        return True
+    if not CHECK_POSITIONS_ON_ACCELERATORS:
+        return False
+    capturing = getattr(torch.get_device_module(t.device), "is_current_stream_capturing", None)
+    return not (capturing is not None and capturing())
+
+
+def slots_error(hi: int, capacity: int) -> ValueError:
+    return ValueError(f"slot_mapping: expected values < {capacity} (the cache's num_blocks * block_size) or "
+                      f"negative (not written), got {hi}")
+
+
+def check_cache_values(target: CacheTarget, num_tokens: int) -> None:
+    """The value rules of the cache-writing split, by :func:`check_positions`' rule (CPU: always, before anything
+    is written; accelerators: with ``QKVFUSE_CHECK_POSITIONS=1``, where a bad slot is otherwise skipped): the
+    first ``num_tokens`` slots below the cache's capacity, FP8 scales positive and finite."""
+    slots = target.slot_mapping[:num_tokens]
+    if slots.numel() and _data_checked(slots):
+        hi = int(slots.max())
+        if hi >= target.capacity:
+            raise slots_error(hi, target.capacity)
+    for name, scale in (("k_scale", target.k_scale), ("v_scale", target.v_scale)):
+        if scale is not None and _data_checked(scale):
+            value = float(scale.reshape(()))
+            if not 0.0 < value < float("inf"):
+                raise ValueError(f"{name}: expected a positive finite scale, got {value}")

