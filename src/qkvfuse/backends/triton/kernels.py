@@ -85,6 +85,9 @@ def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, gat
     any thread overwrites them; one block-wide barrier (uniform: the whole program takes the same branch) orders
     the reads before the writes. It orders this program's accesses only: writes into another program's input
     are the launcher's to avoid.
+
+    Returns the fp32 result tile before its rounding (the cache kernel quantises K from it; callers that only
+    store ignore it).
     """
     HALF: tl.constexpr = ROT_DIM // 2
     d = tl.arange(0, BLOCK_D)
@@ -128,6 +131,7 @@ def _norm_rope_heads(src_ptr, src_stride, dst_ptr, dst_stride, w_ptr, b_ptr, gat
     if GATE:
         gate_row = tok[:, None, None] * gate_stride + h[None, :, None] * HEAD_DIM
         tl.store(gate_ptr + gate_row + d[None, None, :], gate, mask=mask)
+    return out
 
 
 @triton.jit
