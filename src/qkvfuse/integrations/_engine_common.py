@@ -140,15 +140,18 @@ class Options:
     """What a plugin does for one engine: ``attention`` fuses each qualifying attention layer's prepare,
     ``add_rmsnorm`` each decoder layer's two norms, ``verify`` (eager only) also runs the engine's own prepare on
     every fused call and raises past qkvfuse's accuracy rule, ``backend`` picks qkvfuse's backend (None or
-    ``"auto"``: the device's fast one). An engine adds its own options by subclassing (and extending
-    :attr:`TYPES`)."""
+    ``"auto"``: the device's fast one), ``kv_cache`` (with ``attention``; on unless set false) lets a fused layer
+    write the engine's KV cache from the fused op where the engine's cache qualifies, the engine's attention then
+    skipping its own write. An engine adds its own options by subclassing (and extending :attr:`TYPES`)."""
 
     attention: bool = False
     add_rmsnorm: bool = False
     verify: bool = False
     backend: Optional[str] = None
+    kv_cache: bool = True
 
-    TYPES: ClassVar[Dict[str, type]] = {"attention": bool, "add_rmsnorm": bool, "verify": bool, "backend": str}
+    TYPES: ClassVar[Dict[str, type]] = {"attention": bool, "add_rmsnorm": bool, "verify": bool, "backend": str,
+                                        "kv_cache": bool}
 
     @property
     def enabled(self) -> bool:
