@@ -200,25 +200,13 @@ def register_lazy_kernels(fall_back) -> None:
         _register_lazy()
 
 
-_NATIVE_OPS = tuple(op for op in _library.OPS if op != "split_qkv_rmsnorm_rope_cache")
-
-
 def _register_lazy() -> None:
     global _lazy_lib
     _lazy_lib = _library.impl_library("auto")
     fallbacks = _library.schema_kernels(reference.split_qkv_rmsnorm_rope_out, reference.add_rmsnorm_out,
                                         reference.split_qkv_rmsnorm_rope_cache)
-    for op in _NATIVE_OPS:
-        _lazy_lib.impl(op, _first_call(op, fallbacks[op]), "CPU")
-
-
-def split_qkv_rmsnorm_rope_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target) -> None:
-    """The cache-writing split on CPU: the native in-place split, then the reference cache write from its rounded
-    K and V (the same bits for a cache of qkv's dtype)."""
-    torch.ops.qkvfuse.split_qkv_rmsnorm_rope_inplace.default(qkv, positions, *config.schema_args())
-    T, heads, dim = qkv.shape[0], config.num_kv_heads, config.head_dim
-    reference.write_cache(k_out.float().reshape(T, heads, dim), v_out.reshape(T, heads, dim), target)
-
+    for op, fallback in fallbacks.items():
+        _lazy_lib.impl(op, _first_call(op, fallback), "CPU")
 
 
 def split_qkv_rmsnorm_rope_out(qkv, positions, config, q_out, k_out, v_out, gate_out) -> None:
@@ -234,10 +222,3 @@ def split_qkv_rmsnorm_rope_out(qkv, positions, config, q_out, k_out, v_out, gate
 def add_rmsnorm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out) -> None:
     """The native kernel with the reference signature (validated input; see :mod:`qkvfuse.reference`)."""
     torch.ops.qkvfuse.add_rmsnorm_out.default(x, residual, weight, bias, eps, y_out, residual_out, gemma)
-
-
-# The cache-writing split's CPU kernel is Python over the native split: it stays registered when the library
-# loads.
-_cache_lib = _library.impl_library("auto")
-_library.register_kernels(_cache_lib, "CPU", split_qkv_rmsnorm_rope_out, add_rmsnorm_out,
-                          split_qkv_rmsnorm_rope_cache, ops=("split_qkv_rmsnorm_rope_cache",))

@@ -11,8 +11,11 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -272,6 +275,206 @@ inline void targets(const std::vector<Entry>& targets, const std::vector<Entry>&
       if (meet(target, src)) {
         fail(Kind::Value, target.name, std::string("memory shared with ") + src.name,
              "an in-place target that shares no element with another input");
+      }
+    }
+  }
+}
+
+
+// ------------------------------------------------------------------------------------------------------------
+// The cache-writing split's caches (_checks.py: check_cache, strided_share; _library.py: check_cache_values).
+// ------------------------------------------------------------------------------------------------------------
+inline bool is_fp8(at::ScalarType t) { return t == at::ScalarType::Float8_e4m3fn || t == at::ScalarType::Float8_e5m2; }
+
+// Python's repr(float) of a double: the shortest round-trip digits, positional for exponents in [-4, 16).
+inline std::string py_float(double v) {
+  if (std::isnan(v)) return "nan";
+  if (std::isinf(v)) return v > 0 ? "inf" : "-inf";
+  char buf[64];
+  const auto end = std::to_chars(buf, buf + sizeof(buf), v, std::chars_format::scientific).ptr;
+  const std::string sci(buf, end);  // [-]d[.ddd]e[+-]xx
+  const size_t e = sci.find('e');
+  const bool neg = sci[0] == '-';
+  std::string digits;
+  for (size_t i = neg ? 1 : 0; i < e; ++i) {
+    if (sci[i] != '.') digits += sci[i];
+  }
+  const int exp = std::stoi(sci.substr(e + 1));
+  std::string out = neg ? "-" : "";
+  if (exp < -4 || exp >= 16) {
+    out += digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    const std::string mag = std::to_string(exp < 0 ? -exp : exp);
+    return out + "e" + (exp < 0 ? "-" : "+") + (mag.size() < 2 ? "0" : "") + mag;
+  }
+  if (exp < 0) return out + "0." + std::string(-exp - 1, '0') + digits;
+  if (static_cast<int>(digits.size()) <= exp + 1) return out + digits + std::string(exp + 1 - digits.size(), '0') + ".0";
+  return out + digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
+}
+
+// Byte range [lo, hi) a non-empty strided tensor touches (_checks._span).
+inline std::pair<int64_t, int64_t> span(const Tensor& t) {
+  const int64_t size_of = static_cast<int64_t>(t.element_size());
+  int64_t lo = address(t), hi = address(t);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d) * size_of;
+    (reach < 0 ? lo : hi) += reach;
+  }
+  return {lo, hi + size_of};
+}
+
+// Sizes and strides of the dims longer than 1 (what _checks._nested and strided_share sort).
+inline std::vector<std::pair<int64_t, int64_t>> long_dims(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.size(d), t.stride(d));
+  }
+  return dims;
+}
+
+// Whether no two indices reach the same element, by the sufficient rule (sorted by stride, each stride exceeds
+// the reach of the dims below it).
+inline bool nested(const Tensor& t) {
+  auto dims = long_dims(t);
+  std::stable_sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  int64_t reach = 0;
+  for (const auto& [size, stride] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
+}
+
+// Whether d = sum(i_k * stride_k) with |i_k| < size_k, dims[k..] sorted by decreasing stride (nested).
+inline bool offset_reachable(int64_t d, const std::vector<std::pair<int64_t, int64_t>>& dims, size_t k) {
+  if (k == dims.size()) return d == 0;
+  const auto [size, stride] = dims[k];
+  int64_t reach = 0;
+  for (size_t j = k + 1; j < dims.size(); ++j) reach += (dims[j].first - 1) * dims[j].second;
+  const int64_t q = floor_div(d, stride);
+  for (const int64_t i : {q, q + 1}) {
+    const int64_t rest = d - i * stride;
+    if ((i < 0 ? -i : i) < size && (rest < 0 ? -rest : rest) <= reach && offset_reachable(rest, dims, k + 1)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether two non-empty strided tensors share a byte: exact for two translates of one nested layout (an
+// interleaved KV buffer's halves), otherwise intersecting byte ranges count as sharing.
+inline bool strided_share(const Tensor& a, const Tensor& b) {
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  if (!(a0 < b1 && b0 < a1)) return false;
+  const int64_t size_of = static_cast<int64_t>(a.element_size());
+  const int64_t delta = address(b) - address(a);
+  if (a.sizes() != b.sizes() || a.strides() != b.strides() || size_of != static_cast<int64_t>(b.element_size()) ||
+      delta % size_of != 0 || !nested(a)) {
+    return true;
+  }
+  auto dims = long_dims(a);
+  std::stable_sort(dims.begin(), dims.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
+  return offset_reachable(delta / size_of, dims, 0);
+}
+
+constexpr const char* kCacheShapeNHD = "(num_blocks, block_size, num_kv_heads, head_dim)";
+constexpr const char* kCacheShapeHND = "(num_blocks, num_kv_heads, block_size, head_dim)";
+constexpr const char* kLayoutNames[4] = {"'NHD'", "'HND'", "'vec'", "'amx'"};
+
+inline void scale_arg(const char* name, const std::optional<Tensor>& scale, const c10::Device& dev, bool fp8) {
+  if (!fp8) {
+    if (scale.has_value()) fail(Kind::Value, name, "a tensor", "None for a cache of qkv's dtype (scales are for FP8 caches)");
+    return;
+  }
+  if (!scale.has_value()) fail(Kind::Value, name, "None", "a 0-d (or one-element) torch.float32 tensor for an FP8 cache");
+  device(name, *scale, dev, "qkv");
+  if (scale->scalar_type() != at::kFloat) fail(Kind::Type, name, "dtype " + py_dtype(scale->scalar_type()), "torch.float32");
+  if (scale->numel() != 1 || scale->dim() > 1) fail(Kind::Value, name, "shape " + py_tuple(scale->sizes()), "shape () or (1,)");
+}
+
+// _checks.check_cache, in its order and with its messages: `others` are the split's other tensors, in the order
+// of the Python rule (positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias).
+inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
+                  int64_t cache_mode, const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
+                  int64_t num_kv_heads, int64_t head_dim, std::initializer_list<Named> others) {
+  const int64_t layout = cache_mode & 15;
+  if (layout > 3 || cache_mode < 0 || (cache_mode & ~int64_t{31}) != 0) {
+    fail(Kind::Value, "cache_mode", std::to_string(cache_mode),
+         "a layout code in [0, 1, 2, 3], plus 16 for truncating FP8 rounding (qkvfuse._cache_mode.encode_cache)");
+  }
+  const std::string layout_note = std::string(" (layout ") + kLayoutNames[layout] + ")";
+  const char* shape_text = layout == 0 ? kCacheShapeNHD : kCacheShapeHND;
+  const c10::Device dev = qkv.device();
+  const at::ScalarType dtype = qkv.scalar_type();
+  const std::pair<const char*, const Tensor*> caches[2] = {{"key_cache", &key_cache}, {"value_cache", &value_cache}};
+  for (const auto& [name, c] : caches) {
+    device(name, *c, dev, "qkv");
+    if (c->scalar_type() != dtype && !is_fp8(c->scalar_type())) {
+      fail(Kind::Type, name, "dtype " + py_dtype(c->scalar_type()),
+           "qkv's dtype " + py_dtype(dtype) + ", torch.float8_e4m3fn or torch.float8_e5m2");
+    }
+    if (c->dim() != 4) {
+      fail(Kind::Value, name, "shape " + py_tuple(c->sizes()), std::string("a 4-D cache ") + shape_text + layout_note);
+    }
+  }
+  if (value_cache.scalar_type() != key_cache.scalar_type()) {
+    fail(Kind::Type, "value_cache", "dtype " + py_dtype(value_cache.scalar_type()),
+         "key_cache's dtype " + py_dtype(key_cache.scalar_type()));
+  }
+  if (value_cache.sizes() != key_cache.sizes()) {
+    fail(Kind::Value, "value_cache", "shape " + py_tuple(value_cache.sizes()),
+         "key_cache's shape " + py_tuple(key_cache.sizes()));
+  }
+  const int64_t blocks = key_cache.size(0), block_size = key_cache.size(layout == 0 ? 1 : 2),
+                heads = key_cache.size(layout == 0 ? 2 : 1), dim = key_cache.size(3);
+  if (heads != num_kv_heads || dim != head_dim || blocks < 1 || block_size < 1) {
+    fail(Kind::Value, "key_cache", "shape " + py_tuple(key_cache.sizes()),
+         std::string(shape_text) + " with num_kv_heads=" + std::to_string(num_kv_heads) + ", head_dim=" +
+             std::to_string(head_dim) + " and at least one block" + layout_note);
+  }
+  if (layout == 3 && (key_cache.element_size() != 2 || block_size % 16 != 0 || head_dim % 16 != 0)) {
+    fail(Kind::Value, "key_cache",
+         "dtype " + py_dtype(key_cache.scalar_type()) + ", block_size " + std::to_string(block_size) + " and head_dim " +
+             std::to_string(head_dim),
+         "a 16-bit cache with block_size and head_dim multiples of 16 (layout 'amx')");
+  }
+  for (const auto& [name, c] : caches) {
+    if ((layout == 2 || layout == 3) &&
+        (c->stride(3) != 1 || c->stride(2) != head_dim || c->stride(1) < block_size * head_dim)) {
+      fail(Kind::Value, name, "strides " + py_tuple(c->strides()),
+           "a contiguous (block_size, head_dim) region per block and head" + layout_note);
+    }
+    if (!nested(*c) || *std::min_element(c->strides().begin(), c->strides().end()) < 0) {
+      fail(Kind::Value, name, "strides " + py_tuple(c->strides()), "non-negative strides with no element reached twice");
+    }
+  }
+  device("slot_mapping", slot_mapping, dev, "qkv");
+  if (slot_mapping.scalar_type() != at::kInt && slot_mapping.scalar_type() != at::kLong) {
+    fail(Kind::Type, "slot_mapping", "dtype " + py_dtype(slot_mapping.scalar_type()), "torch.int32 or torch.int64");
+  }
+  if (slot_mapping.dim() != 1) {
+    fail(Kind::Value, "slot_mapping", "shape " + py_tuple(slot_mapping.sizes()),
+         "shape (num_slots,) (tokens past its end are not written)");
+  }
+  const bool fp8 = is_fp8(key_cache.scalar_type());
+  scale_arg("k_scale", k_scale, dev, fp8);
+  scale_arg("v_scale", v_scale, dev, fp8);
+  no_grad({{"key_cache", &key_cache}, {"value_cache", &value_cache}});
+  if (strided_share(key_cache, value_cache)) {
+    fail(Kind::Value, "value_cache", "memory shared with key_cache",
+         "a cache that shares no element with key_cache (K and V may interleave in one buffer)");
+  }
+  std::vector<Named> inputs{{"qkv", &qkv}};
+  inputs.insert(inputs.end(), others.begin(), others.end());
+  inputs.push_back({"slot_mapping", &slot_mapping});
+  inputs.push_back({"k_scale", k_scale.has_value() ? &*k_scale : nullptr});
+  inputs.push_back({"v_scale", v_scale.has_value() ? &*v_scale : nullptr});
+  for (const auto& [name, c] : caches) {
+    for (const Named& other : inputs) {
+      if (other.t != nullptr && other.t->numel() != 0 && strided_share(*c, *other.t)) {
+        fail(Kind::Value, name, std::string("memory shared with ") + other.name,
+             "a cache that shares no element with an input");
       }
     }
   }

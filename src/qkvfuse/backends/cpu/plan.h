@@ -22,6 +22,8 @@ namespace qkvfuse_cpu {
 
 constexpr int64_t kMaxHalf = kMaxHeadDim / 2;
 
+struct CachePlan;  // cache.h
+
 struct SplitPlan {
   int64_t T, hq, hkv, D, R, half, max_pos;
   const void* qkv;
@@ -56,6 +58,7 @@ struct SplitPlan {
   float eps;
   bool neox;
   bool generic_only;  // the specialised heads off (qkvfuse_cpu::split_generic_out, for tests)
+  const CachePlan* kv;  // the cache-writing split's KV cache (in place only), nullptr otherwise
 };
 
 struct NormPlan {

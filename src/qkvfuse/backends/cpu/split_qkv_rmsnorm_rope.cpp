@@ -11,6 +11,7 @@
 // Where the build's instruction set has specialised heads for the call (isa.h: AVX2 bf16 heads of the published
 // shapes, AVX-512 bf16/fp16 heads of D % 32 == 0), they take a batch of heads a given stride apart, so the gated
 // layout's Q heads (2 * D apart) take them too; README.md lists the paths and their bit contracts.
+#include "cache.h"
 #include "checks.h"
 #include "isa.h"
 #include "optional_ref.h"
@@ -135,8 +136,9 @@ bool token_cos_sin(const SplitPlan& p, int64_t t, float* cos, float* sin) {
 // rotation is fused multiply-adds in both, so an element's value never depends on which path computed it.
 // `finite` says the weights and this token's cos/sin are finite; with a finite head on top (its sum of
 // squares is finite) the 16-wide stores may skip the NaN fix-up of the bf16 rounding (Io::store2_finite).
-template <typename T, int kNorm, bool kNeox>
-QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* b, float eps, int64_t D,
+// O: the output's type, T's own or float (the values before the rounding, for an FP8 cache's quantisation).
+template <typename T, int kNorm, bool kNeox, typename O = T>
+QKVFUSE_FLATTEN void qk_head(const T* src, O* dst, const float* w, const float* b, float eps, int64_t D,
                              int64_t half, const float* cos, const float* sin, bool finite) {
   alignas(64) float x[kMaxHeadDim];
   fVec acc0(0.f), acc1(0.f);
@@ -171,8 +173,8 @@ QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* 
   };
   auto rot1 = [&](int64_t ia, int64_t ib, int64_t j) {
     const float ya = norm1(ia), yb = norm1(ib);
-    dst[ia] = static_cast<T>(std::fma(ya, cos[j], -(yb * sin[j])));
-    dst[ib] = static_cast<T>(std::fma(yb, cos[j], ya * sin[j]));
+    dst[ia] = static_cast<O>(std::fma(ya, cos[j], -(yb * sin[j])));
+    dst[ib] = static_cast<O>(std::fma(yb, cos[j], ya * sin[j]));
   };
 
   // The 16-wide loops, once per store flavour; 8-wide steps and scalar tails always use the plain stores.
@@ -188,8 +190,8 @@ QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* 
       }
       for (; j + kF <= half; j += kF) {
         const fVec a = norm(j), bb = norm(half + j), c = fVec::loadu(cos + j), s = fVec::loadu(sin + j);
-        Io<T>::store1(dst + j, at::vec::fmsub(a, c, bb * s));
-        Io<T>::store1(dst + half + j, at::vec::fmadd(bb, c, a * s));
+        Io<O>::store1(dst + j, at::vec::fmsub(a, c, bb * s));
+        Io<O>::store1(dst + half + j, at::vec::fmadd(bb, c, a * s));
       }
       for (; j < half; ++j) rot1(j, half + j, j);
     } else {
@@ -203,43 +205,106 @@ QKVFUSE_FLATTEN void qk_head(const T* src, T* dst, const float* w, const float* 
     }
     int64_t i = 2 * half;  // partial rotary: the rest is normalised but not rotated
     for (; i + 2 * kF <= D; i += 2 * kF) store2(dst + i, norm(i), norm(i + kF));
-    for (; i + kF <= D; i += kF) Io<T>::store1(dst + i, norm(i));
-    for (; i < D; ++i) dst[i] = static_cast<T>(norm1(i));
+    for (; i + kF <= D; i += kF) Io<O>::store1(dst + i, norm(i));
+    for (; i < D; ++i) dst[i] = static_cast<O>(norm1(i));
   };
   if (finite && std::isfinite(ss)) {
-    body([](T* p, const fVec& u, const fVec& v) { Io<T>::store2_finite(p, u, v); });
+    body([](O* p, const fVec& u, const fVec& v) { Io<O>::store2_finite(p, u, v); });
   } else {
-    body([](T* p, const fVec& u, const fVec& v) { Io<T>::store2(p, u, v); });
+    body([](O* p, const fVec& u, const fVec& v) { Io<O>::store2(p, u, v); });
   }
 }
 
-template <typename T>
-using HeadFn = void (*)(const T*, T*, const float*, const float*, float, int64_t, int64_t, const float*,
+template <typename T, typename O = T>
+using HeadFn = void (*)(const T*, O*, const float*, const float*, float, int64_t, int64_t, const float*,
                         const float*, bool);
 
-template <typename T, int kNorm>
-HeadFn<T> pick_style(bool neox) {
-  return neox ? &qk_head<T, kNorm, true> : &qk_head<T, kNorm, false>;
+template <typename T, int kNorm, typename O = T>
+HeadFn<T, O> pick_style(bool neox) {
+  return neox ? &qk_head<T, kNorm, true, O> : &qk_head<T, kNorm, false, O>;
 }
+
+template <typename T, typename O = T>
+HeadFn<T, O> pick_head(int norm_mode, bool neox) {
+  return norm_mode == 0 ? pick_style<T, 0, O>(neox) : norm_mode == 1 ? pick_style<T, 1, O>(neox)
+                                                                     : pick_style<T, 2, O>(neox);
+}
+
+// The cache-writing split's per-thread part: token t's K heads (as the split wrote them, or their fp32 values for
+// an FP8 cache) and V heads into the cache at the token's slot (cache.h).
+template <typename T>
+class CacheWriter {
+ public:
+  CacheWriter(const SplitPlan& p, int norm_mode)
+      : p_(p), c_(*p.kv), fp32_k_(p.kv->fp8 != Fp8::None && !std::is_same_v<T, float>),
+        head32_(pick_head<T, float>(norm_mode, p.neox)) {}
+
+  // Before the split rewrites them: an FP8 cache's K from the generic head's fp32 values (qkv then gets the
+  // build's own heads, as the in-place split does). fp32 qkv: its own K is the fp32 value (after()).
+  void before_k(int64_t slot, const T* src, int64_t first, int64_t n, const float* cos, const float* sin,
+                bool finite) {
+    if (slot < 0 || !fp32_k_) return;
+    for (int64_t i = 0; i < n; ++i) {
+      head32_(src + i * p_.D, x_, p_.wk, p_.bk, p_.eps, p_.D, p_.half, cos, sin, finite);
+      quantize_row(c_, x_, p_.D, c_.k.scale, q8_);
+      store_row_bytes(c_, c_.k, true, p_.D, slot, first + i, q8_);
+    }
+  }
+
+  // After the split wrote K heads first .. first + n - 1 at k: their bits (or, fp32 qkv, their quantised values).
+  void after_k(int64_t slot, const T* k, int64_t first, int64_t n) {
+    if (slot < 0 || fp32_k_) return;
+    for (int64_t i = 0; i < n; ++i) store(c_.k, true, slot, first + i, k + i * p_.D);
+  }
+
+  // The token's V heads (v: its first, the rest D apart), bit-exact or quantised from their exact values.
+  void v(int64_t slot, const T* v) {
+    if (slot < 0) return;
+    for (int64_t h = 0; h < p_.hkv; ++h) store(c_.v, false, slot, h, v + h * p_.D);
+  }
+
+ private:
+  void store(const CacheSide& side, bool is_key, int64_t slot, int64_t head, const T* row) {
+    if (c_.fp8 == Fp8::None) return store_row_bytes(c_, side, is_key, p_.D, slot, head, row);
+    const float* x;
+    if constexpr (std::is_same_v<T, float>) {
+      x = row;
+    } else {
+      int64_t d = 0;
+      for (; d + kF <= p_.D; d += kF) Io<T>::load1(row + d).store(x_ + d);
+      for (; d < p_.D; ++d) x_[d] = static_cast<float>(row[d]);
+      x = x_;
+    }
+    quantize_row(c_, x, p_.D, side.scale, q8_);
+    store_row_bytes(c_, side, is_key, p_.D, slot, head, q8_);
+  }
+
+  const SplitPlan& p_;
+  const CachePlan& c_;
+  bool fp32_k_;
+  HeadFn<T, float> head32_;
+  alignas(64) float x_[kMaxHeadDim];
+  alignas(64) uint8_t q8_[kMaxHeadDim];
+};
 
 
 template <typename T>
 void run_split(const SplitPlan& p) {
   const int norm_mode = p.wq == nullptr ? 0 : (p.bq == nullptr ? 1 : 2);
-  const HeadFn<T> head = norm_mode == 0   ? pick_style<T, 0>(p.neox)
-                         : norm_mode == 1 ? pick_style<T, 1>(p.neox)
-                                          : pick_style<T, 2>(p.neox);
+  const HeadFn<T> head = pick_head<T>(norm_mode, p.neox);
   const T* qkv = static_cast<const T*>(p.qkv);
   T* q = static_cast<T*>(p.q);
   T* k = static_cast<T*>(p.k);
   T* v = static_cast<T*>(p.v);
   T* gate = static_cast<T*>(p.gate);
   // A token's work items: its Q heads (the gated in-place form: one item, the whole Q/gate region), its K heads,
-  // then one item copying V (unless aliased) and one copying the gate heads (the gated out= forms).
+  // then one item copying V (unless aliased), one copying the gate heads (the gated out= forms), and one storing
+  // V in the KV cache (the cache-writing split: its K heads are stored by their own items, as they are written).
   const int64_t q_items = p.gated_inplace ? 1 : p.hq;
   const int64_t qk_items = q_items + p.hkv;
   const int64_t v_item = v != nullptr ? qk_items : -1;
-  const int64_t per_token = qk_items + (v != nullptr ? 1 : 0) + (gate != nullptr ? 1 : 0);
+  const int64_t gate_item = gate != nullptr ? qk_items + (v != nullptr ? 1 : 0) : -1;
+  const int64_t per_token = qk_items + (v != nullptr ? 1 : 0) + (gate != nullptr ? 1 : 0) + (p.kv != nullptr ? 1 : 0);
   const size_t v_bytes = static_cast<size_t>(p.hkv * p.D) * sizeof(T);
   const size_t head_bytes = static_cast<size_t>(p.D) * sizeof(T);
   // The build's specialised heads for this call, if any (isa.h), and its per-call tables.
@@ -250,6 +315,8 @@ void run_split(const SplitPlan& p) {
     bool finite = false;
     std::vector<T> region(p.gated_inplace ? 2 * p.hq * p.D : 0);  // gated in place: a token's Q/gate region
     typename isa::SplitHeads<T>::Token fast_token(fast, cos, sin);
+    std::optional<CacheWriter<T>> cache;
+    if (p.kv != nullptr) cache.emplace(p, norm_mode);
     // n consecutive heads of one weight set (Q when is_q, else K) of this token: from src, ss values apart,
     // to dst, D values apart; the specialised heads a batch at a time where they apply.
     auto heads = [&](const T* src, int64_t ss, T* dst, int64_t n, bool is_q) {
@@ -291,12 +358,17 @@ void run_split(const SplitPlan& p) {
           h += n - 1;
         } else {  // this token's next K heads within the range
           const int64_t j = h - q_items, n = std::min(p.hkv - j, end - i);
+          const int64_t slot = cache ? p.kv->slot(t) : -1;
+          if (slot >= 0) cache->before_k(slot, row + p.k_col + j * p.D, j, n, cos, sin, finite);
           heads(row + p.k_col + j * p.D, p.D, k + t * p.k_rs + j * p.D, n, false);
+          if (slot >= 0) cache->after_k(slot, k + t * p.k_rs + j * p.D, j, n);
           i += n - 1;
           h += n - 1;
         }
       } else if (h == v_item) {
         fast.copy(v + t * p.v_rs, row + p.k_col + p.hkv * p.D, v_bytes);
+      } else if (h != gate_item) {  // the KV cache's V heads
+        cache->v(p.kv->slot(t), row + p.k_col + p.hkv * p.D);
       } else {  // the gate heads, bit-exact
         for (int64_t hh = 0; hh < p.hq; ++hh) {
           fast.copy(gate + t * p.gate_rs + hh * p.D, row + hh * p.q_hs + p.D, head_bytes);
@@ -623,6 +695,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> split_qkv_rmsnorm_rope(
   return {q, k, v, gate};
 }
 
+// The in-place form's outputs: qkv itself.
+void set_inplace(SplitPlan& p, const Tensor& qkv) {
+  char* base = static_cast<char*>(qkv.data_ptr());
+  p.q = base;  // gated: the Q heads from column 0, the gate heads after them (SplitPlan::gated_inplace)
+  p.q_rs = p.qkv_rs;
+  p.k = base + p.k_col * qkv.element_size();
+  p.k_rs = p.qkv_rs;
+  p.v = nullptr;  // V stays where it is
+  p.gated_inplace = p.q_hs != p.D;
+}
+
 void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
                                     const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
                                     const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope) {
@@ -630,14 +713,108 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
                          decode_rope(rope), weights);
-  char* base = static_cast<char*>(qkv.data_ptr());
-  p.q = base;  // gated: the Q heads from column 0, the gate heads after them (SplitPlan::gated_inplace)
-  p.q_rs = p.qkv_rs;
-  p.k = base + p.k_col * qkv.element_size();
-  p.k_rs = p.qkv_rs;
-  p.v = nullptr;  // V stays where it is
-  p.gated_inplace = p.q_hs != D;
+  set_inplace(p, qkv);
   run(p, qkv.scalar_type());
+}
+
+// A cache side from its checked tensor (checks::cache): element strides in the layout's (block, offset, head, dim)
+// order; FP8: the scale as the quantisation applies it.
+CacheSide cache_side(const Tensor& c, int64_t layout, const OptTensor& scale, bool truncate) {
+  const bool nhd = layout == kNHD;
+  CacheSide s{static_cast<char*>(c.data_ptr()), c.stride(0), c.stride(nhd ? 1 : 2), c.stride(nhd ? 2 : 1), c.stride(3),
+              1.f};
+  if (scale.has_value()) {
+    const float value = *scale->const_data_ptr<float>();
+    s.scale = truncate ? 1.f / value : value;  // torch.reciprocal's value, correctly rounded
+  }
+  return s;
+}
+
+// _library.check_cache_values, in its order and with its messages: the first min(T, len(slot_mapping)) slots below
+// the capacity, the FP8 scales positive and finite. Also marks each token whose slot a later token takes (`later`,
+// filled only when some slot repeats): the kernel writes each slot once, from the last of its tokens, whichever
+// threads run them.
+void check_cache_values(const CachePlan& c, int64_t capacity, const OptTensor& k_scale, const OptTensor& v_scale,
+                        std::vector<uint8_t>& later) {
+  const int64_t n = c.n_slots;
+  int64_t hi = std::numeric_limits<int64_t>::min();
+  for (int64_t t = 0; t < n; ++t) hi = std::max(hi, c.slot(t));
+  if (n > 0 && hi >= capacity) {
+    checks::fail(checks::Kind::Value, "slot_mapping", std::to_string(hi),
+                 "values < " + std::to_string(capacity) +
+                     " (the cache's num_blocks * block_size) or negative (not written)");
+  }
+  const std::pair<const char*, const OptTensor*> scales[2] = {{"k_scale", &k_scale}, {"v_scale", &v_scale}};
+  for (const auto& [name, scale] : scales) {
+    if (!scale->has_value()) continue;
+    const double value = *(*scale)->const_data_ptr<float>();
+    if (!(0.0 < value && value < std::numeric_limits<double>::infinity())) {
+      checks::fail(checks::Kind::Value, name, checks::py_float(value), "a positive finite scale");
+    }
+  }
+  if (n < 2) return;
+  // Open addressing over the slots, last token first: a slot already present belongs to a later token.
+  size_t size = 16;
+  while (size < 2 * static_cast<size_t>(n)) size *= 2;
+  std::vector<int64_t> table(size, -1);
+  bool repeats = false;
+  for (int64_t t = n - 1; t >= 0; --t) {
+    const int64_t slot = c.slot(t);
+    if (slot < 0) continue;
+    const uint64_t hash = static_cast<uint64_t>(slot) * 0x9E3779B97F4A7C15ull;
+    size_t i = (hash ^ (hash >> 32)) & (size - 1);
+    while (table[i] != -1 && table[i] != slot) i = (i + 1) & (size - 1);
+    if (table[i] == slot) {
+      if (!repeats) later.assign(n, 0);
+      repeats = true;
+      later[t] = 1;
+    } else {
+      table[i] = slot;
+    }
+  }
+}
+
+// The in-place split that also stores each token's K and V in a paged KV cache, in the same pass (cache.h).
+void split_qkv_rmsnorm_rope_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                                  const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                                  const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
+                                  const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
+                                  int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale) {
+  const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, nullptr, true);
+  auto opt = [](const OptTensor& t) { return t.has_value() ? &*t : nullptr; };
+  checks::cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, hkv, D,
+                {{"positions", &positions}, {"cos_sin_cache", &cache}, {"q_weight", opt(q_weight)},
+                 {"k_weight", opt(k_weight)}, {"q_bias", opt(q_bias)}, {"k_bias", opt(k_bias)}});
+  alignas(64) float weights[4 * kMaxHeadDim];
+  SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
+                         decode_rope(rope), weights);
+  set_inplace(p, qkv);
+  if (p.T > 0) check_positions(p);  // before the cache's value rules, as the Python kernels check
+  CachePlan c{};
+  c.layout = cache_mode & kLayoutMask;
+  c.truncate = (cache_mode & kTruncateBit) != 0;
+  const at::ScalarType cache_dtype = key_cache.scalar_type();
+  c.fp8 = cache_dtype == at::ScalarType::Float8_e4m3fn ? Fp8::E4M3
+          : cache_dtype == at::ScalarType::Float8_e5m2 ? Fp8::E5M2
+                                                       : Fp8::None;
+  c.elem = static_cast<int64_t>(key_cache.element_size());
+  c.block_size = key_cache.size(c.layout == kNHD ? 1 : 2);
+  c.k = cache_side(key_cache, c.layout, k_scale, c.truncate);
+  c.v = cache_side(value_cache, c.layout, v_scale, c.truncate);
+  c.slots = slot_mapping.const_data_ptr();
+  c.slots64 = slot_mapping.scalar_type() == at::kLong;
+  c.slot_stride = slot_mapping.stride(0);
+  c.n_slots = std::min(p.T, slot_mapping.size(0));
+  std::vector<uint8_t> later;
+  check_cache_values(c, key_cache.size(0) * c.block_size, k_scale, v_scale, later);
+  c.later = later.empty() ? nullptr : later.data();
+  p.kv = &c;
+  if (p.T == 0) return;
+  switch (qkv.scalar_type()) {
+    case at::kFloat: return run_split<float>(p);
+    case at::kBFloat16: return run_split<c10::BFloat16>(p);
+    default: return run_split<c10::Half>(p);
+  }
 }
 
 // The out= kernel with the specialised heads off: tests compare the two paths bit for bit.
@@ -706,6 +883,7 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("split_qkv_rmsnorm_rope", &qkvfuse_cpu::split_qkv_rmsnorm_rope);
   m.impl("split_qkv_rmsnorm_rope_out", &qkvfuse_cpu::split_qkv_rmsnorm_rope_out);
   m.impl("split_qkv_rmsnorm_rope_inplace", &qkvfuse_cpu::split_qkv_rmsnorm_rope_inplace);
+  m.impl("split_qkv_rmsnorm_rope_cache", &qkvfuse_cpu::split_qkv_rmsnorm_rope_cache);
 }
 
 // Introspection for tests: the kernel's copy of the mRoPE axis rule, its parallel grain, its bf16 rounding.
