@@ -2,7 +2,8 @@
 
 Every entry point -- :class:`qkvfuse.QKNormRope` (call, ``out=`` into a packed buffer, ``out=`` exactly aliasing
 its own slices of ``qkv``, ``.inplace``), the public :func:`~qkvfuse.split_qkv_rmsnorm_rope` (functional, ``out=``)
-and :func:`~qkvfuse.split_qkv_rmsnorm_rope_`, :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``,
+and :func:`~qkvfuse.split_qkv_rmsnorm_rope_`, the cache-writing :func:`~qkvfuse.split_qkv_rmsnorm_rope_cache_` and
+``QKNormRope.inplace_cache`` (a bf16/fp32 NHD cache; an FP8 vLLM-CPU ``vec`` cache), :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``,
 ``.inplace``), :func:`~qkvfuse.add_rmsnorm` (with and without a residual) and :func:`~qkvfuse.add_rmsnorm_` -- runs in one module, :class:`Prepare`, which each
 test runs eagerly and then under one mode: ``torch.jit.trace``, ``torch.export`` (strict / non-strict, saved and
 loaded in a fresh process), ``torch.compile`` (static, dynamic over T), ``FakeTensorMode`` and meta tensors, a
@@ -131,6 +132,24 @@ class Prepare(torch.nn.Module):
         fwork = qkv.clone()  # public, in place
         views = qkvfuse.split_qkv_rmsnorm_rope_(fwork, positions, **kw, backend=b)
         outs += [fpacked, fwork] + ([views[3]] if self.gated else [])  # the gate view of the in-place row
+        # The cache-writing split, public and bound: a bf16/fp32 NHD cache and an FP8 vLLM-CPU "vec" cache (K and
+        # V the halves of one buffer), slots derived from T (every third token skipped).
+        T, d = qkv.shape[0], self.kw["head_dim"]
+        heads = self.sizes[1] // d
+        token = torch.arange(T, device=qkv.device)
+        slots = torch.where(token % 3 == 2, -1, (token + token + token) % 64)  # (a traced `* 3` replays wrongly)
+        k_cache, v_cache = qkv.new_zeros(4, 16, heads, d), qkv.new_zeros(4, 16, heads, d)
+        cwork = qkv.clone()
+        cviews = qkvfuse.split_qkv_rmsnorm_rope_cache_(cwork, positions, **kw, key_cache=k_cache, value_cache=v_cache,
+                                                       slot_mapping=slots, backend=b)
+        kv8 = torch.zeros(4, heads, 32, d, dtype=torch.float8_e4m3fn, device=qkv.device)
+        k8, v8 = kv8.chunk(2, dim=2)
+        bwork = qkv.clone()
+        k_scale = qkv.new_full((), 0.05, dtype=torch.float32)
+        v_scale = qkv.new_full((), 0.07, dtype=torch.float32)
+        self.prep.inplace_cache(bwork, positions, k8, v8, slots, layout="vec", k_scale=k_scale, v_scale=v_scale,
+                                fp8_rounding="truncate")
+        outs += [cwork, cviews[1], k_cache, v_cache, bwork, kv8]
         g = self.gemma
         y, r = self.norm(q, residual)  # bound add + norm
         x2, r2 = q.clone(), residual.clone()  # bound, in-place out=(x, residual)
@@ -257,7 +276,8 @@ _LOAD_AND_RUN = textwrap.dedent("""
     import torch
     import qkvfuse  # the only qkvfuse import: it must register every kernel the programs call
 
-    int_view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    int_view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+                torch.float8_e4m3fn: torch.uint8}
     runs = 0
     for data_path, *programs in (arg.split(",") for arg in sys.argv[1:]):
         data = torch.load(data_path)

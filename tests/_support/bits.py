@@ -2,7 +2,8 @@
 
 import torch
 
-_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
 
 
 def assert_bitwise(got, want):

@@ -1,0 +1,114 @@
+"""The cache-writing split on every backend (qkvfuse._verify.cache judges every byte; see its docstring).
+
+Every layout x cache dtype x FP8 rounding on small shapes (Triton under the interpreter), the geometries that
+matter (partial rotary, GPT-J pairs, mRoPE, the gated Gemma layout, no QK-norm), slot patterns (shuffled, fewer
+slots than tokens, negative slots, saturating FP8 scales), K and V interleaved in one buffer, strided caches, the
+bound form, and the error rules that need data (slots past the capacity, scales that are not positive) leaving
+qkv and the caches untouched.
+"""
+
+import pytest
+import torch
+
+import qkvfuse
+from qkvfuse._verify.cache import VERIFY_CASES, CacheCase, check_cache_case, make_cache_inputs
+from qkvfuse._verify.inputs import SplitCase
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _split(**changes) -> SplitCase:
+    fields = dict(T=9, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                  max_position=64)
+    fields.update(changes)
+    return SplitCase(**fields)
+
+
+@pytest.mark.parametrize("name", [name for name, _ in VERIFY_CASES])
+def test_verify_cases(backend, name):
+    check_cache_case(backend, dict(VERIFY_CASES)[name])
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vec", "amx"])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, None), (torch.float16, None),
+                                               (torch.float32, None), (torch.bfloat16, torch.float8_e4m3fn),
+                                               (torch.float32, torch.float8_e5m2)],
+                         ids=["bf16", "fp16", "fp32", "bf16-e4m3", "fp32-e5m2"])
+@pytest.mark.parametrize("rounding", ["nearest", "truncate"])
+def test_layouts_and_dtypes(backend, layout, dtype, cache_dtype, rounding):
+    if layout == "amx" and (dtype == torch.float32 or cache_dtype is not None):
+        pytest.skip("the amx layout holds 16-bit caches")
+    if rounding == "truncate" and cache_dtype is None:
+        pytest.skip("the rounding option applies to FP8 caches")
+    check_cache_case(backend, CacheCase(_split(dtype=dtype), layout=layout, cache_dtype=cache_dtype,
+                                        rounding=rounding, slots="skips"))
+
+
+@pytest.mark.parametrize("geometry", ["glm-partial", "gptj", "no-norm", "mrope", "gated"])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["same", "e4m3"])
+def test_geometries(backend, geometry, cache_dtype):
+    changes = {"glm-partial": dict(num_q_heads=6, num_kv_heads=2, head_dim=128, rotary_dim=64, bias=True),
+               "gptj": dict(is_neox=False), "no-norm": dict(norm=False),
+               "mrope": dict(mrope_section=(6, 5, 5), mrope_interleaved=False),
+               "gated": dict(q_gate=True, gemma_norm=True, head_dim=128, rotary_dim=32,
+                             mrope_section=(6, 5, 5), mrope_interleaved=True)}[geometry]
+    check_cache_case(backend, CacheCase(_split(**changes), layout="vec", cache_dtype=cache_dtype, slots="short",
+                                        block_size=32))
+
+
+@pytest.mark.parametrize("interleaved,padded", [(True, False), (False, True)], ids=["kv-interleaved", "padded"])
+def test_strided_caches(backend, interleaved, padded):
+    for layout in ("NHD", "HND"):
+        check_cache_case(backend, CacheCase(_split(), layout=layout, interleaved=interleaved, padded=padded),
+                         bound=True)
+
+
+def test_decode_and_one_block(backend):
+    """T = 1 (a decode step) and a single block of size 1 (SGLang's token pool is NHD with block_size 1)."""
+    check_cache_case(backend, CacheCase(_split(T=1), layout="NHD", num_blocks=5, block_size=1))
+    check_cache_case(backend, CacheCase(_split(T=3), layout="NHD", num_blocks=8, block_size=1,
+                                        cache_dtype=torch.float8_e4m3fn))
+
+
+def test_no_tokens(backend):
+    check_cache_case(backend, CacheCase(_split(T=0), layout="HND"))
+
+
+def test_duplicate_slots_store_one_tokens_rows(backend):
+    """Two tokens to one slot: each (slot, head) row holds one of the two tokens' rows, never a mix within a
+    row."""
+    kw = make_cache_inputs(CacheCase(_split(T=2, num_kv_heads=1), layout="NHD"), seed=3)
+    kw.pop("storage")
+    kw["slot_mapping"] = torch.tensor([5, 5])
+    qkv = kw.pop("qkv")
+    qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kw, backend=backend)
+    stored = kw["key_cache"][0, 5, 0]
+    k_rows = qkv[:, 256:320]
+    assert torch.equal(stored, k_rows[0]) or torch.equal(stored, k_rows[1])
+
+
+def _untouched(backend, kw, **changes):
+    kw = dict(kw, **changes)
+    storage = kw.pop("storage")
+    qkv = kw.pop("qkv")
+    before, qkv_before = storage.clone(), qkv.clone()
+    try:
+        qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kw, backend=backend)
+    finally:
+        assert torch.equal(storage, before) and torch.equal(qkv.view(torch.int16), qkv_before.view(torch.int16)), (
+            "a refused call wrote to qkv or a cache")
+
+
+def test_slot_past_the_capacity_is_refused_before_any_write(backend):
+    kw = make_cache_inputs(CacheCase(_split(), layout="vec", block_size=32), seed=1)
+    slots = kw["slot_mapping"].clone()
+    slots[-1] = 3 * 32
+    with pytest.raises(ValueError, match=r"^slot_mapping: expected values < 96 .* got 96"):
+        _untouched(backend, kw, slot_mapping=slots)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
+def test_bad_scale_is_refused_before_any_write(backend, value):
+    kw = make_cache_inputs(CacheCase(_split(), layout="NHD", cache_dtype=torch.float8_e4m3fn), seed=1)
+    with pytest.raises(ValueError, match=r"^v_scale: expected a positive finite scale"):
+        _untouched(backend, kw, v_scale=torch.tensor(value))
