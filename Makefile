@@ -51,7 +51,7 @@ bench-e2e: $(STAMP)
 
 # The native kernels' shared suite and CPU tests once more for every narrower build this CPU runs (a Zen 5:
 # DEFAULT, AVX2, AVX512 besides its AVX512_BF16 default), each in its own process and build.
-CPU_TESTS := tests/test_ops.py tests/test_failure_modes.py tests/backends/test_cpu_specialised.py
+CPU_TESTS := tests/test_ops.py tests/test_failure_modes.py tests/backends/test_cpu_specialised.py tests/backends/test_cpu_cache.py
 OTHER_CAPS = $(shell $(PY) -c "from qkvfuse.backends.cpu import supported_capabilities as s, detected_capability as d; print(' '.join(c for c in s() if c != d()))")
 
 test: $(STAMP)
