@@ -1,6 +1,7 @@
 """Bad input: every call in the catalogue raises ValueError/TypeError naming the argument, on every backend.
 
-The catalogue (``qkvfuse._verify.failure_modes.BAD_CALLS``) covers both ops and the cache builder. It runs
+The catalogue (``qkvfuse._verify.failure_modes.BAD_CALLS``) covers the ops (the cache-writing split's caches, slots
+and scales included) and the cache builder. It runs
 in one child process per backend, so a crash of native or Triton code on bad input is reported as a test
 failure (naming the call it died in) instead of killing pytest. NaN/Inf inputs are not errors: they
 propagate inside their head or row (documented in ``split_qkv_rmsnorm_rope``), tested below.
@@ -25,6 +26,8 @@ def test_catalogue_covers_both_ops_and_the_cache_builder():
                 "gate_out", "q_gate", "gemma_norm", "out",  # split, gated layout and Gemma norms
                 "num_q_heads", "num_kv_heads",  # head counts (bounded: their products must not wrap)
                 "x", "residual", "weight", "bias", "y_out", "residual_out",  # add_rmsnorm
+                "key_cache", "value_cache", "slot_mapping", "layout", "fp8_rounding", "k_scale", "v_scale",
+                "cache_mode",  # the cache-writing split
                 "rotary_dim", "max_position", "base", "dtype", "rope_scaling"):  # build_cos_sin_cache
         assert arg in args, f"no bad call for {arg!r}"
 

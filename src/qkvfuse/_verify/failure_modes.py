@@ -703,6 +703,58 @@ def _raw_wrapping_heads(backend: str, inplace: bool):
                                          encode_rope(True, q_gate=True), *outs)
 
 
+def _cache_kwargs(case_layout: str = "NHD", cache_dtype=None, **changes) -> Dict[str, object]:
+    """The cache-writing split's standard bad-call inputs: the split's (T = 3, Hq = 4, Hkv = 2, D = 64, bf16) and a
+    poisoned 3-block cache of ``case_layout`` (block_size 16)."""
+    from .cache import CacheCase, make_cache_inputs
+
+    case = CacheCase(SplitCase(T=3, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16,
+                               bias=True, max_position=64), layout=case_layout, cache_dtype=cache_dtype)
+    kw = make_cache_inputs(case, seed=0)
+    del kw["storage"]
+    return dict(kw, **changes)
+
+
+def _cache(backend: str, case_layout: str = "NHD", cache_dtype=None, **changes):
+    """The public cache op on :func:`_cache_kwargs` (``case_layout``'s caches) with ``changes``."""
+    return qkvfuse.split_qkv_rmsnorm_rope_cache_(**_cache_kwargs(case_layout, cache_dtype, **changes),
+                                                 backend=backend)
+
+
+def _cache_untouched(backend: str, **changes):
+    """A refused cache call (a bad value, found in the data) leaves qkv and both caches unchanged."""
+    kw = _cache_kwargs(cache_dtype=torch.float8_e4m3fn)
+    kw.update(changes)
+    _untouched_after(lambda: qkvfuse.split_qkv_rmsnorm_rope_cache_(**kw, backend=backend), kw["qkv"],
+                     kw["key_cache"].view(torch.uint8), kw["value_cache"].view(torch.uint8))
+
+
+def _raw_cache(backend: str, cache_mode: int = 0, fp8: bool = False, **changes):
+    """The raw cache op (a loaded program's call): what the public layer cannot refuse for it."""
+    kw = _cache_kwargs(cache_dtype=torch.float8_e4m3fn if fp8 else None)
+    ops, static = _raw_ops(backend, {k: v for k, v in kw.items() if k not in (
+        "key_cache", "value_cache", "slot_mapping", "layout", "k_scale", "v_scale", "fp8_rounding")})
+    args = dict(key_cache=kw["key_cache"], value_cache=kw["value_cache"], slot_mapping=kw["slot_mapping"],
+                cache_mode=cache_mode, k_scale=kw.get("k_scale"), v_scale=kw.get("v_scale"))
+    args.update(changes)
+    return ops.split_cache(kw["qkv"], kw["positions"], *static, *args.values())
+
+
+def _cache_over(backend: str, what: str):
+    kw = _cache_kwargs()
+    if what == "same":
+        kw["value_cache"] = kw["key_cache"]
+    elif what == "qkv":  # the key cache's bytes inside qkv's
+        qkv = kw["qkv"]
+        buf = torch.zeros(3 * 16 * 2 * 64 + qkv.numel(), dtype=torch.bfloat16)
+        buf[: qkv.numel()].copy_(qkv.flatten())
+        kw["qkv"] = buf[: qkv.numel()].view_as(qkv)
+        kw["key_cache"] = buf[64 : 64 + 3 * 16 * 2 * 64].view(3, 16, 2, 64)
+    elif what == "expanded":  # every block the same memory
+        kw["key_cache"] = kw["key_cache"][:1].expand(3, 16, 2, 64)
+    return qkvfuse.split_qkv_rmsnorm_rope_cache_(**kw, backend=backend)
+
+
 _NO_NORM = dict(q_weight=None, k_weight=None, q_bias=None, k_bias=None)
 _META = torch.device("meta")
 _B = BadCall
@@ -848,6 +900,53 @@ BAD_CALLS: List[BadCall] = [
        lambda b: qkvfuse.AddRMSNorm(torch.zeros(64), 1e-6, gemma_norm=None, backend=b)),
     _B("y_out overlapping residual", "y_out", lambda b: _norm_overlap(b, "y_out")),
     _B("residual_out overlapping x", "residual_out", lambda b: _norm_overlap(b, "residual_out")),
+    # split_qkv_rmsnorm_rope_cache_: the caches, slots and scales
+    _B("key_cache not a tensor", "key_cache", lambda b: _cache(b, key_cache=[0.0])),
+    _B("key_cache fp16 for bf16 qkv", "key_cache",
+       lambda b: _cache(b, key_cache=torch.zeros(3, 16, 2, 64, dtype=torch.float16))),
+    _B("value_cache dtype not key_cache's", "value_cache",
+       lambda b: _cache(b, value_cache=torch.zeros(3, 16, 2, 64, dtype=torch.float8_e4m3fn))),
+    _B("key_cache 3-D", "key_cache", lambda b: _cache(b, key_cache=torch.zeros(48, 2, 64, dtype=torch.bfloat16))),
+    _B("key_cache head count not num_kv_heads", "key_cache",
+       lambda b: _cache(b, key_cache=torch.zeros(3, 16, 4, 64, dtype=torch.bfloat16),
+                        value_cache=torch.zeros(3, 16, 4, 64, dtype=torch.bfloat16))),
+    _B("key_cache head_dim not qkv's", "key_cache",
+       lambda b: _cache(b, key_cache=torch.zeros(3, 16, 2, 32, dtype=torch.bfloat16),
+                        value_cache=torch.zeros(3, 16, 2, 32, dtype=torch.bfloat16))),
+    _B("value_cache shape not key_cache's", "value_cache",
+       lambda b: _cache(b, value_cache=torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16))),
+    _B("NHD-shaped caches with layout HND", "key_cache",
+       lambda b: _cache(b, "HND", layout="HND", key_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16),
+                        value_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16))),
+    _B("key_cache on another device", "key_cache",
+       lambda b: _cache(b, key_cache=torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16, device=_META))),
+    _B("layout unknown", "layout", lambda b: _cache(b, layout="NDH")),
+    _B("layout not a string", "layout", lambda b: _cache(b, layout=0)),
+    _B("fp8_rounding unknown", "fp8_rounding", lambda b: _cache(b, fp8_rounding="up")),
+    _B("amx layout with an FP8 cache", "key_cache", lambda b: _cache(b, "amx", torch.float8_e4m3fn)),
+    _B("vec layout with a strided region", "key_cache",
+       lambda b: _cache(b, "vec", key_cache=torch.zeros(3, 2, 64, 16, dtype=torch.bfloat16).transpose(2, 3),
+                        value_cache=torch.zeros(3, 2, 64, 16, dtype=torch.bfloat16).transpose(2, 3))),
+    _B("key_cache with elements reached twice", "key_cache", lambda b: _cache_over(b, "expanded")),
+    _B("value_cache is key_cache", "value_cache", lambda b: _cache_over(b, "same")),
+    _B("key_cache overlapping qkv", "key_cache", lambda b: _cache_over(b, "qkv")),
+    _B("slot_mapping float", "slot_mapping", lambda b: _cache(b, slot_mapping=torch.zeros(3))),
+    _B("slot_mapping 2-D", "slot_mapping", lambda b: _cache(b, slot_mapping=torch.zeros(1, 3, dtype=torch.int64))),
+    _B("slot_mapping not a tensor", "slot_mapping", lambda b: _cache(b, slot_mapping=[0, 1, 2])),
+    _B("slot past the cache (qkv and caches untouched)", "slot_mapping",
+       lambda b: _cache_untouched(b, slot_mapping=torch.tensor([0, 48, 1]))),
+    _B("FP8 cache without k_scale", "k_scale", lambda b: _cache(b, cache_dtype=torch.float8_e4m3fn, k_scale=None)),
+    _B("k_scale float64", "k_scale",
+       lambda b: _cache(b, cache_dtype=torch.float8_e5m2, k_scale=torch.tensor(1.0, dtype=torch.float64))),
+    _B("v_scale two elements", "v_scale",
+       lambda b: _cache(b, cache_dtype=torch.float8_e4m3fn, v_scale=torch.ones(2))),
+    _B("k_scale a float", "k_scale", lambda b: _cache(b, cache_dtype=torch.float8_e4m3fn, k_scale=0.5)),
+    _B("k_scale for a bf16 cache", "k_scale", lambda b: _cache(b, k_scale=torch.tensor(1.0))),
+    _B("v_scale zero (qkv and caches untouched)", "v_scale",
+       lambda b: _cache_untouched(b, v_scale=torch.tensor(0.0))),
+    _B("raw cache_mode unknown", "cache_mode", lambda b: _raw_cache(b, cache_mode=7)),
+    _B("raw cache_mode negative", "cache_mode", lambda b: _raw_cache(b, cache_mode=-1)),
+    _B("raw FP8 cache without v_scale", "v_scale", lambda b: _raw_cache(b, fp8=True, v_scale=None)),
     # build_cos_sin_cache
     _B("cache builder rotary_dim odd", "rotary_dim", lambda b: build_cos_sin_cache(63, 16, 1e4)),
     _B("cache builder rotary_dim 0", "rotary_dim", lambda b: build_cos_sin_cache(0, 16, 1e4)),

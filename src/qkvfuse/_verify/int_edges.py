@@ -35,16 +35,19 @@ HEAD_EDGES = EDGES + (MAX_HEADS, MAX_HEADS + 1)
 
 # Every integer argument of every op, as "namespace::op.argument"; the test holds this to the registered schemas.
 _SPLIT_INTS = ("num_q_heads", "num_kv_heads", "rope")
-_SPLIT_OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace")
+_SPLIT_OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace",
+              "split_qkv_rmsnorm_rope_cache")
 SWEPT = frozenset(
     [f"{ns}::{op}.{arg}" for ns in _library.NAMESPACES.values() for op in _SPLIT_OPS for arg in _SPLIT_INTS]
+    + [f"{ns}::split_qkv_rmsnorm_rope_cache.cache_mode" for ns in _library.NAMESPACES.values()]
     + [f"qkvfuse_cpu::split_generic_out.{arg}" for arg in _SPLIT_INTS]
     + ["qkvfuse_cpu::mrope_axis_map.half", "qkvfuse_cpu::mrope_axis_map.mrope_section",
        "qkvfuse_cpu::decode_rope.rope", "qkvfuse_cpu::grain_items.elems_per_item"])
 
 T, D, R = 2, 8, 4  # tokens, head_dim, rotary_dim of the base calls
 _FORMS = {"functional": "split_qkv_rmsnorm_rope", "out": "split_qkv_rmsnorm_rope_out",
-          "inplace": "split_qkv_rmsnorm_rope_inplace"}
+          "inplace": "split_qkv_rmsnorm_rope_inplace", "cache": "split_qkv_rmsnorm_rope_cache"}
+BLOCKS, BLOCK_SIZE = 2, 4  # the cache form's NHD caches: [BLOCKS, BLOCK_SIZE, 1 KV head, D], fp32
 
 Outcome = Tuple[str, object]  # ("raised", "Type: message") or ("ran", tensors to compare)
 
@@ -78,6 +81,9 @@ def _call(ns: str, form: str, args, outs) -> Outcome:
             if form == "out":
                 op(*args, *outs)
                 return "ran", tuple(t for t in outs if t is not None)
+            if form == "cache":  # outs: (key_cache, value_cache, slot_mapping, cache_mode)
+                op(*args, *outs, None, None)
+                return "ran", (args[0], outs[0], outs[1])
             op(*args)
             return "ran", (args[0],)
     except Exception as exc:  # noqa: BLE001 -- the outcome compared with the reference's
@@ -101,10 +107,17 @@ def _split_cases(ns: str, form: str) -> Dict[str, Callable[[], Tuple[bool, str]]
     """The split sweeps of one namespace and form, each compared with the reference op on the same arguments."""
     found = {}
 
-    def add(name: str, make: Callable[[], tuple]) -> None:
+    def add(name: str, make: Callable[[], tuple], cache_mode: int = 0) -> None:
+        if form == "cache":
+            make = _with_cache(make, cache_mode)
+
         def check():
             return _agree(_call(ns, form, *make()), _call("qkvfuse_reference", form, *make()))
         found[f"{ns}::{form}: {name}"] = check
+
+    if form == "cache":
+        for v in EDGES:
+            add(f"cache_mode={v}", lambda: _split_args(2, 1, 1, False), cache_mode=v)
 
     for gated in (False, True):
         layout = "gated" if gated else "plain"
@@ -129,6 +142,17 @@ def _split_cases(ns: str, form: str) -> Dict[str, Callable[[], Tuple[bool, str]]
             lambda t=tokens: _split_args(3, 2**63 - 1, 1, False, width=16, out_widths=(48, 16, 16), norm=False,
                                          tokens=t))
     return found
+
+
+def _with_cache(make: Callable[[], tuple], cache_mode: int) -> Callable[[], tuple]:
+    """``make``'s split call with the cache form's arguments (poisoned fp32 NHD caches for one KV head, every token
+    to a slot) in place of the out= outputs."""
+    def made():
+        args, _ = make()
+        tokens = args[0].shape[0]
+        caches = tuple(torch.full((BLOCKS, BLOCK_SIZE, 1, D), float("nan")) for _ in range(2))
+        return args, (*caches, torch.arange(tokens, dtype=torch.int64) % (BLOCKS * BLOCK_SIZE), cache_mode)
+    return made
 
 
 def _expect(call: Callable[[], object], want: Callable[[], object], refused_arg: str) -> Tuple[bool, str]:
