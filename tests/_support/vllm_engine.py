@@ -65,12 +65,18 @@ class Run(NamedTuple):
     logprobs: List[List[float]]  # the chosen tokens' logprobs
     gaps: List[List[float]]  # logprob(chosen) - logprob(runner-up) per step: how close greedy was to a tie
     fused: Optional[Dict[str, int]]  # fused_layers() of the engine's model (None when not inspected)
+    probed: object = None  # probe(model) after the generation (generate's probe), else None
+    cached_tokens: Optional[List[int]] = None  # per prompt, its tokens served from vLLM's prefix cache
 
 
 def generate(model_dir: str, dtype: str, qkvfuse: Optional[dict], prompts: Sequence[Sequence[int]] = PROMPTS,
-             new_tokens: int = NEW_TOKENS, inspect: bool = True, **llm_kwargs) -> Run:
+             new_tokens: int = NEW_TOKENS, inspect: bool = True, setup=None, probe=None, rounds: int = 1,
+             **llm_kwargs) -> Run:
     """Greedy generation of ``prompts`` by a fresh engine; ``qkvfuse`` is the ``additional_config`` entry (None:
-    no entry). ``inspect`` reads the fused layers off the model (in-process engines only)."""
+    no entry). ``inspect`` reads the fused layers off the model (in-process engines only); ``setup(model)`` runs
+    in the engine before the generation and ``probe(model)`` after it (its result is ``Run.probed``);
+    ``rounds``: the prompts generated that many times in turn by the one engine (a later round finds the earlier
+    rounds' prompts in vLLM's prefix cache), the rounds' results one after the other in the ``Run``."""
     from vllm import LLM, SamplingParams
 
     additional = {} if qkvfuse is None else {"qkvfuse": qkvfuse}
@@ -79,9 +85,13 @@ def generate(model_dir: str, dtype: str, qkvfuse: Optional[dict], prompts: Seque
     kwargs.update(llm_kwargs)
     llm = LLM(model=model_dir, **kwargs)
     try:
+        if setup is not None:
+            llm.apply_model(setup)
         params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True,
                                 logprobs=2)
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        outs = []
+        for _ in range(rounds):
+            outs += llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         logprobs, gaps = [], []
         for o in outs:
@@ -90,10 +100,30 @@ def generate(model_dir: str, dtype: str, qkvfuse: Optional[dict], prompts: Seque
             gaps.append([step[tok].logprob - max(v.logprob for t, v in step.items() if t != tok)
                          for step, tok in steps])
         fused = llm.apply_model(fused_layers)[0] if inspect else None  # one entry per worker: rank 0
+        probed = llm.apply_model(probe)[0] if probe is not None else None
     finally:
         del llm
         gc.collect()
-    return Run(tokens, logprobs, gaps, fused)
+    return Run(tokens, logprobs, gaps, fused, probed, [o.num_cached_tokens or 0 for o in outs])
+
+
+def attention_layers(model: torch.nn.Module):
+    """vLLM's ``Attention`` layers of ``model`` by layer name (run inside the engine)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    return {m.layer_name: m for m in model.modules() if isinstance(m, Attention)}
+
+
+def zero_kv_caches(model: torch.nn.Module) -> None:
+    """Zero every attention layer's KV cache (``generate``'s ``setup``: two engines' caches then differ only in
+    what their steps wrote)."""
+    for layer in attention_layers(model).values():
+        layer.kv_cache.zero_()
+
+
+def kv_caches(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """A copy of every attention layer's KV cache, ``{layer name: cache}`` (``generate``'s ``probe``)."""
+    return {name: layer.kv_cache.clone() for name, layer in attention_layers(model).items()}
 
 
 def assert_same_greedy(tokens, reference: Run, tie: float) -> None:

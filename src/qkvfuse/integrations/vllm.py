@@ -65,12 +65,14 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .. import ops
 from . import _engine_common as core
 from ._engine_common import Options, first_untested, source_hash, when_imported
+from ._rebind import Rebinding
 
 __all__ = ["register", "fuse_model", "Options", "options_from_config", "TESTED_SOURCES", "CONFIG_KEY", "ENV_VAR",
            "Report", "source_hash"]
@@ -100,6 +102,13 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Glm4MoeDecoderLayer.forward": ("8df3b528d54b1de4",),
     "Qwen3NextDecoderLayer.forward": ("afc3b5b7784a8656",),
     "Qwen3_5DecoderLayer.forward": ("afc3b5b7784a8656",),  # Qwen3NextDecoderLayer's, inherited
+    # the kv_cache option: the attention call it reproduces without the cache update, the update it replaces
+    # and the CPU writer whose layouts and FP8 rounding the fused op reproduces
+    "Attention.forward": ("8c60360f29f33557",),
+    "get_attention_context": ("e87a63bdc12d1765",),
+    "unified_kv_cache_update": ("17ae140d6404c446",),
+    "unified_attention_with_output": ("75f9ca48e47de404",),
+    "CPUAttentionBackendImpl.do_kv_cache_update": ("62d1988366c007ee",),
 }
 
 # class -> its model module. Qwen3NextAttention is also the full-attention layer of Qwen3.5 / Qwen3.5-MoE
@@ -111,6 +120,8 @@ _DECODER = {"Qwen3DecoderLayer": "qwen3", "Qwen3MoeDecoderLayer": "qwen3_moe", "
 # the methods of a class whose code the fused forward replaces (default: forward)
 _METHODS = {"Qwen3NextAttention": ("forward", "_project_qkv_gate")}
 _ROTARY_SOURCES = ["RotaryEmbedding.forward_static", "MRotaryEmbedding.forward_native", "apply_interleaved_rope"]
+_KV_CACHE_SOURCES = ("Attention.forward", "get_attention_context", "unified_kv_cache_update",
+                     "unified_attention_with_output", "CPUAttentionBackendImpl.do_kv_cache_update")
 _NORM_SOURCES = ["RMSNorm.forward_native", "GemmaRMSNorm.forward_native"]
 _MODELS = "vllm.model_executor.models"
 
@@ -189,7 +200,23 @@ def _vllm_sources(module_name: str):
             if mod == module_name and hasattr(models, cls_name):
                 for method in _METHODS.get(cls_name, ("forward",)):
                     found[f"{cls_name}.{method}"] = getattr(getattr(models, cls_name), method)
+    found.update(_kv_cache_sources())
     return found
+
+
+def _kv_cache_sources():
+    """``{name in TESTED_SOURCES: function}`` for the kv_cache option (empty where vLLM's CPU attention backend
+    does not import: the option then leaves every cache to vLLM)."""
+    try:
+        from vllm.model_executor.layers.attention import attention
+        from vllm.v1.attention.backends import cpu_attn
+    except ImportError:
+        return {}
+    return {"Attention.forward": attention.Attention.forward,
+            "get_attention_context": attention.get_attention_context,
+            "unified_kv_cache_update": attention.unified_kv_cache_update,
+            "unified_attention_with_output": attention.unified_attention_with_output,
+            "CPUAttentionBackendImpl.do_kv_cache_update": cpu_attn.CPUAttentionBackendImpl.do_kv_cache_update}
 
 
 def model_modules() -> List[str]:
@@ -208,9 +235,11 @@ def _untested(names: List[str], module_name: str) -> Optional[str]:
 # --------------------------------------------------------------------------------------------------------
 class _Prepare(core.BoundPrepare):
     """The core's bound prepare (:class:`._engine_common.BoundPrepare`) under vLLM's qualification rule
-    (:func:`_layer_reason`; ``max_model_len``: the longest sequence the engine accepts)."""
+    (:func:`_layer_reason`; ``max_model_len``: the longest sequence the engine accepts); ``writer``: the layer's
+    :class:`_CacheWriter` when the fused call writes its KV cache, else None."""
 
     engine = ENGINE
+    writer: Optional["_CacheWriter"] = None
 
     def __init__(self, module, backend: Optional[str], verify: bool, max_model_len: Optional[int] = None):
         self.max_model_len = max_model_len
@@ -226,17 +255,251 @@ class _Prepare(core.BoundPrepare):
 def _fused_attention_forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
     """vLLM's attention forward with the split + QK-norm + RoPE in one fused call (vLLM's own forward for a call
     the layer no longer qualifies for); a gated layer's output is multiplied by ``sigmoid(gate)`` before
-    ``o_proj``, as ``Qwen3NextAttention.forward`` does."""
+    ``o_proj``, as ``Qwen3NextAttention.forward`` does. With a :class:`_CacheWriter` the fused call also writes
+    the layer's KV cache and vLLM's attention runs without its own cache update."""
     state = self._qkvfuse
     if not torch.compiler.is_compiling() and not state.ready(hidden_states):
         return type(self).forward(self, positions, hidden_states)
     qkv, _ = self.qkv_proj(hidden_states)
-    q, k, v, *gate = state(qkv, positions)
-    attn_output = self.attn(q, k, v)
+    writer = state.writer
+    if writer is None:
+        q, k, v, *gate = state(qkv, positions)
+        attn_output = self.attn(q, k, v)
+    else:
+        q, k, v, *gate, written = writer(qkv, positions)
+        attn_output = writer.attend(q, k, v, written)
     if gate:
         attn_output = attn_output * torch.sigmoid(gate[0])
     output, _ = self.o_proj(attn_output)
     return output
+
+
+# --------------------------------------------------------------------------------------------------------
+# The KV cache written by the fused call (the kv_cache option).
+# --------------------------------------------------------------------------------------------------------
+# vLLM-CPU's attention ISA (``layer.isa``, chosen by its metadata builder) -> qkvfuse's layout of the same bytes.
+# ``amx`` is the VNNI packing of 16-bit caches; vLLM packs FP8 caches on ``amx`` another way, left to vLLM.
+_ISA_LAYOUTS = {"vec": "vec", "vec16": "vec", "amx": "amx"}
+# vLLM's kv_cache_dtype -> the FP8 format of its uint8 storage ("auto": the model's dtype, no view).
+_FP8_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+_OP_LIBRARY = "qkvfuse_vllm"
+_OP_NAME = "prepare_and_cache"
+_WRITER = "_qkvfuse_writer"  # the Attention layer's attribute: its fused layer's writer, found by layer name
+_library = None  # the torch.library.Library that holds the op (its lifetime is the op's)
+
+
+class _CacheTarget(NamedTuple):
+    """One bind of a layer's cache: the key and value views vLLM-CPU's writer gets, qkvfuse's layout name and
+    the FP8 scales (0-d fp32, vLLM's ``_k_scale_float`` / ``_v_scale_float``), or ``layout`` None and the reason
+    vLLM's own writer runs."""
+
+    key_cache: Optional[torch.Tensor]
+    value_cache: Optional[torch.Tensor]
+    layout: Optional[str]
+    k_scale: Optional[torch.Tensor]
+    v_scale: Optional[torch.Tensor]
+    reason: Optional[str] = None
+
+
+class _CacheWriter:
+    """A fused attention layer's KV-cache write: the fused op writes K and V into vLLM-CPU's paged cache in the
+    pass that prepares them, and vLLM's attention runs without its own cache update.
+
+    Per call it reads what vLLM's ``unified_kv_cache_update`` would read (``get_attention_context``: the layer's
+    cache and this step's slot mapping). No slot mapping (vLLM's profiling and warm-up runs): nothing is written.
+    The cache views, layout and scales are bound per cache tensor, ``layer.isa``, cache dtype and scale values
+    (:class:`._rebind.Rebinding`); an ISA or cache dtype qkvfuse does not write (FP8 on ``amx``; ``neon`` ...)
+    keeps vLLM's own writer for the layer, logged once. FP8: the format vLLM's ``kv_cache_dtype`` names, stored
+    as vLLM-CPU's writer stores it (times ``1 / scale``, saturated, truncated toward zero: ``fp8_rounding=
+    "truncate"``), from the fp32 result (vLLM's writer quantises the rounded K and V: the same bytes for fp32
+    models, within the nearest-tie rule otherwise).
+
+    Eager calls run it directly; under ``torch.compile`` it is the opaque op ``qkvfuse_vllm::prepare_and_cache(
+    qkv, positions, layer_name) -> dummy`` (Q and K rewritten in ``qkv``, the cache written as vLLM's own update
+    op writes it, unseen by the graph), whose dummy result orders vLLM's attention after it as vLLM's own update
+    does (``kv_cache_dummy_dep``).
+    """
+
+    def __init__(self, state: _Prepare, attn):
+        self.state, self.attn = state, attn
+        self.layer_name = attn.layer_name
+        self.widths = ops._view_widths(state.hq, state.hkv, state.head_dim, state.q_gate)
+        self.binding = Rebinding(self._bind)
+        setattr(attn, _WRITER, self)
+
+    def __call__(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """The in-place views ``(q, k, v[, gate])`` of ``qkv`` after the fused call, and the dummy that orders the
+        attention after the cache write (None in eager mode, where calls run in order)."""
+        if torch.compiler.is_compiling():
+            from vllm.utils.torch_utils import _encode_layer_name
+
+            written = getattr(torch.ops, _OP_LIBRARY).prepare_and_cache(qkv, positions,
+                                                                        _encode_layer_name(self.layer_name))
+        else:
+            self.run(qkv, positions, checked=True)
+            written = None
+        views = qkv.split_with_sizes(self.widths, 1)
+        return (*(views if len(views) == 3 else ops._gated_order(views)), written)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, written: Optional[torch.Tensor]
+               ) -> torch.Tensor:
+        """vLLM's ``Attention.forward`` (default output shape and dtype, no query quantisation) without its
+        cache update: ``unified_attention_with_output`` after the fused write."""
+        from vllm.model_executor.layers.attention.attention import unified_attention_with_output
+        from vllm.utils.torch_utils import _encode_layer_name
+
+        attn = self.attn
+        output = torch.empty((q.shape[0], attn.num_heads * attn.head_size_v), dtype=q.dtype, device=q.device)
+        query = q.view(-1, attn.num_heads, attn.head_size)
+        out = output.view(-1, attn.num_heads, attn.head_size_v)
+        key = k.view(-1, attn.num_kv_heads, attn.head_size)
+        value = v.view(-1, attn.num_kv_heads, attn.head_size_v)
+        if attn.use_direct_call:
+            unified_attention_with_output(query, key, value, out, self.layer_name, kv_cache_dummy_dep=written)
+        else:
+            torch.ops.vllm.unified_attention_with_output(query, key, value, out, _encode_layer_name(self.layer_name),
+                                                         kv_cache_dummy_dep=written)
+        return output
+
+    def run(self, qkv: torch.Tensor, positions: torch.Tensor, checked: bool = False) -> None:
+        """Prepare ``qkv`` in place and write this step's K and V to the layer's cache (``checked``: the caller
+        already had :meth:`_Prepare.ready` say yes for this call)."""
+        from vllm.model_executor.layers.attention.attention import get_attention_context
+
+        _, attn, kv_cache, slot_mapping = get_attention_context(self.layer_name)
+        state = self.state
+        if not checked and not state.ready(qkv):  # compiled call of a layer that stopped qualifying
+            self._engine_prepare(qkv, positions)
+            if slot_mapping is not None:
+                self._engine_write(qkv, kv_cache, slot_mapping)
+            return
+        prep = state.prep if positions.dim() == 2 or state.sections is None else state.prep_1d
+        if slot_mapping is None:
+            prep.inplace(qkv, positions)
+            return
+        target = self.binding.get(kv_cache, getattr(attn, "isa", None), qkv.dtype, attn._k_scale_float,
+                                  attn._v_scale_float)
+        if target.layout is None:
+            prep.inplace(qkv, positions)
+            self._engine_write(qkv, kv_cache, slot_mapping)
+            return
+        prep.inplace_cache(qkv, positions, target.key_cache, target.value_cache, slot_mapping,
+                           layout=target.layout, k_scale=target.k_scale, v_scale=target.v_scale,
+                           fp8_rounding="truncate")
+
+    def _bind(self, kv_cache: torch.Tensor, isa: Optional[str], dtype: torch.dtype, k_scale: float,
+              v_scale: float) -> _CacheTarget:
+        """The views of ``kv_cache`` vLLM-CPU's writer gets (``[num_blocks, Hkv, block_size, 2 * head_dim]``
+        viewed ``[num_blocks, Hkv, 2 * block_size, head_dim]``, its halves), or why vLLM's writer keeps it."""
+        attn, state = self.attn, self.state
+        kv_dtype = attn.impl.kv_cache_dtype
+        fp8 = _FP8_CACHE_DTYPES.get(kv_dtype)
+        layout = _ISA_LAYOUTS.get(isa)
+        reason = None
+        if layout is None:
+            reason = f"vLLM-CPU's attention ISA {isa!r} (qkvfuse writes 'vec', 'vec16' and 'amx')"
+        elif kv_dtype != "auto" and fp8 is None:
+            reason = f"kv_cache_dtype {kv_dtype!r}"
+        elif fp8 is not None and layout == "amx":
+            reason = f"kv_cache_dtype {kv_dtype!r} on the 'amx' ISA (vLLM's FP8 packing there is its own)"
+        elif fp8 is None and kv_cache.dtype != dtype:
+            reason = f"a {kv_cache.dtype} cache for {dtype} activations"
+        elif (kv_cache.dim() != 4 or kv_cache.shape[1] != state.hkv or kv_cache.shape[3] != 2 * state.head_dim
+              or (fp8 is not None and kv_cache.dtype != torch.uint8)):
+            reason = (f"a cache of shape {tuple(kv_cache.shape)} and dtype {kv_cache.dtype} (expected [num_blocks, "
+                      f"{state.hkv}, block_size, {2 * state.head_dim}])")
+        if reason is not None:
+            _log_once(f"qkvfuse: {type(state.module).__name__} leaves its KV cache write to vLLM: {reason}")
+            return _CacheTarget(None, None, None, None, None, reason)
+        blocks, heads, block_size, _ = kv_cache.shape
+        cache = kv_cache.view(fp8) if fp8 is not None else kv_cache
+        key_cache, value_cache = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        scales = (None, None)
+        if fp8 is not None:
+            scales = tuple(torch.tensor(float(s), dtype=torch.float32, device=kv_cache.device)
+                           for s in (k_scale, v_scale))
+        return _CacheTarget(key_cache, value_cache, layout, *scales)
+
+    def _engine_prepare(self, qkv: torch.Tensor, positions: torch.Tensor) -> None:
+        """vLLM's own prepare written into ``qkv`` in the fused call's row order (``[q | gate | k | v]`` gated)."""
+        state = self.state
+        q, k, _, *gate = core.engine_prepare(state.module, qkv, positions, state.q_gate)
+        q_cols, kv_cols = state.hq * state.head_dim, state.hkv * state.head_dim
+        qkv[:, :q_cols].copy_(q)
+        start = q_cols
+        if gate:
+            qkv[:, start : start + q_cols].copy_(gate[0])
+            start += q_cols
+        qkv[:, start : start + kv_cols].copy_(k)
+
+    def _engine_write(self, qkv: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """vLLM's own cache update (its backend's writer) of the prepared ``qkv``'s K and V."""
+        views = qkv.split_with_sizes(self.widths, 1)
+        k, v = views[-2:]
+        attn, state = self.attn, self.state
+        attn.impl.do_kv_cache_update(attn, k.view(-1, state.hkv, state.head_dim),
+                                     v.view(-1, state.hkv, state.head_dim), kv_cache, slot_mapping)
+
+
+def _prepare_and_cache(qkv: torch.Tensor, positions: torch.Tensor, layer_name) -> torch.Tensor:
+    """The op ``qkvfuse_vllm::prepare_and_cache``: the layer's :meth:`_CacheWriter.run`; an empty dummy."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+    from vllm.utils.torch_utils import _resolve_layer_name
+
+    attn = get_attention_context(_resolve_layer_name(layer_name))[1]
+    getattr(attn, _WRITER).run(qkv, positions)
+    return qkv.new_empty(0)
+
+
+def _prepare_and_cache_fake(qkv: torch.Tensor, positions: torch.Tensor, layer_name) -> torch.Tensor:
+    return qkv.new_empty(0)
+
+
+def _register_op() -> None:
+    """Register ``qkvfuse_vllm::prepare_and_cache`` once per process, as vLLM registers its attention ops (its
+    ``direct_register_custom_op``: the layer name in vLLM's own argument type, ``qkv`` declared mutated)."""
+    global _library
+    if _library is not None:
+        return
+    from torch.library import Library
+    from vllm.utils.torch_utils import LayerNameType, direct_register_custom_op
+
+    library = Library(_OP_LIBRARY, "FRAGMENT")
+    annotations = {"qkv": torch.Tensor, "positions": torch.Tensor, "layer_name": LayerNameType,
+                   "return": torch.Tensor}
+    _prepare_and_cache.__annotations__ = dict(annotations)
+    _prepare_and_cache_fake.__annotations__ = dict(annotations)
+    direct_register_custom_op(_OP_NAME, _prepare_and_cache, mutates_args=["qkv"],
+                              fake_impl=_prepare_and_cache_fake, target_lib=library)
+    _library = library
+
+
+def _kv_cache_reason(module, opts: Options, untested: Optional[str]) -> Optional[str]:
+    """Why a fused layer leaves its KV cache write to vLLM (None: the fused call writes it). ``untested``: the
+    tested-source guard's reason for :data:`_KV_CACHE_SOURCES`."""
+    if opts.verify:
+        return "the verify option runs vLLM's own prepare, and its own cache write"
+    if untested:
+        return untested
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    attn = getattr(module, "attn", None)
+    if type(attn) is not Attention:
+        return f"its attention is a {type(attn).__name__}, not vLLM's Attention"
+    if attn.kv_sharing_target_layer_name is not None:
+        return f"it reads the KV cache of {attn.kv_sharing_target_layer_name} (kv_sharing_target_layer_name)"
+    if type(attn.impl) is not CPUAttentionBackendImpl or attn.attn_backend.forward_includes_kv_cache_update:
+        return f"attention backend {type(attn.impl).__name__} (qkvfuse writes vLLM-CPU's cache layouts)"
+    if attn.attn_type != AttentionType.DECODER:
+        return f"attention type {attn.attn_type}"
+    if attn.query_quant is not None:
+        return "vLLM quantises its queries"
+    if (attn.num_heads, attn.num_kv_heads, attn.head_size, attn.head_size_v) != (
+            module.num_heads, module.num_kv_heads, module.head_dim, module.head_dim):
+        return "its attention's head counts or sizes differ from the layer's"
+    return None
 
 
 def _competing_pass(vllm_config, flags) -> Optional[str]:
@@ -358,12 +621,14 @@ def fuse_model(model: torch.nn.Module, vllm_config) -> Report:
         return report
     targets = {}
     if opts.attention:
+        kv_untested = (first_untested(_KV_CACHE_SOURCES, _kv_cache_sources(), TESTED_SOURCES, source_hash, ENGINE,
+                                      TESTED_VERSION) if opts.kv_cache else None)
         for cls_name, mod in _ATTENTION.items():
             targets[cls_name] = core.Target(
                 f"{_MODELS}.{mod}", tuple(f"{cls_name}.{m}" for m in _METHODS.get(cls_name, ("forward",)))
                 + tuple(_ROTARY_SOURCES + _NORM_SOURCES),
                 lambda module, cls_name, untested, report: _fuse_attention(module, cls_name, vllm_config, opts,
-                                                                           untested, report))
+                                                                           untested, report, kv_untested))
     if opts.add_rmsnorm:
         for cls_name, mod in _DECODER.items():
             targets[cls_name] = core.Target(
@@ -376,10 +641,20 @@ def fuse_model(model: torch.nn.Module, vllm_config) -> Report:
     return report
 
 
-def _fuse_attention(module, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report) -> None:
+def _fuse_attention(module, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report,
+                    kv_untested: Optional[str]) -> None:
     reason, detail = (untested, "") if untested else _attention_reason(module, vllm_config, opts.backend)
     if reason is None:
-        module._qkvfuse = _Prepare(module, opts.backend, opts.verify, _max_model_len(vllm_config))
+        state = _Prepare(module, opts.backend, opts.verify, _max_model_len(vllm_config))
+        if opts.kv_cache:
+            kv_reason = _kv_cache_reason(module, opts, kv_untested)
+            if kv_reason is None:
+                _register_op()
+                state.writer = _CacheWriter(state, module.attn)
+                detail += ", writes the KV cache"
+            else:
+                _log_once(f"qkvfuse: {cls_name} leaves its KV cache write to vLLM: {kv_reason}")
+        module._qkvfuse = state
         core.install(module, "forward", _fused_attention_forward)
     report.count(cls_name, reason, detail)
 

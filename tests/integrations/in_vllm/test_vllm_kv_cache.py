@@ -1,0 +1,118 @@
+"""The ``kv_cache`` option inside vLLM-CPU engines: the fused attention layers write the paged KV cache from the fused
+op, and vLLM's attention runs without its own cache update.
+
+Each case runs two engines that differ only in the option: "own" (``{"attention": true, "kv_cache": false}``: vLLM's
+writer stores qkvfuse's K and V) and "fused" (``{"attention": true}``: the option is on by default). Their caches are
+zeroed before the generation and read back after it: four concurrent prompts with a 16-token step budget (chunked
+prefill mixed with decode steps), 8 greedy tokens each, generated twice by the same engine (the second round reads
+the first round's full blocks from vLLM's prefix cache). Where both writers store the same rounding of the same K
+and V -- 16-bit and fp32 caches, and FP8 caches of fp32 models (vLLM's writer quantises the K it is given, the fused
+op its fp32 result: the same values there) -- the caches must be byte-equal, and so the tokens and logprobs
+identical. The caches are vLLM-CPU's ``vec`` layout for fp32 models and ``amx`` for bf16 ones on a CPU with AMX.
+"""
+
+import pytest
+import torch
+
+from _support.vllm_engine import PROMPTS, generate, kv_caches, zero_kv_caches
+from qkvfuse import ops
+from qkvfuse.integrations import vllm as plugin
+
+OWN = {"attention": True, "kv_cache": False}
+FUSED = {"attention": True}
+# 32-token blocks (vLLM-CPU's smallest): the 40-token prompt fills one, which the second round finds cached.
+ENGINE = dict(block_size=32, num_gpu_blocks_override=64, enable_prefix_caching=True)
+AMX = torch.cpu._is_amx_tile_supported()
+# vLLM-CPU's FP8 caches need AVX-512 (or AMX) on x86; elsewhere vLLM refuses the engine.
+FP8 = pytest.mark.skipif(not (AMX or torch.cpu._is_avx512_supported()),
+                         reason="vLLM-CPU's FP8 KV cache needs a CPU with AVX-512 or AMX")
+
+
+@pytest.fixture
+def cache_writes(monkeypatch):
+    """``{layout: calls}`` of the fused cache-writing call made in this process (the in-process engine)."""
+    counts = {}
+    inplace_cache = ops.QKNormRope.inplace_cache
+
+    def counted(self, *args, layout="NHD", **kwargs):
+        counts[layout] = counts.get(layout, 0) + 1
+        return inplace_cache(self, *args, layout=layout, **kwargs)
+
+    monkeypatch.setattr(ops.QKNormRope, "inplace_cache", counted)
+    return counts
+
+
+@pytest.fixture
+def plugin_log(monkeypatch):
+    """The messages the plugin logs (its once-per-process memory cleared first; see test_vllm_engine)."""
+    messages = []
+    logger = plugin.logger
+
+    class Recorder:
+        def info(self, fmt, *args):
+            messages.append(fmt % args if args else fmt)
+            logger.info(fmt, *args)
+
+    monkeypatch.setattr(plugin, "_logged", set())
+    monkeypatch.setattr(plugin, "logger", Recorder())
+    return messages
+
+
+def _run(model_dir: str, dtype: str, entry: dict, kv_cache_dtype: str):
+    return generate(model_dir, dtype, entry, setup=zero_kv_caches, probe=kv_caches, rounds=2,
+                    kv_cache_dtype=kv_cache_dtype, **ENGINE)
+
+
+def _assert_same_caches(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and got
+    for name, cache in want.items():
+        a, b = got[name].view(torch.uint8), cache.view(torch.uint8)
+        assert b.count_nonzero() > 0, name  # the steps wrote this layer's cache
+        diff = (a != b).nonzero()
+        assert diff.numel() == 0, (f"{name}: {diff.shape[0]} bytes differ from vLLM's own writer's, first at "
+                                   f"{diff[0].tolist()}")
+
+
+@pytest.mark.parametrize("dtype, kv_cache_dtype, layout", [
+    ("float32", "auto", "vec"),
+    ("bfloat16", "auto", "amx" if AMX else "vec"),
+    pytest.param("float32", "fp8_e4m3", "vec", marks=FP8),
+    pytest.param("float32", "fp8_e5m2", "vec", marks=FP8),
+])
+def test_fused_cache_write_equals_vllms_own_writer(tiny_dir, cache_writes, plugin_log, dtype, kv_cache_dtype,
+                                                   layout):
+    model_dir = tiny_dir("Qwen3")
+    own = _run(model_dir, dtype, OWN, kv_cache_dtype)
+    assert own.fused == {"Qwen3Attention": 2} and cache_writes == {}
+    fused = _run(model_dir, dtype, FUSED, kv_cache_dtype)
+    assert fused.fused == {"Qwen3Attention": 2}
+    assert set(cache_writes) == {layout} and cache_writes[layout] > 0, cache_writes
+    assert any(m.startswith("qkvfuse: fused 2/2 Qwen3Attention (") and m.endswith(", writes the KV cache)")
+               for m in plugin_log), plugin_log
+    assert not any("leaves its KV cache write to vLLM" in m for m in plugin_log), plugin_log
+    # the second round found the 40-token prompt's first block in the prefix cache
+    n = len(PROMPTS)
+    assert fused.cached_tokens[n:] == own.cached_tokens[n:] and max(fused.cached_tokens[n:]) >= 32
+    assert fused.tokens[n:] == fused.tokens[:n]
+    _assert_same_caches(fused.probed, own.probed)
+    assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
+
+
+@pytest.mark.skipif(not AMX, reason="vLLM-CPU packs FP8 caches its own way on the 'amx' ISA (bf16 on an AMX CPU)")
+def test_fp8_cache_on_amx_is_left_to_vllms_writer(tiny_dir, cache_writes, plugin_log):
+    """bf16 on an AMX CPU with an FP8 cache: vLLM's ``amx`` FP8 packing is not one qkvfuse writes, so the layers
+    keep vLLM's writer (logged) and still run the fused prepare."""
+    run = generate(tiny_dir("Qwen3"), "bfloat16", FUSED, kv_cache_dtype="fp8_e4m3", **ENGINE)
+    assert run.fused == {"Qwen3Attention": 2} and cache_writes == {}
+    assert any("Qwen3Attention leaves its KV cache write to vLLM: kv_cache_dtype 'fp8_e4m3' on the 'amx' ISA" in m
+               for m in plugin_log), plugin_log
+
+
+def test_untested_vllm_attention_code_keeps_vllms_cache_write(tiny_dir, cache_writes, plugin_log, monkeypatch):
+    """A vLLM whose attention entry points differ from the tested ones: the fused prepare stays, vLLM writes the
+    cache (one log line)."""
+    monkeypatch.setitem(plugin.TESTED_SOURCES, "unified_attention_with_output", ("0" * 16,))
+    run = generate(tiny_dir("Qwen3"), "float32", FUSED, **ENGINE)
+    assert run.fused == {"Qwen3Attention": 2} and cache_writes == {}
+    assert any("Qwen3Attention leaves its KV cache write to vLLM: unified_attention_with_output differs from the "
+               "vLLM versions" in m for m in plugin_log), plugin_log
