@@ -4,8 +4,10 @@
 #                                  the MoE shared-expert stream race check
 #   bench --device cuda --quick    Triton launcher vs eager / compiled unfused reference and a same-size copy
 #   the shared suite's cuda rows   tests/test_fuzz.py -k cuda (fresh random geometries, every element checked)
-# Each step has its own time cap (seconds: VERIFY_S, BENCH_S, TESTS_S) so one that hangs leaves the others
-# their time (VERIFY_S=0 skips verify; BENCH_ARGS adds bench flags, e.g. --tile-sweep); logs and JSON go to $OUT
+#   qkvfuse_bench.cache_device     the Triton cache-writing split: correctness rows, bandwidth at T=4096/16384
+#                                  against a same-size copy, CUDA-graph replay on new slots/positions/scales
+# Each step has its own time cap (seconds: VERIFY_S, BENCH_S, TESTS_S, CACHE_S) so one that hangs leaves the
+# others their time (VERIFY_S=0 skips verify; BENCH_ARGS adds bench flags, e.g. --tile-sweep); logs and JSON go to $OUT
 # (default /tmp/qkvfuse-device). Usage, from the repository root:
 #   bash bench/device-check.sh
 set -u
@@ -30,10 +32,13 @@ step bench "${BENCH_S:-150}" $PY -m qkvfuse bench --device cuda --quick --json "
 XDIST=$($PY -c "import xdist; print('-n 8')" 2>/dev/null)
 step tests "${TESTS_S:-110}" $PY -m pytest -q $XDIST -k cuda \
     tests/test_fuzz.py
+step cache "${CACHE_S:-120}" env PYTHONPATH="$PWD/bench:$PYTHONPATH" $PY -m qkvfuse_bench.cache_device \
+    --json "$OUT/cache.json"
 
 # The reply shows the end of the output: the summaries last.
 grep -E "FAIL|Error|error" "$OUT/verify.log" | head -20
 tail -n 25 "$OUT/bench.log"
 tail -n 8 "$OUT/tests.log"
+grep -E "^FAIL" "$OUT/cache.log"; tail -n 9 "$OUT/cache.log"
 tail -n 3 "$OUT/verify.log"
 cat "$OUT/env.txt"

@@ -334,3 +334,13 @@ def test_cache_offsets_past_2_31_elements():
             flat[slot * dim:(slot + 1) * dim] = POISON
         for part in (tail, slice(0, block_size * dim)):
             assert bool((flat[part] == POISON).all())  # nothing else written
+
+
+def test_device_script_dry_run(capsys):
+    """``qkvfuse_bench.cache_device`` (bench/device-check.sh's cache step) at small sizes on CPU tensors: the
+    correctness rows pass and every section runs (the GPU run's code cannot rot)."""
+    from qkvfuse_bench import cache_device
+
+    assert cache_device.main(["--device", "cpu", "--tokens", "8", "--large-T", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "FAIL" not in text and "replay" in text and "copy_ same bytes" in text
