@@ -192,11 +192,14 @@ def test_gated_mrope_partial_rotary(monkeypatch, scheme, cache):
     _check(kwargs, "HND", torch.bfloat16 if cache == "bf16" else torch.float8_e4m3fn, storage="interleaved")
 
 
-def test_mrope_contiguous_without_norm():
+def test_mrope_contiguous_without_norm_strided_slots():
+    """Contiguous mRoPE without norm weights; slot_mapping a strided view (int32, a column of a wider table)."""
     kwargs = _case(T=6, num_q_heads=2, num_kv_heads=2, head_dim=32, rotary_dim=16, mrope_section=(4, 2, 2),
                    norm=False, dtype=torch.float32)
-    _check(kwargs, "NHD", torch.float32)
-    _check(kwargs, "vec", torch.float8_e5m2)
+    table = torch.full((6, 3), -7, dtype=torch.int32)
+    table[:, 1] = torch.tensor([40, 3, -1, 17, 0, 33])
+    _check(kwargs, "NHD", torch.float32, slots=table[:, 1])
+    _check(kwargs, "vec", torch.float8_e5m2, slots=table[:, 1])
 
 
 def _launch(kwargs, key, value, slots, layout, rounding="nearest"):

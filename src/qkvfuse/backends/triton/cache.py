@@ -91,7 +91,7 @@ def split_qkv_rmsnorm_rope_cache(
             k_scale, v_scale,
             T, slots.shape[0], num_q_heads, num_kv_heads, float(eps), cos_sin_cache.shape[0], s_t, s_h, s_w,
             qkv.stride(0), pos_stride_axis, pos_stride_tok, cos_sin_cache.stride(0), q_out.stride(0),
-            gate.stride(0), blocks * block_size, block_size,
+            gate.stride(0), slots.stride(0), blocks * block_size, block_size,
             *_strides(layout, key_cache, True), *_strides(layout, value_cache, False),
             HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
             K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm, IS_NEOX=bool(is_neox), MROPE=mrope,

@@ -117,7 +117,7 @@ def split_qkv_rmsnorm_rope_cache_kernel(
     qkv_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, q_b_ptr, k_b_ptr, q_out_ptr, gate_out_ptr,
     key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     T, num_slots, num_q_heads, num_kv_heads, eps, max_position, s_t, s_h, s_w,
-    qkv_stride, pos_stride_axis, pos_stride_tok, cos_sin_stride, q_out_stride, gate_out_stride,
+    qkv_stride, pos_stride_axis, pos_stride_tok, cos_sin_stride, q_out_stride, gate_out_stride, slot_stride,
     capacity, block_size,
     kc_block_stride, kc_off_stride, kc_head_stride, kc_dim_stride,
     vc_block_stride, vc_off_stride, vc_head_stride, vc_dim_stride,
@@ -152,7 +152,7 @@ def split_qkv_rmsnorm_rope_cache_kernel(
         # Slots: tokens past slot_mapping's end, negative or too large ones are not written (no host check on
         # a device, none under graph capture).
         has_slot = tok_mask & (tok < num_slots)
-        slot = tl.load(slot_ptr + tok, mask=has_slot, other=-1).to(tl.int64)
+        slot = tl.load(slot_ptr + tok * slot_stride, mask=has_slot, other=-1).to(tl.int64)
         has_slot &= (slot >= 0) & (slot < capacity)
         slot = tl.where(has_slot, slot, 0)
         blk = slot // block_size
