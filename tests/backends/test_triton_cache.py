@@ -236,6 +236,8 @@ def test_bad_and_short_slots_are_skipped_in_kernel(slot_dtype, layout):
     assert int((buf != POISON).sum()) == 4 * 2 * 2 * 32 * 2  # four tokens kept, K and V, two heads, bf16 bytes
 
     untouched = buf.clone()
+    _launch(kwargs, key, value, slots[:0], layout)  # no slots: nothing written
+    assert torch.equal(buf, untouched)
     with pytest.raises(ValueError, match="slot_mapping"):
         _run_triton(kwargs, key, value, slots, layout, "nearest", (None, None))
     assert torch.equal(buf, untouched)
