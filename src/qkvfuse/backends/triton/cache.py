@@ -56,7 +56,6 @@ def split_qkv_rmsnorm_rope_cache(
         return
     q_width = num_q_heads * head_dim
     cfg = split_config(T, num_q_heads, num_kv_heads, head_dim, whole_q_region=bool(q_gate))
-    del cfg["V_BLOCK"]  # V is copied by the KV programs
     scratch = None
     if q_gate and not (cfg["Q_HEADS"] >= num_q_heads and _is_column_view(q_out, qkv, 0)
                        and _is_column_view(gate_out, qkv, q_width)):
@@ -96,7 +95,8 @@ def split_qkv_rmsnorm_rope_cache(
             HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
             K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm, IS_NEOX=bool(is_neox), MROPE=mrope,
             MROPE_INTERLEAVED=bool(mrope_interleaved), Q_GATE=bool(q_gate), AMX=layout == AMX, FP8=fp8,
-            TRUNCATE=target.truncate, **cfg,
+            TRUNCATE=target.truncate, BLOCK_D=cfg["BLOCK_D"], BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"],
+            KV_HEADS=cfg["KV_HEADS"], num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
         )
         if scratch is not None:  # every program has read qkv: the Q/gate region may now be overwritten
             final_q.copy_(q_out)
