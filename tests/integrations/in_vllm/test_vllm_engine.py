@@ -38,19 +38,25 @@ TESTS_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts of fused attention-prepare and add+norm calls made in this process (the in-process engine)."""
+    """Counts of fused attention-prepare and add+norm calls made in this process (the in-process engine): a
+    layer that writes its KV cache (the kv_cache option) runs its prepare in its cache writer."""
     counts = {"attention": 0, "norm": 0}
-    prepare, norm = plugin._Prepare.__call__, plugin._Norm.__call__
+    prepare, norm, write = plugin._Prepare.__call__, plugin._Norm.__call__, plugin._CacheWriter.run
 
-    def counted_prepare(self, *args):
+    def counted_prepare(self, *args, **kwargs):
         counts["attention"] += 1
-        return prepare(self, *args)
+        return prepare(self, *args, **kwargs)
+
+    def counted_write(self, *args, **kwargs):
+        counts["attention"] += 1
+        return write(self, *args, **kwargs)
 
     def counted_norm(self, *args):
         counts["norm"] += 1
         return norm(self, *args)
 
     monkeypatch.setattr(plugin._Prepare, "__call__", counted_prepare)
+    monkeypatch.setattr(plugin._CacheWriter, "run", counted_write)
     monkeypatch.setattr(plugin._Norm, "__call__", counted_norm)
     return counts
 
@@ -209,9 +215,9 @@ def test_tensor_parallel_2_matches_tp_1(tiny_dir, name):
     model_dir = tiny_dir(name)
     tokens, _, log = _child_tokens(model_dir, ON, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, tensor_parallel_size=2,
                                    distributed_executor_backend="mp")
-    for rank in (0, 1):
+    for rank in (0, 1):  # each rank writes its own KV heads' cache (the kv_cache option, on by default)
         assert any(f"Worker_TP{rank}" in line and f"qkvfuse: fused 2/2 {MODELS[name]}" in line
-                   for line in log.splitlines()), log[-3000:]
+                   and line.endswith(", writes the KV cache)") for line in log.splitlines()), log[-3000:]
     assert_same_greedy(tokens, generate(model_dir, "float32", {"attention": False}), LOGPROB_ATOL["float32"])
 
 
