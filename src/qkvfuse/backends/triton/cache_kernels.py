@@ -5,8 +5,8 @@ One program: ``BLOCK_T`` tokens x a block of ``Q_HEADS`` Q heads, or x a block o
 program is the split kernel's (``kernels._norm_rope_heads``, gated de-interleave included). A KV program norms
 and rotates its K heads once, in fp32, stores them rounded into ``qkv`` and, from the same fp32 tile, into the
 cache (rounded to the cache's dtype, or quantised to FP8); then it copies its V heads (already in place in
-``qkv``) into the value cache. So K is computed once and each of ``qkv``'s elements is read once: no second pass
-over ``qkv`` or the cache.
+``qkv``) into the value cache. So K is computed once and ``qkv`` is read in one pass (each element by one program):
+no second pass over ``qkv`` or the cache.
 
 Cache addressing (:mod:`qkvfuse._cache_mode`): element ``(token t, head h, dim d)`` goes to ``block * sb + h * sh
 + f(offset) + g(d)`` with ``block, offset = divmod(slot_mapping[t], block_size)``, all in int64. For NHD, HND and
