@@ -39,7 +39,7 @@ def child_env(extra: Optional[dict] = None) -> dict:
 
 
 class Run(NamedTuple):
-    tokens: List[List[int]]  # greedy tokens per prompt
+    tokens: List[List[int]]  # greedy tokens per prompt (per prompt and pass with "repeat")
     logprobs: List[List[float]]  # the chosen tokens' logprobs
     gaps: List[List[float]]  # logprob(chosen) - logprob(runner-up) per step: how close greedy was to a tie
     lines: List[str]  # the plugin's "qkvfuse: fused/left ..." log lines (all scheduler processes)
@@ -49,7 +49,8 @@ class Run(NamedTuple):
 
 def run_engines(model_dir: str, engines: Sequence[dict], timeout: int = 900) -> List[Run]:
     """Start one engine per entry of ``engines`` (``{"qkvfuse": env value or None, "dtype": ..., "env": {...},
-    **sgl.Engine kwargs}``) in one child process, one after another, each generating :data:`PROMPTS`."""
+    "repeat": passes, **sgl.Engine kwargs}``) in one child process, one after another, each generating
+    :data:`PROMPTS` (``repeat`` times, one pass after another: the results of all passes in order)."""
     with tempfile.TemporaryDirectory() as counts_dir:
         spec = json.dumps({"model_dir": model_dir, "engines": list(engines), "counts_dir": counts_dir})
             # one pipe for stdout and stderr, the schedulers' included: each engine's log lines stay in order
@@ -76,6 +77,7 @@ def _generate(engine_kwargs: dict, model_dir: str, counts_dir: str, index: int) 
     kwargs = dict(engine_kwargs)
     env_value = kwargs.pop("qkvfuse", None)
     extra_env = kwargs.pop("env", {})
+    repeat = kwargs.pop("repeat", 1)  # generate the prompts again (radix-cache hits when the cache is on)
     counts_file = os.path.join(counts_dir, f"engine{index}")
     saved = dict(os.environ)
     os.environ.pop("QKVFUSE_SGLANG", None)
@@ -93,13 +95,15 @@ def _generate(engine_kwargs: dict, model_dir: str, counts_dir: str, index: int) 
     base.update(kwargs)
     engine = sgl.Engine(**base)
     try:
-        outs = engine.generate(input_ids=[list(p) for p in PROMPTS],
-                               sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True},
-                               return_logprob=True, top_logprobs_num=2)
+        passes = [engine.generate(input_ids=[list(p) for p in PROMPTS],
+                                  sampling_params={"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                                                   "ignore_eos": True},
+                                  return_logprob=True, top_logprobs_num=2) for _ in range(repeat)]
     finally:
         engine.shutdown()
         os.environ.clear()
         os.environ.update(saved)
+    outs = [o for p in passes for o in p]  # every pass's outputs, in order
     tokens, logprobs, gaps = [], [], []
     for o in outs:
         tokens.append(list(o["output_ids"]))
@@ -108,12 +112,13 @@ def _generate(engine_kwargs: dict, model_dir: str, counts_dir: str, index: int) 
         logprobs.append([c[0] for c in chosen])
         gaps.append([c[0] - max((t[0] for t in top if t[1] != c[1]), default=float("-inf"))
                      for c, top in zip(chosen, tops)])
-    counts = {"attention": 0, "norm": 0, "rope": 0}
+    counts = {"attention": 0, "norm": 0, "rope": 0, "kv_writes": 0}
     for name in os.listdir(counts_dir):
         if name.startswith(f"engine{index}."):
             with open(os.path.join(counts_dir, name)) as f:
                 for key, value in json.load(f).items():
-                    counts[key] += value
+                    counts[key] = counts.get(key, 0) + value
+    counts["cached_tokens"] = sum(int(o["meta_info"].get("cached_tokens", 0)) for o in outs)
     return {"tokens": tokens, "logprobs": logprobs, "gaps": gaps, "counts": counts}
 
 

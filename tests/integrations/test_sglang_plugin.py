@@ -94,6 +94,15 @@ def test_bad_options_name_the_key(value, match):
         plugin.options_from_env(value)
 
 
+def test_kv_cache_is_on_with_attention_unless_set_false():
+    assert plugin.options_from_env("1").kv_cache and plugin.options_from_env("1").attention
+    assert plugin.options_from_env('{"attention": true}').kv_cache
+    assert not plugin.options_from_env('{"attention": true, "kv_cache": false}').kv_cache
+    assert not plugin.options_from_env('{"kv_cache": true}').enabled  # nothing to write from without attention
+    with pytest.raises(ValueError, match=r"\['kv_cache'\]: expected a bool"):
+        plugin.options_from_env('{"attention": true, "kv_cache": 1}')
+
+
 def test_report_speaks_of_sglang():
     report = plugin.Report()
     report.count("Qwen3Attention", None, "cpu, rotary 128, neox")

@@ -11,7 +11,9 @@ Switched on per process environment, never by installing the package::
 :class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder layer's two norms with
 :class:`qkvfuse.AddRMSNorm` (in place, as SGLang's CUDA kernel writes); ``verify`` (bool, eager only) also runs
 SGLang's own path on every fused call and raises past qkvfuse's accuracy rule; ``backend`` (``"auto"``,
-``"cpu"``, ``"triton"``, ``"reference"``); and, SGLang only, ``shared_expert_overlap`` (bool): GLM-4.x MoE blocks
+``"cpu"``, ``"triton"``, ``"reference"``); ``kv_cache`` (bool, on unless set false; with ``attention``, eager,
+not with ``verify``): the fused prepare also writes K and V into SGLang's KV pool and the layer's attention runs
+with ``save_kv_cache=False`` (see below); and, SGLang only, ``shared_expert_overlap`` (bool): GLM-4.x MoE blocks
 run their shared expert on a side stream beside the routed experts (:class:`qkvfuse.moe.SharedExpertOverlap`)
 where SGLang does not already overlap them -- SGLang's own dual-stream path runs only inside CUDA-graph capture
 on CUDA; the plugin's covers eager batches (extend/prefill, ``disable_cuda_graph``) and XPU/NPU, and is inline
@@ -54,6 +56,22 @@ q, k and v are views of the projection output, as SGLang's own fused QK-norm ker
 laid out as SGLang's own prepare returns it (Qwen3-Next: a contiguous ``[T, Hq*D]``, which its HIP
 ``fused_sigmoid_mul`` assumes; Qwen3.5: ``[T, Hq, D]``, read by its strides).
 
+The KV-cache write (``kv_cache``). A fused layer's ``RadixAttention`` and the class method that holds the forward
+batch without passing it to the prepare (``Qwen3Attention.forward``, the gated layers' ``self_attention``) are
+wrapped on the instance. At each eager call the fused prepare reads the active attention backend and its pool
+(SGLang's forward context) and, where they are ones qkvfuse writes as SGLang would -- the ``torch_native`` or
+``intel_amx`` backend; an ``MHATokenToKVPool`` (or the full-attention pool of a ``HybridLinearKVPool``) in the NHD
+layout, unquantized, storing the activations' dtype or FP8 (``intel_amx``: the activations' dtype only) --
+writes K and V at ``out_cache_loc`` (the layer's ``k_buffer`` / ``v_buffer`` ``[slots, kv_heads, head_dim]``,
+qkvfuse's NHD with block size 1; padded rows as SGLang's attention: the real ones only) in the same fused call.
+The attention then gets ``save_kv_cache=False`` for that K (K and V None in ``intel_amx``'s decode, whose kernel
+writes what it is given). Same-dtype pools hold the bits SGLang's writer stores from the same K/V; FP8 pools the
+fp32 result rounded once to nearest even and saturated (SGLang casts the activations: a near tie may round the
+other way; an e5m2 overflow SGLang stores as inf). Anything else -- another backend or pool kind, an untested
+version of that SGLang code (:data:`_KV_SOURCES`), compiled code -- keeps SGLang's own write, with one log line per
+class and reason, e.g. ``qkvfuse: fused the KV-cache write of Qwen3Attention (MHATokenToKVPool torch.bfloat16,
+TorchNativeAttnBackend)``.
+
 Numerics: the rotary table is SGLang's own (in the dtype SGLang keeps it); qkvfuse computes norm and rotation in
 fp32 and rounds once -- at least as accurate as SGLang's unfused path. Tensor parallelism works as it does for
 SGLang's code: each rank's layer holds its local heads.
@@ -67,6 +85,7 @@ import json
 import logging
 import os
 import sys
+import weakref
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 import torch
@@ -114,6 +133,20 @@ TESTED_SOURCES: Dict[str, Tuple[str, ...]] = {
     "Glm4MoeSparseMoeBlock.forward": ("61be01c462666be8",),
     "Glm4MoeSparseMoeBlock.forward_normal": ("44c39506df4381a3",),
     "Glm4MoeSparseMoeBlock._forward_shared_experts": ("e55e13c705dcd64f",),
+    # the KV-cache write (kv_cache): the attention entry, the backends whose write is skipped, the pools written
+    "RadixAttention.forward": ("55e4295da33d1f0f",),
+    "AttentionBackend.forward": ("64367e6c255ad849",),
+    "padded_extend_real_tokens": ("94fe1a9b9b47a845",),
+    "TorchNativeAttnBackend.forward_extend": ("95338bf74c3324d6",),
+    "TorchNativeAttnBackend.forward_decode": ("a2c6dd583cdc9c3f",),
+    "IntelAMXAttnBackend.forward_extend": ("d99450ac1c578f84",),
+    "IntelAMXAttnBackend.forward_decode": ("ad1163ad3ccf3451",),
+    "MHATokenToKVPool.set_kv_buffer": ("f0e58db1c519a026",),
+    "MHATokenToKVPool._store_kv_layer": ("d3f3939d6ff7cbcd",),
+    "MHATokenToKVPool._get_key_buffer": ("3bcaf1ab4a4b2ccc",),
+    "_set_kv_buffer_impl": ("742df9d85a8f9a1d",),
+    "HybridLinearKVPool.set_kv_buffer": ("02e2399e09edb5f1",),
+    "HybridLinearKVPool._transfer_full_attention_id": ("a92ca06b37084638",),
 }
 
 # class -> (model module, the method the plugin replaces on the instance). Qwen3-Next and Qwen3.5 fold their
@@ -247,6 +280,7 @@ def _sglang_sources(module_name: str) -> Dict[str, Callable]:
              "apply_rotary_emb": utils.apply_rotary_emb,
              "RMSNorm.forward_native": layernorm.RMSNorm.forward_native,
              "GemmaRMSNorm.forward_native": layernorm.GemmaRMSNorm.forward_native}
+    found.update(_kv_sources())
     for cls_name, (mod, _) in _ATTENTION.items():
         if mod == module_name and hasattr(models, cls_name):
             for method in _ATTENTION_SOURCES[cls_name]:
@@ -288,26 +322,262 @@ class _Prepare(core.BoundPrepare):
     def qualifies(self, module) -> Optional[str]:
         return _attention_reason(module, self.context_len, self.backend)[0]
 
+    def inplace_cache(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slots: torch.Tensor, k_scale: Optional[torch.Tensor],
+                      v_scale: Optional[torch.Tensor]):
+        """The eager call (after :meth:`ready`) that also writes K and V into ``key_cache`` / ``value_cache``
+        (``[slots, 1, kv_heads, head_dim]``: NHD, block size 1) at ``slots``; the views of ``__call__``."""
+        prep = self.prep if positions.dim() == 2 or self.sections is None else self.prep_1d
+        return prep.inplace_cache(qkv, positions, key_cache, value_cache, slots, layout="NHD", k_scale=k_scale,
+                                  v_scale=v_scale)
+
     def log(self, message: str) -> None:
         _log_once(message)
 
 
-def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor):
+def _prepare(module, qkv: torch.Tensor, positions: torch.Tensor, forward_batch=None):
     """``(q, k, v)`` of ``qkv`` [T, (Hq + 2 Hkv) * D], Q and K normed and rotated in place (a gated layer:
     ``(q, k, v, gate)`` of ``[q_gate | k | v]``); None when the layer no longer qualifies (the bound prepare
     re-binds first when SGLang replaced or re-stored what it reads, and says so once when the result does not
-    qualify) or, gated, for an empty batch (SGLang's code splits it)."""
+    qualify) or, gated, for an empty batch (SGLang's code splits it). With the ``kv_cache`` option, eager, and
+    ``forward_batch`` (the call's batch; None: not known here) whose pool qualifies, the same fused call also
+    writes K and V into SGLang's KV pool (:class:`_KVWrite`)."""
     state = module._qkvfuse
-    if not torch.compiler.is_compiling() and not state.ready(qkv):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not state.ready(qkv):
         return None
     if qkv.shape[0] == 0:  # nothing to normalise; SGLang's split of an empty batch
         return None if state.q_gate else qkv.split([module.q_size, module.kv_size, module.kv_size], dim=-1)
+    kv = module.__dict__.get("_qkvfuse_kv")
+    if kv is not None and not compiling and not state.verify:
+        batch = forward_batch if forward_batch is not None else kv.batch
+        if batch is not None:
+            out = kv.write(state, qkv, positions, batch)
+            if out is not None:
+                return out
     return state(qkv, positions)
 
 
 def _bind(module, backend: Optional[str], verify: bool, context_len: Optional[int]) -> _Prepare:
     state = module._qkvfuse = _Prepare(module, backend, verify, context_len)
     return state
+
+
+# --------------------------------------------------------------------------------------------------------
+# The KV-cache write (the kv_cache option).
+# --------------------------------------------------------------------------------------------------------
+# SGLang's attention backends whose own K/V write the plugin takes over: class name -> (its module under
+# sglang.srt.layers.attention, whether its decode writes the K/V it is given even with save_kv_cache=False, whether
+# an FP8 pool is written for it). torch_native writes only through set_kv_buffer, which save_kv_cache=False
+# skips, and reads K/V from the pool. intel_amx's decode kernel writes the K/V it is given (it gets None, as
+# SGLang's own FP8 decode passes them) and its extend reads the new tokens' K/V from its arguments (kept); its
+# FP8 pools are left to SGLang (its kernels' own FP8 conversions are not reproduced here).
+_KV_BACKENDS = {"TorchNativeAttnBackend": ("torch_native_backend", False, True),
+                "IntelAMXAttnBackend": ("intel_amx_backend", True, False)}
+_KV_SOURCES = ("RadixAttention.forward", "AttentionBackend.forward", "padded_extend_real_tokens",
+               "TorchNativeAttnBackend.forward_extend", "TorchNativeAttnBackend.forward_decode",
+               "IntelAMXAttnBackend.forward_extend", "IntelAMXAttnBackend.forward_decode",
+               "MHATokenToKVPool.set_kv_buffer", "MHATokenToKVPool._store_kv_layer",
+               "MHATokenToKVPool._get_key_buffer", "_set_kv_buffer_impl", "HybridLinearKVPool.set_kv_buffer",
+               "HybridLinearKVPool._transfer_full_attention_id")
+# class -> the method of the class that holds the forward batch and calls the prepare without it (wrapped on the
+# instance so the prepare sees the batch); Qwen3-MoE's and GLM's prepares take the batch themselves.
+_BATCH_CALLERS = {"Qwen3Attention": "forward", "Qwen3HybridAttentionDecoderLayer": "self_attention",
+                  "Qwen3_5AttentionDecoderLayer": "self_attention"}
+_FP8_POOLS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _kv_sources() -> Dict[str, Callable]:
+    """``{name in TESTED_SOURCES: function}`` for the SGLang code the KV-cache write relies on."""
+    from sglang.srt.layers import radix_attention
+    from sglang.srt.layers.attention import base_attn_backend, graph_utils
+    from sglang.srt.mem_cache import memory_pool
+
+    found = {"RadixAttention.forward": radix_attention.RadixAttention.forward,
+             "AttentionBackend.forward": base_attn_backend.AttentionBackend.forward,
+             "padded_extend_real_tokens": graph_utils.padded_extend_real_tokens,
+             "_set_kv_buffer_impl": memory_pool._set_kv_buffer_impl}
+    for cls_name, methods in (("MHATokenToKVPool", ("set_kv_buffer", "_store_kv_layer", "_get_key_buffer")),
+                              ("HybridLinearKVPool", ("set_kv_buffer", "_transfer_full_attention_id"))):
+        for method in methods:
+            found[f"{cls_name}.{method}"] = getattr(getattr(memory_pool, cls_name), method)
+    for cls_name, (mod, _, _) in _KV_BACKENDS.items():
+        cls = getattr(importlib.import_module(f"sglang.srt.layers.attention.{mod}"), cls_name)
+        for method in ("forward_extend", "forward_decode"):
+            found[f"{cls_name}.{method}"] = getattr(cls, method)
+    return found
+
+
+def _kv_untested() -> Optional[str]:
+    """Why the KV-cache write is left to SGLang in this SGLang (its code differs from the tested), or None."""
+    try:
+        sources = _kv_sources()
+    except (ImportError, AttributeError) as exc:
+        return f"SGLang's KV-cache code not found ({type(exc).__name__}: {exc})"
+    return first_untested(_KV_SOURCES, sources, TESTED_SOURCES, source_hash, ENGINE, TESTED_VERSION)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVPlan:
+    """How one layer writes one pool: ``hybrid`` (a ``HybridLinearKVPool``: its full-attention sub-pool, the layer
+    id translated), ``fp8`` (the pool's FP8 dtype, stored as uint8; None: the activations' dtype), the unit
+    scales SGLang's writer applies (it divides by none), and whether K/V go to the attention as None in decode."""
+
+    hybrid: bool
+    fp8: Optional[torch.dtype]
+    scales: Optional[Tuple[torch.Tensor, torch.Tensor]]
+    drop_kv_in_decode: bool
+    real_tokens: Callable
+    description: str
+
+
+class _KVWrite:
+    """One fused layer's KV-cache write: the fused prepare writes K and V into SGLang's pool at the batch's
+    ``out_cache_loc`` (the layer's pool buffers ``[slots, kv_heads, head_dim]``, qkvfuse's ``NHD`` with block size
+    1), then the layer's ``RadixAttention`` runs with ``save_kv_cache=False`` (and K/V None where the backend's
+    decode writes them anyway) -- for the K tensor the prepare returned and that batch only; any other call
+    keeps SGLang's own write.
+
+    Per call it reads the active attention backend and pool (SGLang's forward context) and, for each new
+    (backend, pool, dtype), decides once whether they are ones qkvfuse writes as SGLang would (one log line per
+    class and decision): a tested backend (:data:`_KV_BACKENDS`), an ``MHATokenToKVPool`` (or a
+    ``HybridLinearKVPool`` over one) in the NHD layout, unquantized (no quant method), of the layer's head
+    count and head_dim, storing the activations' dtype or FP8 (``float8_e4m3fn`` / ``float8_e5m2`` as uint8:
+    rounded once from fp32 to nearest even and saturated, where SGLang's writer casts the activations with
+    ``.to()``)."""
+
+    def __init__(self, module):
+        self.module, self.name, self.attn = module, type(module).__name__, module.attn
+        self.batch = None  # the forward batch of the call in progress, set by the caller's wrapper
+        self.written = None  # (k, forward_batch, drop k/v) of the last fused write, for the attention call
+        self._seen: Optional[tuple] = None  # weak (backend, pool) and dtype the plan was made for
+        self._plan = None
+
+    def plan(self, qkv: torch.Tensor) -> Optional[_KVPlan]:
+        """The plan for the active backend and pool and ``qkv``'s dtype, or None (SGLang writes)."""
+        from sglang.srt.model_executor.forward_context import get_attn_backend, has_forward_context
+
+        if not has_forward_context():
+            return None
+        backend = get_attn_backend()
+        pool = getattr(backend, "token_to_kv_pool", None)
+        seen = self._seen
+        if seen is None or seen[0]() is not backend or seen[1]() is not pool or seen[2] != qkv.dtype:
+            plan = self._decide(backend, pool, qkv)
+            if isinstance(plan, str):
+                _log_once(f"qkvfuse: left the KV-cache write of {self.name} to {ENGINE}: {plan}")
+            else:
+                _log_once(f"qkvfuse: fused the KV-cache write of {self.name} ({plan.description})")
+            self._seen, self._plan = (weakref.ref(backend), weakref.ref(pool), qkv.dtype), plan
+        return None if isinstance(self._plan, str) else self._plan
+
+    def _decide(self, backend, pool, qkv: torch.Tensor):
+        """A :class:`_KVPlan`, or the reason (a string) the write stays SGLang's."""
+        from sglang.srt.layers.attention.graph_utils import padded_extend_real_tokens
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MHATokenToKVPool
+
+        kind = type(backend)
+        entry = _KV_BACKENDS.get(kind.__name__)
+        if entry is None or kind.__module__ != f"sglang.srt.layers.attention.{entry[0]}":
+            return f"attention backend {kind.__name__} is not one whose write qkvfuse takes over"
+        if getattr(backend, "use_mla", False) or getattr(backend, "swa_out_cache_loc", None) is not None:
+            return "an MLA or sliding-window attention backend"
+        layer, m = self.attn, self.module
+        if layer.is_cross_attention or layer.qk_head_dim != m.head_dim or layer.v_head_dim != m.head_dim:
+            return "a cross-attention layer, or K/V head sizes other than the layer's head_dim"
+        hybrid = type(pool) is HybridLinearKVPool
+        target = pool.full_kv_pool if hybrid and not pool.use_mla else pool
+        if type(target) is not MHATokenToKVPool:
+            return f"KV pool {type(pool).__name__} is not one qkvfuse writes (MHATokenToKVPool, or a " \
+                   "HybridLinearKVPool over one)"
+        if target.kv_cache_layout != "nhd" or target.use_hnd or target.is_quantized_kv_cache:
+            return f"the KV pool's layout {target.kv_cache_layout!r} or quantization method is not one qkvfuse writes"
+        if target.requires_physical_write_loc:
+            return "a unified KV pool (translated write locations)"
+        if (target.head_num, target.head_dim, target.v_head_dim) != (m.num_kv_heads, m.head_dim, m.head_dim):
+            return (f"KV pool heads {target.head_num} x {target.head_dim} != the layer's {m.num_kv_heads} x "
+                    f"{m.head_dim}")
+        fp8 = None
+        if target.dtype in _FP8_POOLS and target.store_dtype == torch.uint8:
+            if not entry[2]:
+                return f"an FP8 KV pool on {kind.__name__} (its kernels' own FP8 conversion)"
+            fp8 = target.dtype
+        elif target.dtype != qkv.dtype or target.store_dtype != target.dtype:
+            return f"KV pool dtype {target.dtype} for {qkv.dtype} activations"
+        scales = None
+        if fp8 is not None:
+            one = torch.ones((), dtype=torch.float32, device=qkv.device)
+            scales = (one, one)
+        where = "HybridLinearKVPool's full-attention " if hybrid else ""
+        return _KVPlan(hybrid, fp8, scales, entry[1], padded_extend_real_tokens,
+                       f"{where}MHATokenToKVPool {target.dtype}, {kind.__name__}")
+
+    def write(self, state, qkv: torch.Tensor, positions: torch.Tensor, forward_batch):
+        """The fused prepare with the KV-cache write, the views it returns; None when this call leaves the write
+        to SGLang (nothing written)."""
+        mode = getattr(forward_batch, "forward_mode", None)
+        if mode is None or mode.is_idle():
+            return None
+        plan = self.plan(qkv)
+        if plan is None:
+            return None
+        backend_pool = self._seen[1]()
+        layer_id = self.attn.layer_id
+        if plan.hybrid:
+            layer_id = backend_pool._transfer_full_attention_id(layer_id)
+            backend_pool = backend_pool.full_kv_pool
+        index = layer_id - backend_pool.start_layer
+        key_cache, value_cache = backend_pool.k_buffer[index], backend_pool.v_buffer[index]
+        if plan.fp8 is not None:
+            key_cache, value_cache = key_cache.view(plan.fp8), value_cache.view(plan.fp8)
+        slots = forward_batch.out_cache_loc
+        real = plan.real_tokens(qkv, forward_batch)  # padded rows: SGLang's attention writes the real ones only
+        if real is not None:
+            slots = slots[:real]
+        k_scale, v_scale = plan.scales if plan.scales is not None else (None, None)
+        out = state.inplace_cache(qkv, positions, key_cache.unsqueeze(1), value_cache.unsqueeze(1), slots, k_scale,
+                                  v_scale)
+        self.written = (out[1], forward_batch, plan.drop_kv_in_decode and mode.is_decode())
+        return out
+
+
+def _attention_after_write(self, q, k, v, forward_batch, save_kv_cache: bool = True, **kwargs):
+    """``RadixAttention.forward`` of a layer whose fused prepare writes the KV cache: called with the K the prepare
+    returned for this batch, SGLang's own write is skipped (``save_kv_cache=False``; K/V None where the
+    backend's decode would write them anyway); any other call is SGLang's unchanged."""
+    kv = self._qkvfuse_kv
+    written, kv.written = kv.written, None
+    if written is not None and k is written[0] and forward_batch is written[1]:
+        save_kv_cache = False
+        if written[2]:
+            k = v = None
+    return type(self).forward(self, q, k, v, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
+
+
+def _forward_with_batch(self, positions: torch.Tensor, hidden_states, forward_batch, *args, **kwargs):
+    """The class's method that holds the forward batch (:data:`_BATCH_CALLERS`), with the batch lent to the
+    fused prepare it calls."""
+    kv = self._qkvfuse_kv
+    kv.batch = forward_batch
+    try:
+        return getattr(type(self), _BATCH_CALLERS[kv.name])(self, positions, hidden_states, forward_batch, *args,
+                                                             **kwargs)
+    finally:
+        kv.batch = None
+
+
+def _install_kv_write(module) -> Optional[str]:
+    """Give a fused layer the KV-cache write (:class:`_KVWrite`); the reason when it has no attention to hand it
+    to."""
+    attn = getattr(module, "attn", None)
+    if type(attn).__name__ != "RadixAttention" or not isinstance(getattr(attn, "layer_id", None), int):
+        return "the layer has no RadixAttention"
+    kv = _KVWrite(module)
+    module._qkvfuse_kv = attn._qkvfuse_kv = kv
+    core.install(attn, "forward", _attention_after_write)
+    if kv.name in _BATCH_CALLERS:
+        core.install(module, _BATCH_CALLERS[kv.name], _forward_with_batch)
+    return None
 
 
 def _fused_qwen3_prepare(self, positions: torch.Tensor, hidden_states: torch.Tensor):
@@ -322,7 +592,7 @@ def _fused_qwen3_prepare(self, positions: torch.Tensor, hidden_states: torch.Ten
 def _fused_qwen3_moe_qk_norm_rope(self, qkv: torch.Tensor, positions: torch.Tensor, forward_batch):
     """``Qwen3MoeAttention.apply_qk_norm_rope`` fused; K/V then go to the cache through ``forward_core``'s
     ``save_kv_cache`` (the flag SGLang's own fused kernels set), never through the rotary module."""
-    out = _prepare(self, qkv, positions)
+    out = _prepare(self, qkv, positions, forward_batch)
     if out is None:
         return type(self).apply_qk_norm_rope(self, qkv, positions, forward_batch)
     self._used_fused_qk_norm_rope_last_call = True
@@ -335,7 +605,7 @@ def _fused_glm4_moe_prepare(self, positions: torch.Tensor, hidden_states, forwar
     if hs.shape[0] == 0:
         return hidden_states, forward_batch, None
     qkv, _ = self.qkv_proj(hidden_states)
-    out = _prepare(self, qkv, positions)
+    out = _prepare(self, qkv, positions, forward_batch)
     if out is None:  # recompute the projection: SGLang's method starts from hidden_states
         return type(self).forward_prepare(self, positions, hidden_states, forward_batch)
     q, k, v = out
@@ -541,12 +811,13 @@ def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
         return report
     targets = {}
     if opts.attention:
+        kv_untested = _kv_untested() if opts.kv_cache and not opts.verify else None
         for cls_name, (mod, _) in _ATTENTION.items():
             targets[cls_name] = core.Target(
                 f"{_MODELS}.{mod}", tuple(f"{cls_name}.{m}" for m in _ATTENTION_SOURCES[cls_name])
                 + _SHARED_ATTENTION_SOURCES,
                 lambda module, cls_name, untested, report: fuse_attention(module, opts, context_len, report,
-                                                                          untested))
+                                                                          untested, kv_untested))
     if opts.add_rmsnorm:
         for cls_name, mod in _DECODER.items():
             targets[cls_name] = core.Target(f"{_MODELS}.{mod}", (f"{cls_name}.forward", "RMSNorm.forward_native"),
@@ -563,16 +834,25 @@ def fuse_model(model: torch.nn.Module, options: Optional[Options] = None,
     return report
 
 
+_NO_KV = object()
+
+
 def fuse_attention(module, opts: Options, context_len: Optional[int] = None, report: Optional[Report] = None,
-                   untested: Optional[str] = None) -> Report:
+                   untested: Optional[str] = None, kv_untested=_NO_KV) -> Report:
     """Fuse one attention layer (a class of the attention table) if it qualifies: its prepare method is replaced
-    on the instance. Returns ``report`` (a new one if None)."""
+    on the instance, and with ``opts.kv_cache`` (eager, not ``verify``) the layer writes SGLang's KV cache from
+    the fused op where the pool qualifies (:class:`_KVWrite`; ``kv_untested``: the tested-source guard's reason
+    for that code, computed here when not given). Returns ``report`` (a new one if None)."""
     report = Report() if report is None else report
     cls_name = type(module).__name__
     reason, detail = (untested, "") if untested else _attention_reason(module, context_len, opts.backend)
     if reason is None:
         _bind(module, opts.backend, opts.verify, context_len)
         core.install(module, _ATTENTION[cls_name][1], _FUSED[cls_name])
+        if opts.kv_cache and not opts.verify:
+            kv_reason = (_kv_untested() if kv_untested is _NO_KV else kv_untested) or _install_kv_write(module)
+            if kv_reason is not None:
+                _log_once(f"qkvfuse: left the KV-cache write of {cls_name} to {ENGINE}: {kv_reason}")
     report.count(cls_name, reason, detail)
     return report
 

@@ -5,7 +5,10 @@ requests of different lengths (5 to 40 tokens) with 16-token prefill chunks and 
 extend and decode; greedy, 8 new tokens. The plugin is loaded through its entry point in SGLang's scheduler
 process and switched by ``$QKVFUSE_SGLANG``; the fused calls are counted inside that process. Tokens with the
 plugin on must equal those with it off and transformers' ``generate()`` (up to the vLLM tests' near-tie rule);
-the chosen tokens' logprobs close. The refusals leave SGLang's tokens and logprobs bit-identical.
+the chosen tokens' logprobs close. With the plugin on the fused prepare also writes SGLang's KV pool (the
+``kv_cache`` option's default), and every such write is checked inside the scheduler against SGLang's own
+writer on the same K and V (``_support.sglang_kv_check``: the fp32 pool's bytes identical, nothing else in the
+pool changed). The refusals leave SGLang's tokens and logprobs bit-identical.
 
 Tensor parallelism is not tested here: on SGLang 0.5.23's base platform every TP group of size > 1 builds a
 PyNccl communicator (``parallel_state.init_model_parallel_group``: unless NPU / XPU / mooncake or an out-of-tree
@@ -21,6 +24,7 @@ from _support.vllm_engine import assert_same_greedy, hf_generate
 
 ON = '{"attention": true, "add_rmsnorm": true}'
 OVERLAP = '{"attention": true, "shared_expert_overlap": true}'
+KV_CHECK = {"QKVFUSE_TEST_KV_CHECK": "1"}  # each fused KV-cache write checked against SGLang's writer
 LOGPROB_ATOL = 1e-4  # fp32: arithmetic-order noise (the tie margin of assert_same_greedy too)
 MODELS = {  # tiny model -> (the attention class SGLang builds, its rotary description, the decoder class)
     "Qwen3": ("Qwen3Attention", "rotary 128, neox", "Qwen3DecoderLayer"),
@@ -35,7 +39,7 @@ def _off_on(tiny_dir, name):
     """SGLang with the plugin loaded but off, then on (attention + add+RMSNorm; GLM: ``1``, attention only),
     in one child process; cached for the test run (the refusal tests compare against the off run)."""
     if name not in _runs:
-        settings = [{"qkvfuse": None}, {"qkvfuse": "1" if name == "GLM-4.7" else ON}]
+        settings = [{"qkvfuse": None}, {"qkvfuse": "1" if name == "GLM-4.7" else ON, "env": KV_CHECK}]
         if name == "GLM-4.7":  # and with the MoE block's shared-expert overlap (inline on CPU: SGLang's bits)
             settings.append({"qkvfuse": OVERLAP})
         _runs[name] = run_engines(tiny_dir(name), settings)
@@ -61,6 +65,11 @@ def test_tokens_equal_plugin_off_and_transformers(tiny_dir, name):
         assert f"qkvfuse: fused 4/4 {decoder} add+RMSNorm (cpu)" in "\n".join(on.lines), on.lines
         assert on.counts["attention"] > 0 and on.counts["norm"] > 0, on.counts
     assert not any("qkvfuse: left" in line for line in on.lines), on.lines
+    # every fused prepare wrote the pool (SGLang's writer skipped), byte for byte as SGLang's writer would have
+    assert (f"qkvfuse: fused the KV-cache write of {attention} (MHATokenToKVPool torch.float32, "
+            "TorchNativeAttnBackend)") in "\n".join(on.lines), on.lines
+    assert on.counts["kv_writes"] == on.counts["attention"] > 0, on.counts
+    assert on.counts["kv_rows_differ"] == on.counts["kv_bad"] == 0, on.counts
     # every attention layer's prepare ran fused (2 per forward) and SGLang's own RoPE never (the batches SGLang
     # forms depend on when the requests arrive, so the counts of two engines need not be equal)
     assert on.counts["attention"] % 2 == 0 and on.counts["rope"] == 0, on.counts
@@ -89,7 +98,8 @@ def test_plugin_not_loaded_and_untested_code_are_bit_identical_to_sglang(tiny_di
     ])
     for run in (unloaded, untested):
         assert (run.tokens, run.logprobs) == (off.tokens, off.logprobs)
-        assert run.counts["attention"] == run.counts["norm"] == 0 and run.counts["rope"] > 0, run.counts
+        assert run.counts["attention"] == run.counts["norm"] == run.counts["kv_writes"] == 0, run.counts
+        assert run.counts["rope"] > 0, run.counts
     assert unloaded.lines == []
     assert any("qkvfuse: left 2/2 Qwen3Attention to SGLang: Qwen3Attention.forward_prepare_native differs from "
                "the SGLang versions" in line for line in untested.lines), untested.lines
