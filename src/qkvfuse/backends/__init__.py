@@ -27,9 +27,10 @@ import warnings
 from typing import Dict, Optional, Tuple
 
 from .. import _library, reference
+from . import native_host
 
 __all__ = ["BACKEND_NAMES", "select_ops", "resolve_backend", "available_backends", "backend_unavailable",
-           "get_backend"]
+           "get_backend", "triton_host_kernels"]
 
 BACKEND_NAMES = ("reference", "cpu", "triton")
 _MODULES = {"reference": "qkvfuse.reference", "cpu": "qkvfuse.backends.cpu", "triton": "qkvfuse.backends.triton"}
@@ -171,11 +172,16 @@ for _name in ("reference", "auto"):
 
 class _LazyTriton:
     """Triton kernels for one set of ops: import the backend on the first call. For ``auto`` a failed
-    import falls back to the reference with one warning; for ``triton`` (requested) it raises."""
+    import falls back to the reference with one warning; for ``triton`` (requested) it raises.
 
-    def __init__(self, fallback: bool):
-        self.fallback = fallback
-        self.split_out = self.norm_out = self.split_cache = None
+    The first call also switches the Triton ops (but the cache-writing split) to the native host kernels where the
+    native library has them (:mod:`.native_host`): later calls are checked in C++ and reach the launchers through
+    :meth:`host_split` / :meth:`host_norm`, which point the C++ kernels at the backend's own launchers once it is
+    imported."""
+
+    def __init__(self, name: str, fallback: bool):
+        self.name, self.fallback = name, fallback
+        self.split_out = self.norm_out = self.split_cache = self.split_entry = None
 
     def _kernels(self):
         if self.split_out is None:
@@ -185,8 +191,13 @@ class _LazyTriton:
                     raise RuntimeError(f"qkvfuse: backend 'triton' was requested but is unavailable: {reason}")
                 _fall_back("triton", reason)
                 module = reference
+                self.split_entry = native_host.split_entry_of(reference.split_qkv_rmsnorm_rope_out)
+            else:
+                self.split_entry = module.split_entry
             self.split_out, self.norm_out = module.split_qkv_rmsnorm_rope_out, module.add_rmsnorm_out
             self.split_cache = module.split_qkv_rmsnorm_rope_cache
+            triton_host_kernels()
+            native_host.set_launchers(self.name, self.split_entry, self.norm_out)
         return self
 
     def split(self, *args):
@@ -198,11 +209,32 @@ class _LazyTriton:
     def cache(self, *args):
         self._kernels().split_cache(*args)
 
+    def host_split(self, *args):
+        self._kernels().split_entry(*args)
 
+    def host_norm(self, *args):
+        self._kernels().norm_out(*args)
+
+
+def triton_host_kernels() -> bool:
+    """Switch the Triton ops to the native host kernels now (the first Triton launch does it anyway; this loads the
+    native library, building it where needed); returns whether they run them (:mod:`.native_host`)."""
+    return native_host.enable(_triton_libs, {lazy.name: (lazy.host_split, lazy.host_norm) for lazy in _lazies})
+
+
+# The Python kernels of the Triton keys: the ops the native host kernels serve in libraries of their own
+# (native_host.enable destroys them when the C++ kernels take over), the cache-writing split in _impls.
+_HOST_OPS = tuple(op for op in _library.OPS if op != "split_qkv_rmsnorm_rope_cache")
+_triton_libs = []
+_lazies = []
 for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
-    _lazy = _LazyTriton(fallback=_name == "auto")
+    _lazy = _LazyTriton(_name, fallback=_name == "auto")
+    _lazies.append(_lazy)
+    _triton_libs.append(_library.impl_library(_name))
     for _key in _keys:
-        _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm, _lazy.cache)
+        _library.register_kernels(_triton_libs[-1], _key, _lazy.split, _lazy.norm, _lazy.cache, ops=_HOST_OPS)
+        _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm, _lazy.cache,
+                                  ops=("split_qkv_rmsnorm_rope_cache",))
 
 from . import cpu as _cpu  # noqa: E402  (registers the lazily built native kernels for CPU tensors)
 

@@ -20,6 +20,7 @@ raises instead).
 from __future__ import annotations
 
 import os
+import sysconfig
 import threading
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -32,7 +33,7 @@ from .build import build_library, cache_root, library_key
 __all__ = ["available", "load_library", "prebuild", "register_lazy_kernels", "split_qkv_rmsnorm_rope_out",
            "add_rmsnorm_out"]
 
-_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "inplace_versions.cpp")
+_SOURCES = ("split_qkv_rmsnorm_rope.cpp", "add_rmsnorm.cpp", "inplace_versions.cpp", "triton_host.cpp")
 # ATen's vector headers pick their implementation from CPU_CAPABILITY*; the -m flags are the ones torch's
 # own build uses for the same capability. -ffp-contract=off keeps the scalar tails free of compiler-chosen
 # FMAs (the kernels place theirs explicitly). OpenMP pragmas inside at::parallel_for need -fopenmp at
@@ -98,13 +99,28 @@ def capability() -> str:
 _HERE = Path(__file__).resolve().parent
 
 
+def _ldflags(flags: List[str]) -> List[str]:
+    """torch's Python library (THPVariable_Wrap) for a build with the Triton host kernels."""
+    return ["-ltorch_python"] if "-DQKVFUSE_PYTHON_HOST" in flags else []
+
+
 def _build_inputs(cap: str) -> Tuple[str, List[Path], List[str]]:
     """Name, sources and compiler flags of the library for capability ``cap``."""
-    flags: List[str] = _COMMON_FLAGS + _CAPABILITY_FLAGS[cap]
+    flags: List[str] = _COMMON_FLAGS + _CAPABILITY_FLAGS[cap] + _python_flags()
     if cap != "DEFAULT":
         aten = _aten_capability(cap)
         flags += [f"-DCPU_CAPABILITY={aten}", f"-DCPU_CAPABILITY_{aten}"]
     return f"qkvfuse_cpu_{cap.lower()}", [_HERE / s for s in _SOURCES], flags
+
+
+def _python_flags() -> List[str]:
+    """The Triton ops' C++ host kernels (triton_host.cpp) call the Python launcher: Python's headers, where this
+    interpreter has them (without them that file compiles to nothing and the Triton ops keep their Python
+    kernels)."""
+    include = sysconfig.get_paths().get("include") or ""
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        return []
+    return ["-DQKVFUSE_PYTHON_HOST", "-isystem", include]
 
 
 def build_directory(cap: Optional[str] = None) -> Path:
@@ -113,7 +129,8 @@ def build_directory(cap: Optional[str] = None) -> Path:
     just :func:`.build.cache_root` when no compiler is installed (the key is then unknown)."""
     name, sources, flags = _build_inputs(cap or capability())
     try:
-        return cache_root() / library_key(name, sources, include_dirs=[_HERE], extra_cflags=flags)
+        return cache_root() / library_key(name, sources, include_dirs=[_HERE], extra_cflags=flags,
+                                          extra_ldflags=_ldflags(flags))
     except RuntimeError:
         return cache_root()
 
@@ -122,7 +139,8 @@ def load_library(verbose: bool = False) -> str:
     """Build (once per version of the sources: :func:`.build.build_library`) and load the native library;
     returns the path of the ``.so``. Raises ``RuntimeError`` with the reason if it cannot be built."""
     name, sources, flags = _build_inputs(capability())
-    path = build_library(name, sources, include_dirs=[_HERE], extra_cflags=flags, verbose=verbose)
+    path = build_library(name, sources, include_dirs=[_HERE], extra_cflags=flags, extra_ldflags=_ldflags(flags),
+                         verbose=verbose)
     torch.ops.load_library(str(path))
     return str(path)
 
@@ -164,7 +182,8 @@ def prebuild() -> str:
     if not ok:
         raise RuntimeError(reason)
     name, sources, flags = _build_inputs(capability())
-    return str(build_library(name, sources, include_dirs=[_HERE], extra_cflags=flags))  # the fast path now
+    # the fast path now
+    return str(build_library(name, sources, include_dirs=[_HERE], extra_cflags=flags, extra_ldflags=_ldflags(flags)))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -271,6 +271,15 @@ std::tuple<Tensor, Tensor> add_rmsnorm(const Tensor& x, const OptTensor& residua
 }  // namespace
 }  // namespace qkvfuse_cpu
 
+namespace qkvfuse_cpu {
+// add_rmsnorm's argument rules (check_norm() above), for the Triton ops' host kernels (triton_host.cpp).
+void check_norm_args(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, const at::Tensor* y_out,
+                     const std::optional<at::Tensor>* residual_out, bool inplace) {
+  check_norm(x, residual, weight, bias, y_out, residual_out, inplace);
+}
+}  // namespace qkvfuse_cpu
+
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("add_rmsnorm", &qkvfuse_cpu::add_rmsnorm);
   m.impl("add_rmsnorm_out", &qkvfuse_cpu::add_rmsnorm_out);

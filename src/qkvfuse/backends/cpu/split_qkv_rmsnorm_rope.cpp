@@ -881,6 +881,16 @@ int64_t pack_rne_block_size() { return isa::kPackBlock; }
 }  // namespace
 }  // namespace qkvfuse_cpu
 
+namespace qkvfuse_cpu {
+// The split's argument rules (head_dim() above), for the Triton ops' host kernels (triton_host.cpp).
+int64_t check_split_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cache,
+                         const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+                         const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& k_bias, int64_t hq,
+                         int64_t hkv, int64_t rope, const at::Tensor* const* outs, bool inplace) {
+  return head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, inplace);
+}
+}  // namespace qkvfuse_cpu
+
 TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("split_qkv_rmsnorm_rope", &qkvfuse_cpu::split_qkv_rmsnorm_rope);
   m.impl("split_qkv_rmsnorm_rope_out", &qkvfuse_cpu::split_qkv_rmsnorm_rope_out);

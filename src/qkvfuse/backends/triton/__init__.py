@@ -15,10 +15,10 @@ from typing import Tuple
 import torch
 
 from .cache import split_qkv_rmsnorm_rope_cache
-from .launch import INTERPRET, add_rmsnorm_out, split_qkv_rmsnorm_rope_out
+from .launch import INTERPRET, add_rmsnorm_out, split_entry, split_qkv_rmsnorm_rope_out
 
-__all__ = ["available", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_cache", "add_rmsnorm_out",
-           "PRESENT_DEVICE_TYPES"]
+__all__ = ["available", "split_qkv_rmsnorm_rope_out", "split_entry", "split_qkv_rmsnorm_rope_cache",
+           "add_rmsnorm_out", "PRESENT_DEVICE_TYPES"]
 
 DEVICE_TYPES = ("cuda", "xpu", "npu")
 

@@ -1,0 +1,112 @@
+"""The Triton ops' host path in C++: switching the Python kernels of the Triton ops for the native library's.
+
+Until this switch, the kernels of the ``qkvfuse_triton`` ops (every device key) and of the ``qkvfuse`` ops'
+``CUDA``, ``XPU`` and ``PrivateUse1`` keys are Python (:mod:`qkvfuse._library`'s schema kernels over
+:class:`qkvfuse.backends._LazyTriton`): :func:`qkvfuse._checks.check_split` / ``check_norm``, then the launcher. The
+native CPU library (``backends/cpu/triton_host.cpp``) carries C++ kernels for the same keys that check the
+arguments with the CPU kernels' own code (``checks.h``; same rules, same messages: the bad-call catalogue holds
+every backend to them) and then call the launcher, plus the ``ADInplaceOrView`` kernels of the ``qkvfuse_triton``
+mutating forms. :func:`enable` takes the Python kernels away and registers those, once; the Triton backend asks
+for it on its first call (:class:`qkvfuse.backends._LazyTriton`), which loads -- on a machine without it, builds --
+the native library. Where the library cannot be built or has no host kernels (no Python headers at build time),
+the Python kernels stay: same results, same messages, more host time.
+
+The launchers the C++ kernels call (:func:`split_entry_of`, :func:`qkvfuse.backends.triton.launch.split_entry`)
+take the checked arguments and the derived ``head_dim``: ``(qkv, positions, cos_sin_cache, q_weight, k_weight,
+q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope, head_dim, form, q_out, k_out, v_out, gate_out)`` with ``form``
+0 (``out=``), 1 (functional: fresh outputs) or 2 (in place: no outputs given), and for add_rmsnorm the reference
+launcher's ``(x, residual, weight, bias, eps, gemma, y_out, residual_out)``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+
+from .. import _library
+
+__all__ = ["enable", "enabled", "set_launchers", "split_entry_of"]
+
+_lock = threading.Lock()
+_state: Optional[bool] = None
+_setter = None
+NAMESPACE_INDEX = {"auto": 0, "triton": 1}  # the C++ side's launcher tables
+
+
+def split_entry_of(split_out: Callable) -> Callable:
+    """The host kernels' split launcher over a launcher of the reference signature ``split_out(qkv, positions,
+    config, q_out, k_out, v_out, gate_out)`` (the reference's, for the auto ops' fallback)."""
+
+    def entry(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, head_dim, form, q_out=None, k_out=None,
+              v_out=None, gate_out=None):
+        inplace = form == 2
+        config = _library.config_of((cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), head_dim, inplace)
+        if inplace:
+            views = _library.inplace_views(qkv, hq, hkv, config.q_gate)
+            q_out, k_out, v_out = views[:3]
+            gate_out = views[3] if len(views) == 4 else None
+        if positions.device.type != "cpu":  # CPU positions: checked by the host kernel
+            _library.check_positions(positions, cache.shape[0])
+        split_out(qkv, positions, config, q_out, k_out, v_out, gate_out)
+
+    return entry
+
+
+def _library_path() -> Optional[str]:
+    for path in sorted(torch.ops.loaded_libraries):
+        if os.path.basename(path).startswith("qkvfuse_cpu_"):
+            return path
+    return None
+
+
+def set_launchers(backend: str, split: Callable, norm: Callable) -> None:
+    """Point the C++ kernels of ``backend``'s ops (``"auto"`` or ``"triton"``) at these launchers (after
+    :func:`enable`; a no-op before)."""
+    if _setter is not None:
+        if _setter(NAMESPACE_INDEX[backend], split, norm, 0) != 0:
+            raise RuntimeError("qkvfuse: the native library refused the Triton launchers")
+
+
+def enabled() -> bool:
+    """Whether the Triton ops run the C++ host kernels."""
+    return bool(_state)
+
+
+def enable(python_kernels, launchers) -> bool:
+    """Switch the Triton ops to the native host kernels, once per process; returns whether they run them.
+
+    ``python_kernels``: the ``torch.library.Library`` objects holding the Python kernels of the same keys (destroyed
+    when the switch happens); ``launchers``: ``{"auto": (split, norm), "triton": (split, norm)}``, the callables
+    the C++ kernels call first (lazy ones that import Triton on their first call may re-point them with
+    :func:`set_launchers`).
+    """
+    global _state, _setter
+    with _lock:
+        if _state is not None:
+            return _state
+        _state = False
+        from . import cpu  # noqa: PLC0415 (the native library: built or loaded here)
+
+        ok, _ = cpu.available()
+        path = _library_path() if ok else None
+        if path is None:
+            return False
+        try:
+            setter = ctypes.PyDLL(path).qkvfuse_set_triton_launchers
+        except (OSError, AttributeError):  # a library built without the host kernels
+            return False
+        setter.argtypes = (ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.c_int)
+        setter.restype = ctypes.c_int
+        for lib in python_kernels:
+            lib._destroy()
+        _library.version_libraries.pop("triton")._destroy()
+        setter(NAMESPACE_INDEX["auto"], *launchers["auto"], 0)
+        if setter(NAMESPACE_INDEX["triton"], *launchers["triton"], 1) != 0:
+            raise RuntimeError("qkvfuse: the native Triton host kernels could not be registered")
+        _setter = setter
+        _state = True
+        return True
