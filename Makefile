@@ -23,7 +23,7 @@ SGLANG_TEST_PATH := tests/_support/sglang_stubs
 # The research and maintainer harnesses (bench/qkvfuse_bench) are not part of the package: run from bench/.
 BENCH_PATH := bench
 
-.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-vllm bench-cache bench-sglang verify clean
+.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-hostcost bench-vllm bench-cache bench-sglang verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench: $(STAMP)
 # Maintainers: the team's speed, overhead and per-call targets judged on a short bench run.
 bench-targets: $(STAMP)
 	PYTHONPATH=$(BENCH_PATH) $(PY) -m qkvfuse_bench.targets --quick
+
+# The Triton ops' host time per call at T = 1 with the final launch stubbed (a CPU measures a GPU's host path).
+bench-hostcost: $(STAMP)
+	PYTHONPATH=$(BENCH_PATH) $(PY) -m qkvfuse_bench.hostcost
 
 # Whole transformers models with the published layer geometry, patched vs unpatched (eager; minutes).
 bench-e2e: $(STAMP)

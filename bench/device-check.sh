@@ -6,8 +6,13 @@
 #   the shared suite's cuda rows   tests/test_fuzz.py -k cuda (fresh random geometries, every element checked)
 #   qkvfuse_bench.cache_device     the Triton cache-writing split: correctness rows, bandwidth at T=4096/16384
 #                                  against a same-size copy, CUDA-graph replay on new slots/positions/scales
-# Each step has its own time cap (seconds: VERIFY_S, BENCH_S, TESTS_S, CACHE_S) so one that hangs leaves the
-# others their time (VERIFY_S=0 skips verify; BENCH_ARGS adds bench flags, e.g. --tile-sweep); logs and JSON go to $OUT
+#   the bug classes                tests/backends/test_triton_bug_classes.py on CUDA: offsets past 2^31 elements,
+#                                  in-place read-after-write, strided [3, T] positions under CUDA-graph replay,
+#                                  partial rotary with many heads per program, the cached launch's arguments
+#   hostcost                       host time per call at T = 1 with real launches (qkvfuse_bench.hostcost)
+# Each step has its own time cap (seconds: VERIFY_S, BENCH_S, TESTS_S, CACHE_S, BUGS_S, HOST_S) so one that
+# hangs leaves the others their time (VERIFY_S=0 skips verify; BENCH_ARGS adds bench flags, e.g. --tile-sweep);
+# logs and JSON go to $OUT
 # (default /tmp/qkvfuse-device). Usage, from the repository root:
 #   bash bench/device-check.sh
 set -u
@@ -34,11 +39,16 @@ step tests "${TESTS_S:-110}" $PY -m pytest -q $XDIST -k cuda \
     tests/test_fuzz.py
 step cache "${CACHE_S:-120}" env PYTHONPATH="$PWD/bench:$PYTHONPATH" $PY -m qkvfuse_bench.cache_device \
     --json "$OUT/cache.json"
+step bugclasses "${BUGS_S:-150}" $PY -m pytest -q tests/backends/test_triton_bug_classes.py
+step hostcost "${HOST_S:-60}" env PYTHONPATH="$PWD/bench:$PYTHONPATH" $PY -m qkvfuse_bench.hostcost --device cuda \
+    --json "$OUT/hostcost.json"
 
 # The reply shows the end of the output: the summaries last.
 grep -E "FAIL|Error|error" "$OUT/verify.log" | head -20
 tail -n 25 "$OUT/bench.log"
 tail -n 8 "$OUT/tests.log"
 grep -E "^FAIL" "$OUT/cache.log"; tail -n 9 "$OUT/cache.log"
+tail -n 6 "$OUT/bugclasses.log"
+tail -n 20 "$OUT/hostcost.log"
 tail -n 3 "$OUT/verify.log"
 cat "$OUT/env.txt"
