@@ -257,6 +257,17 @@ def test_large_batch_on_threads():
     _with_threads(2, lambda: run_case(case, "HND", torch.float8_e4m3fn, nb=20))
 
 
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vec"])
+def test_streamed_cache_rows(layout):
+    """A call writing 16 MiB to its caches streams its contiguous rows (non-temporal stores on AVX2 / AVX-512
+    builds, where a row starts on a 32-byte boundary): the same bytes; padded rows (unaligned) take plain copies."""
+    case = SplitCase(T=1024, num_q_heads=1, num_kv_heads=16, head_dim=256, rotary_dim=64)
+    assert 2 * case.T * case.num_kv_heads * case.head_dim * 2 >= 16 << 20
+    _with_threads(2, lambda: run_case(case, layout, slots="permutation", nb=66, padded=layout != "vec"))
+    if layout == "NHD":
+        _with_threads(2, lambda: run_case(case, layout, slots="skips", nb=66))
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # FP8 bit for bit: inputs whose fp32 K is known exactly (no norm, position 0 -- cos 1, sin 0 -- and the special
 # values past the rotary pair), so the kernel's stored bytes are reference.quantize's for the same fp32 values.

@@ -36,6 +36,7 @@ struct CachePlan {
   bool truncate;
   Fp8 fp8;
   int64_t elem;  // bytes per cache element
+  bool stream;   // contiguous rows written with non-temporal stores (isa::stream_cache_rows)
   int64_t block_size;
   CacheSide k, v;
   const void* slots;
@@ -104,15 +105,15 @@ inline void quantize_row(const CachePlan& c, const float* x, int64_t n, float sc
 }
 
 // One head row (D elements of U, the cache element's bits) to (block, off, head) of one cache side, by the layout's
-// index map (reference._store).
-template <typename U>
+// index map (reference._store); a contiguous row goes through copy(dst, src, bytes).
+template <typename U, typename Copy>
 inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t block_size, int64_t D, int64_t block,
-                      int64_t off, int64_t head, const U* src) {
+                      int64_t off, int64_t head, const U* src, const Copy& copy) {
   U* base = reinterpret_cast<U*>(s.base);
   if (layout == kNHD || layout == kHND) {
     U* dst = base + block * s.sb + off * s.so + head * s.sh;
     if (s.sd == 1) {
-      std::memcpy(dst, src, static_cast<size_t>(D) * sizeof(U));
+      copy(dst, src, static_cast<size_t>(D) * sizeof(U));
     } else {
       for (int64_t d = 0; d < D; ++d) dst[d * s.sd] = src[d];
     }
@@ -124,7 +125,7 @@ inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t b
       U* dst = region + off;
       for (int64_t d = 0; d < D; ++d) dst[d * block_size] = src[d];
     } else {  // V as [block_size, D]
-      std::memcpy(region + off * D, src, static_cast<size_t>(D) * sizeof(U));
+      copy(region + off * D, src, static_cast<size_t>(D) * sizeof(U));
     }
   } else if (is_key) {  // amx K: [block_size / 16, D / 2, 16, 2], a token's dim pairs 32 elements apart
     U* dst = region + (off / 16) * 16 * D + (off % 16) * 2;
@@ -139,13 +140,17 @@ inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t b
 }
 
 // A row of cache elements (elem bytes each) from its bits.
+template <typename Copy>
 inline void store_row_bytes(const CachePlan& c, const CacheSide& s, bool is_key, int64_t D, int64_t slot,
-                            int64_t head, const void* src) {
+                            int64_t head, const void* src, const Copy& copy) {
   const int64_t block = slot / c.block_size, off = slot % c.block_size;
   switch (c.elem) {
-    case 1: return store_row(s, c.layout, is_key, c.block_size, D, block, off, head, static_cast<const uint8_t*>(src));
-    case 2: return store_row(s, c.layout, is_key, c.block_size, D, block, off, head, static_cast<const uint16_t*>(src));
-    default: return store_row(s, c.layout, is_key, c.block_size, D, block, off, head, static_cast<const uint32_t*>(src));
+    case 1:
+      return store_row(s, c.layout, is_key, c.block_size, D, block, off, head, static_cast<const uint8_t*>(src), copy);
+    case 2:
+      return store_row(s, c.layout, is_key, c.block_size, D, block, off, head, static_cast<const uint16_t*>(src), copy);
+    default:
+      return store_row(s, c.layout, is_key, c.block_size, D, block, off, head, static_cast<const uint32_t*>(src), copy);
   }
 }
 

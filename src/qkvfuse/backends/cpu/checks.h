@@ -308,7 +308,9 @@ inline std::string py_float(double v) {
     return out + "e" + (exp < 0 ? "-" : "+") + (mag.size() < 2 ? "0" : "") + mag;
   }
   if (exp < 0) return out + "0." + std::string(-exp - 1, '0') + digits;
-  if (static_cast<int>(digits.size()) <= exp + 1) return out + digits + std::string(exp + 1 - digits.size(), '0') + ".0";
+  if (static_cast<int>(digits.size()) <= exp + 1) {
+    return out + digits + std::string(exp + 1 - digits.size(), '0') + ".0";
+  }
   return out + digits.substr(0, exp + 1) + "." + digits.substr(exp + 1);
 }
 
@@ -384,13 +386,21 @@ constexpr const char* kLayoutNames[4] = {"'NHD'", "'HND'", "'vec'", "'amx'"};
 
 inline void scale_arg(const char* name, const std::optional<Tensor>& scale, const c10::Device& dev, bool fp8) {
   if (!fp8) {
-    if (scale.has_value()) fail(Kind::Value, name, "a tensor", "None for a cache of qkv's dtype (scales are for FP8 caches)");
+    if (scale.has_value()) {
+      fail(Kind::Value, name, "a tensor", "None for a cache of qkv's dtype (scales are for FP8 caches)");
+    }
     return;
   }
-  if (!scale.has_value()) fail(Kind::Value, name, "None", "a 0-d (or one-element) torch.float32 tensor for an FP8 cache");
+  if (!scale.has_value()) {
+    fail(Kind::Value, name, "None", "a 0-d (or one-element) torch.float32 tensor for an FP8 cache");
+  }
   device(name, *scale, dev, "qkv");
-  if (scale->scalar_type() != at::kFloat) fail(Kind::Type, name, "dtype " + py_dtype(scale->scalar_type()), "torch.float32");
-  if (scale->numel() != 1 || scale->dim() > 1) fail(Kind::Value, name, "shape " + py_tuple(scale->sizes()), "shape () or (1,)");
+  if (scale->scalar_type() != at::kFloat) {
+    fail(Kind::Type, name, "dtype " + py_dtype(scale->scalar_type()), "torch.float32");
+  }
+  if (scale->numel() != 1 || scale->dim() > 1) {
+    fail(Kind::Value, name, "shape " + py_tuple(scale->sizes()), "shape () or (1,)");
+  }
 }
 
 // _checks.check_cache, in its order and with its messages: `others` are the split's other tensors, in the order
@@ -435,8 +445,8 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
   }
   if (layout == 3 && (key_cache.element_size() != 2 || block_size % 16 != 0 || head_dim % 16 != 0)) {
     fail(Kind::Value, "key_cache",
-         "dtype " + py_dtype(key_cache.scalar_type()) + ", block_size " + std::to_string(block_size) + " and head_dim " +
-             std::to_string(head_dim),
+         "dtype " + py_dtype(key_cache.scalar_type()) + ", block_size " + std::to_string(block_size) +
+             " and head_dim " + std::to_string(head_dim),
          "a 16-bit cache with block_size and head_dim multiples of 16 (layout 'amx')");
   }
   for (const auto& [name, c] : caches) {
@@ -446,7 +456,8 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
            "a contiguous (block_size, head_dim) region per block and head" + layout_note);
     }
     if (!nested(*c) || *std::min_element(c->strides().begin(), c->strides().end()) < 0) {
-      fail(Kind::Value, name, "strides " + py_tuple(c->strides()), "non-negative strides with no element reached twice");
+      fail(Kind::Value, name, "strides " + py_tuple(c->strides()),
+           "non-negative strides with no element reached twice");
     }
   }
   device("slot_mapping", slot_mapping, dev, "qkv");

@@ -16,6 +16,9 @@
 //   norm_rows_stored(p, dtype, weight, bias, gemma_w)
 //                                 add_rmsnorm rows reading the weights as stored; returns whether they ran
 //   norm_rows_fp32(p, dtype)      add_rmsnorm rows on fp32 weights (p.w, p.b); returns whether they ran
+//   stream_cache_rows(bytes), stream_copy(dst, src, bytes), stream_fence()
+//                                 whether a cache-writing split that writes `bytes` to its caches streams its
+//                                 contiguous cache rows, the streamed copy, the fence after a thread's last
 //   kPackBlock, pack_rne_block    the specialised bf16 rounding on its own, for tests (0: none)
 //
 // Every specialisation gives each output a value that depends only on its own row or head, its token's cos/sin

@@ -249,7 +249,7 @@ class CacheWriter {
     for (int64_t i = 0; i < n; ++i) {
       head32_(src + i * p_.D, x_, p_.wk, p_.bk, p_.eps, p_.D, p_.half, cos, sin, finite);
       quantize_row(c_, x_, p_.D, c_.k.scale, q8_);
-      store_row_bytes(c_, c_.k, true, p_.D, slot, first + i, q8_);
+      store_row_bytes(c_, c_.k, true, p_.D, slot, first + i, q8_, copy_);
     }
   }
 
@@ -267,7 +267,7 @@ class CacheWriter {
 
  private:
   void store(const CacheSide& side, bool is_key, int64_t slot, int64_t head, const T* row) {
-    if (c_.fp8 == Fp8::None) return store_row_bytes(c_, side, is_key, p_.D, slot, head, row);
+    if (c_.fp8 == Fp8::None) return store_row_bytes(c_, side, is_key, p_.D, slot, head, row, copy_);
     const float* x;
     if constexpr (std::is_same_v<T, float>) {
       x = row;
@@ -278,13 +278,26 @@ class CacheWriter {
       x = x_;
     }
     quantize_row(c_, x, p_.D, side.scale, q8_);
-    store_row_bytes(c_, side, is_key, p_.D, slot, head, q8_);
+    store_row_bytes(c_, side, is_key, p_.D, slot, head, q8_, copy_);
   }
+
+  // A contiguous cache row: streamed under the plan's policy where it starts and ends on 32-byte boundaries.
+  struct RowCopy {
+    bool stream;
+    void operator()(void* dst, const void* src, size_t bytes) const {
+      if (stream && reinterpret_cast<uintptr_t>(dst) % 32 == 0 && bytes % 32 == 0) {
+        isa::stream_copy(dst, src, bytes);
+      } else {
+        std::memcpy(dst, src, bytes);
+      }
+    }
+  };
 
   const SplitPlan& p_;
   const CachePlan& c_;
   bool fp32_k_;
   HeadFn<T, float> head32_;
+  RowCopy copy_{c_.stream};
   alignas(64) float x_[kMaxHeadDim];
   alignas(64) uint8_t q8_[kMaxHeadDim];
 };
@@ -381,6 +394,7 @@ void run_split(const SplitPlan& p) {
         ++t;
       }
     }
+    if (cache && p.kv->stream) isa::stream_fence();
     fast.fence();
   });
 }
@@ -807,6 +821,7 @@ void split_qkv_rmsnorm_rope_cache(const Tensor& qkv, const Tensor& positions, co
   c.slots64 = slot_mapping.scalar_type() == at::kLong;
   c.slot_stride = slot_mapping.stride(0);
   c.n_slots = std::min(p.T, slot_mapping.size(0));
+  c.stream = isa::stream_cache_rows(2 * c.n_slots * hkv * D * c.elem);
   std::vector<uint8_t> later;
   check_cache_values(c, key_cache.size(0) * c.block_size, k_scale, v_scale, later);
   c.later = later.empty() ? nullptr : later.data();

@@ -36,6 +36,11 @@ inline bool norm_rows_stored(NormPlan&, at::ScalarType, const at::Tensor&, const
 }
 inline bool norm_rows_fp32(const NormPlan&, at::ScalarType) { return false; }
 
+// Nothing is streamed: the cache-writing split's row stores are plain copies.
+inline bool stream_cache_rows(int64_t) { return false; }
+inline void stream_copy(void* dst, const void* src, size_t bytes) { std::memcpy(dst, src, bytes); }
+inline void stream_fence() {}
+
 constexpr int64_t kPackBlock = 0;
 inline void pack_rne_block(const float*, c10::BFloat16*) {}
 

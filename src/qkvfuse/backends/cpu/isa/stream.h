@@ -38,5 +38,10 @@ inline void stream_copy(void* dst, const void* src, size_t bytes) {
   for (size_t i = 0; i < bytes / 32; ++i) _mm256_stream_si256(d + i, _mm256_loadu_si256(s + i));
 }
 
+// The cache-writing split's row stores (cache.h) under the same policy: streamed when a call writes this many
+// bytes to its caches (each row still needs a 32-byte aligned start and length); fenced after a thread's last.
+inline bool stream_cache_rows(int64_t bytes) { return bytes >= kStreamBytes; }
+inline void stream_fence() { _mm_sfence(); }
+
 }  // namespace isa
 }  // namespace qkvfuse_cpu
