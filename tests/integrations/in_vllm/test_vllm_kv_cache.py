@@ -14,7 +14,7 @@ identical. The caches are vLLM-CPU's ``vec`` layout for fp32 models and ``amx`` 
 import pytest
 import torch
 
-from _support.vllm_engine import PROMPTS, generate, kv_caches, zero_kv_caches
+from _support.vllm_engine import PROMPTS, assert_same_greedy, generate, kv_caches, zero_kv_caches
 from qkvfuse import ops
 from qkvfuse.integrations import vllm as plugin
 
@@ -96,6 +96,32 @@ def test_fused_cache_write_equals_vllms_own_writer(tiny_dir, cache_writes, plugi
     assert fused.tokens[n:] == fused.tokens[:n]
     _assert_same_caches(fused.probed, own.probed)
     assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
+
+
+@FP8
+@pytest.mark.parametrize("kv_cache_dtype, fp8", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_cache_of_an_fp16_model_is_within_one_step_of_vllms_writer(tiny_dir, cache_writes, kv_cache_dtype, fp8):
+    """fp16 activations, FP8 cache (``vec``): vLLM's writer truncates the fp16-rounded K, the fused op its fp32
+    result, so a K whose fp16 rounding crossed a truncation boundary is stored one FP8 step apart (never more,
+    same sign); V is the same fp16 value for both. Checked on the first layer after the prompts' prefill (a later
+    layer's inputs already carry the first layer's difference); the greedy token is the same up to a near tie."""
+    model_dir = tiny_dir("Qwen3")
+    own = generate(model_dir, "float16", OWN, new_tokens=1, setup=zero_kv_caches, probe=kv_caches,
+                   kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    fused = generate(model_dir, "float16", FUSED, new_tokens=1, setup=zero_kv_caches, probe=kv_caches,
+                     kv_cache_dtype=kv_cache_dtype, **ENGINE)
+    assert cache_writes.get("vec", 0) > 0, cache_writes
+    assert_same_greedy(fused.tokens, own, 0.1)
+    name = min(own.probed)  # the first layer's
+    a, b = fused.probed[name], own.probed[name]
+    blocks, heads, block_size, width = a.shape
+    regions = (a != b).view(blocks, heads, 2, block_size, width // 2)
+    assert not regions[:, :, 1].any(), "V differs from vLLM's writer's"
+    differ = a != b
+    assert differ.sum() <= 0.01 * b.count_nonzero(), (differ.sum(), b.count_nonzero())
+    got, want = a[differ].view(torch.uint8).int(), b[differ].view(torch.uint8).int()
+    assert torch.equal(got >> 7, want >> 7) and ((got & 0x7F) - (want & 0x7F)).abs().max() <= 1
+    assert torch.isfinite(a.view(fp8).float()).all()
 
 
 @pytest.mark.skipif(not AMX, reason="vLLM-CPU packs FP8 caches its own way on the 'amx' ISA (bf16 on an AMX CPU)")
