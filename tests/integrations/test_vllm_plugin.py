@@ -31,6 +31,23 @@ def test_options_default_off_and_parse_the_config(monkeypatch):
     assert not plugin.options_from_config({"qkvfuse": {"attention": False}}).enabled  # the config entry wins
 
 
+def test_kv_cache_is_on_with_attention_unless_set_false(monkeypatch):
+    monkeypatch.delenv(plugin.ENV_VAR, raising=False)
+    assert plugin.options_from_config({"qkvfuse": {"attention": True}}).kv_cache
+    assert plugin.options_from_config({"qkvfuse": True}).kv_cache
+    opts = plugin.options_from_config({"qkvfuse": {"attention": True, "kv_cache": False}})
+    assert opts == plugin.Options(attention=True, kv_cache=False) and opts.enabled
+    assert not plugin.options_from_config({"qkvfuse": {"kv_cache": True}}).enabled  # nothing without attention
+    with pytest.raises(ValueError, match=r"\['kv_cache'\]: expected a bool, got 'no'"):
+        plugin.options_from_config({"qkvfuse": {"attention": True, "kv_cache": "no"}})
+
+
+def test_the_kv_cache_guard_has_a_tested_hash_per_function():
+    """Every function the kv_cache option reproduces or replaces has tested hashes (the engine suite checks them
+    against the installed vLLM)."""
+    assert plugin._KV_CACHE_SOURCES and all(plugin.TESTED_SOURCES.get(name) for name in plugin._KV_CACHE_SOURCES)
+
+
 @pytest.mark.parametrize("entry, match", [({"atention": True}, "unknown key 'atention'"),
                                           ({"attention": "yes"}, r"\['attention'\]: expected a bool"),
                                           ("on", "expected a dict")])

