@@ -292,7 +292,7 @@ def _special_values(n, gen, fmax):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32-qkv", "bf16-qkv"])
 @pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("rounding", ["nearest", "truncate"])
-def test_fp8_bits_are_reference_quantize(dtype, cache_dtype, rounding):
+def test_fp8_bits_match_quantize(dtype, cache_dtype, rounding):
     H, D, T = 2, 64, 96
     case = SplitCase(T=T, num_q_heads=1, num_kv_heads=H, head_dim=D, rotary_dim=2, dtype=dtype, norm=False)
     kw = make_split_inputs(case, seed=7)
