@@ -158,3 +158,65 @@ def test_untested_vllm_attention_code_keeps_vllms_cache_write(tiny_dir, cache_wr
     assert run.fused == {"Qwen3Attention": 2} and cache_writes == {}
     assert any("Qwen3Attention leaves its KV cache write to vLLM: unified_attention_with_output differs from the "
                "vLLM versions" in m for m in plugin_log), plugin_log
+
+
+def test_the_op_writes_as_vllm_and_runs_vllms_code_for_a_layer_that_stopped_qualifying(tiny_dir):
+    """``qkvfuse_vllm::prepare_and_cache`` (what a compiled fused forward calls) on a live engine's layer, in a
+    forward context of vLLM's: with a slot mapping (padding slot -1, slots in several blocks) it writes the cache
+    as vLLM's writer does from the prepared ``qkv``; without one (vLLM's profiling run) it writes nothing; after
+    the layer stops qualifying (q and k norms with different eps), it runs vLLM's own prepare and writer."""
+    from vllm import LLM
+
+    from qkvfuse.integrations._engine_common import engine_prepare
+
+    llm = LLM(model=tiny_dir("Qwen3"), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              max_model_len=128, additional_config={"qkvfuse": FUSED}, block_size=32, num_gpu_blocks_override=8)
+    try:
+        vllm_config = llm.llm_engine.vllm_config
+        llm.apply_model(lambda model: _op_checks(model, vllm_config, engine_prepare))
+    finally:
+        del llm
+
+
+def _op_checks(model, vllm_config, engine_prepare):
+    from vllm.forward_context import set_forward_context
+    from vllm.utils.torch_utils import _encode_layer_name
+
+    layer = next(m for m in model.modules() if type(m).__name__ == "Qwen3Attention")
+    attn, state = layer.attn, layer._qkvfuse
+    name = attn.layer_name
+    op = torch.ops.qkvfuse_vllm.prepare_and_cache
+    g = torch.Generator().manual_seed(0)
+    t = 7
+    qkv = torch.randn(t, layer.q_size + 2 * layer.kv_size, generator=g)
+    positions = torch.arange(3, 3 + t)
+    slots = torch.tensor([0, 1, 33, -1, 100, 255, 64])
+    k_at = layer.q_size
+
+    def vllm_write(prepared):
+        k = prepared[:, k_at : k_at + layer.kv_size].reshape(t, -1, layer.head_dim)
+        v = prepared[:, k_at + layer.kv_size :].reshape(t, -1, layer.head_dim)
+        attn.kv_cache.zero_()
+        attn.impl.do_kv_cache_update(attn, k, v, attn.kv_cache, slots)
+        return attn.kv_cache.clone()
+
+    def fused_call(slot_mapping):
+        out = qkv.clone()
+        attn.kv_cache.zero_()
+        with set_forward_context(None, vllm_config, slot_mapping={} if slot_mapping is None else {name: slot_mapping}):
+            op(out, positions, _encode_layer_name(name))
+        return out, attn.kv_cache.clone()
+
+    with torch.inference_mode():
+        prepared, cache = fused_call(slots)
+        assert torch.equal(cache, vllm_write(prepared)) and cache.count_nonzero() > 0
+        assert torch.equal(fused_call(None)[0], prepared) and fused_call(None)[1].count_nonzero() == 0
+
+        layer.q_norm.variance_epsilon = 0.5  # q and k eps now differ: the layer no longer qualifies
+        got, cache = fused_call(slots)
+        q, k, v = engine_prepare(layer, qkv, positions)
+        assert torch.equal(got, torch.cat([q, k, v], dim=-1))
+        assert torch.equal(cache, vllm_write(got))
+        assert state.prep is None  # it runs vLLM's code until it qualifies again
+        layer.q_norm.variance_epsilon = layer.k_norm.variance_epsilon
+        assert torch.equal(fused_call(slots)[0], prepared)
