@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <charconv>
@@ -326,10 +327,17 @@ inline std::pair<int64_t, int64_t> span(const Tensor& t) {
 }
 
 // Sizes and strides of the dims longer than 1 (what _checks._nested and strided_share sort).
-inline std::vector<std::pair<int64_t, int64_t>> long_dims(const Tensor& t) {
-  std::vector<std::pair<int64_t, int64_t>> dims;
+// sorted by stride, increasing or decreasing, ties in dim order (Python's stable sort); no allocation per call.
+using Dims = c10::SmallVector<std::pair<int64_t, int64_t>, 8>;
+
+inline Dims long_dims(const Tensor& t, bool decreasing) {
+  Dims dims;
   for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) > 1) dims.emplace_back(t.size(d), t.stride(d));
+    const int64_t size = t.size(d), stride = t.stride(d);
+    if (size <= 1) continue;
+    auto at = dims.end();
+    while (at != dims.begin() && (decreasing ? (at - 1)->second < stride : (at - 1)->second > stride)) --at;
+    dims.insert(at, {size, stride});
   }
   return dims;
 }
@@ -337,8 +345,7 @@ inline std::vector<std::pair<int64_t, int64_t>> long_dims(const Tensor& t) {
 // Whether no two indices reach the same element, by the sufficient rule (sorted by stride, each stride exceeds
 // the reach of the dims below it).
 inline bool nested(const Tensor& t) {
-  auto dims = long_dims(t);
-  std::stable_sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
+  const Dims dims = long_dims(t, false);
   int64_t reach = 0;
   for (const auto& [size, stride] : dims) {
     if (stride <= reach) return false;
@@ -348,7 +355,7 @@ inline bool nested(const Tensor& t) {
 }
 
 // Whether d = sum(i_k * stride_k) with |i_k| < size_k, dims[k..] sorted by decreasing stride (nested).
-inline bool offset_reachable(int64_t d, const std::vector<std::pair<int64_t, int64_t>>& dims, size_t k) {
+inline bool offset_reachable(int64_t d, const Dims& dims, size_t k) {
   if (k == dims.size()) return d == 0;
   const auto [size, stride] = dims[k];
   int64_t reach = 0;
@@ -375,9 +382,7 @@ inline bool strided_share(const Tensor& a, const Tensor& b) {
       delta % size_of != 0 || !nested(a)) {
     return true;
   }
-  auto dims = long_dims(a);
-  std::stable_sort(dims.begin(), dims.end(), [](const auto& x, const auto& y) { return x.second > y.second; });
-  return offset_reachable(delta / size_of, dims, 0);
+  return offset_reachable(delta / size_of, long_dims(a, true), 0);
 }
 
 constexpr const char* kCacheShapeNHD = "(num_blocks, block_size, num_kv_heads, head_dim)";
@@ -413,7 +418,7 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
     fail(Kind::Value, "cache_mode", std::to_string(cache_mode),
          "a layout code in [0, 1, 2, 3], plus 16 for truncating FP8 rounding (qkvfuse._cache_mode.encode_cache)");
   }
-  const std::string layout_note = std::string(" (layout ") + kLayoutNames[layout] + ")";
+  auto layout_note = [layout] { return std::string(" (layout ") + kLayoutNames[layout] + ")"; };
   const char* shape_text = layout == 0 ? kCacheShapeNHD : kCacheShapeHND;
   const c10::Device dev = qkv.device();
   const at::ScalarType dtype = qkv.scalar_type();
@@ -425,7 +430,8 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
            "qkv's dtype " + py_dtype(dtype) + ", torch.float8_e4m3fn or torch.float8_e5m2");
     }
     if (c->dim() != 4) {
-      fail(Kind::Value, name, "shape " + py_tuple(c->sizes()), std::string("a 4-D cache ") + shape_text + layout_note);
+      fail(Kind::Value, name, "shape " + py_tuple(c->sizes()),
+           std::string("a 4-D cache ") + shape_text + layout_note());
     }
   }
   if (value_cache.scalar_type() != key_cache.scalar_type()) {
@@ -441,7 +447,7 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
   if (heads != num_kv_heads || dim != head_dim || blocks < 1 || block_size < 1) {
     fail(Kind::Value, "key_cache", "shape " + py_tuple(key_cache.sizes()),
          std::string(shape_text) + " with num_kv_heads=" + std::to_string(num_kv_heads) + ", head_dim=" +
-             std::to_string(head_dim) + " and at least one block" + layout_note);
+             std::to_string(head_dim) + " and at least one block" + layout_note());
   }
   if (layout == 3 && (key_cache.element_size() != 2 || block_size % 16 != 0 || head_dim % 16 != 0)) {
     fail(Kind::Value, "key_cache",
@@ -453,7 +459,7 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
     if ((layout == 2 || layout == 3) &&
         (c->stride(3) != 1 || c->stride(2) != head_dim || c->stride(1) < block_size * head_dim)) {
       fail(Kind::Value, name, "strides " + py_tuple(c->strides()),
-           "a contiguous (block_size, head_dim) region per block and head" + layout_note);
+           "a contiguous (block_size, head_dim) region per block and head" + layout_note());
     }
     if (!nested(*c) || *std::min_element(c->strides().begin(), c->strides().end()) < 0) {
       fail(Kind::Value, name, "strides " + py_tuple(c->strides()),
@@ -476,14 +482,21 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
     fail(Kind::Value, "value_cache", "memory shared with key_cache",
          "a cache that shares no element with key_cache (K and V may interleave in one buffer)");
   }
-  std::vector<Named> inputs{{"qkv", &qkv}};
-  inputs.insert(inputs.end(), others.begin(), others.end());
+  c10::SmallVector<Named, 12> inputs{{"qkv", &qkv}};
+  inputs.append(others.begin(), others.end());
   inputs.push_back({"slot_mapping", &slot_mapping});
   inputs.push_back({"k_scale", k_scale.has_value() ? &*k_scale : nullptr});
   inputs.push_back({"v_scale", v_scale.has_value() ? &*v_scale : nullptr});
+  // The byte ranges first (each once): strided_share's finer test only for ranges that meet.
+  c10::SmallVector<std::pair<int64_t, int64_t>, 12> spans;
+  for (const Named& other : inputs) {
+    spans.push_back(other.t != nullptr && other.t->numel() != 0 ? span(*other.t) : std::pair<int64_t, int64_t>{0, 0});
+  }
   for (const auto& [name, c] : caches) {
-    for (const Named& other : inputs) {
-      if (other.t != nullptr && other.t->numel() != 0 && strided_share(*c, *other.t)) {
+    const auto [c0, c1] = span(*c);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Named& other = inputs[i];
+      if (other.t != nullptr && spans[i].first < c1 && c0 < spans[i].second && strided_share(*c, *other.t)) {
         fail(Kind::Value, name, std::string("memory shared with ") + other.name,
              "a cache that shares no element with an input");
       }
