@@ -313,8 +313,9 @@ class _CacheWriter:
     (:class:`._rebind.Rebinding`); an ISA or cache dtype qkvfuse does not write (FP8 on ``amx``; ``neon`` ...)
     keeps vLLM's own writer for the layer, logged once. FP8: the format vLLM's ``kv_cache_dtype`` names, stored
     as vLLM-CPU's writer stores it (times ``1 / scale``, saturated, truncated toward zero: ``fp8_rounding=
-    "truncate"``), from the fp32 result (vLLM's writer quantises the rounded K and V: the same bytes for fp32
-    models, within the nearest-tie rule otherwise).
+    "truncate"``), from the fp32 result (vLLM's writer quantises the K and V rounded to the model dtype: the same
+    bytes for fp32 models, otherwise at most one FP8 step apart where that rounding crossed a truncation
+    boundary).
 
     Eager calls run it directly; under ``torch.compile`` it is the opaque op ``qkvfuse_vllm::prepare_and_cache(
     qkv, positions, layer_name) -> dummy`` (Q and K rewritten in ``qkv``, the cache written as vLLM's own update
@@ -323,8 +324,15 @@ class _CacheWriter:
     """
 
     def __init__(self, state: _Prepare, attn):
+        from vllm.model_executor.layers.attention.attention import (get_attention_context,
+                                                                     unified_attention_with_output)
+        from vllm.utils.torch_utils import _encode_layer_name
+
         self.state, self.attn = state, attn
         self.layer_name = attn.layer_name
+        # vLLM's entry points (the tested ones: _kv_cache_reason), looked up once rather than per call
+        self._context, self._attention, self._encode = (get_attention_context, unified_attention_with_output,
+                                                        _encode_layer_name)
         self.widths = ops._view_widths(state.hq, state.hkv, state.head_dim, state.q_gate)
         self.binding = Rebinding(self._bind)
         setattr(attn, _WRITER, self)
@@ -333,10 +341,8 @@ class _CacheWriter:
         """The in-place views ``(q, k, v[, gate])`` of ``qkv`` after the fused call, and the dummy that orders the
         attention after the cache write (None in eager mode, where calls run in order)."""
         if torch.compiler.is_compiling():
-            from vllm.utils.torch_utils import _encode_layer_name
-
             written = getattr(torch.ops, _OP_LIBRARY).prepare_and_cache(qkv, positions,
-                                                                        _encode_layer_name(self.layer_name))
+                                                                        self._encode(self.layer_name))
         else:
             self.run(qkv, positions, checked=True)
             written = None
@@ -347,9 +353,6 @@ class _CacheWriter:
                ) -> torch.Tensor:
         """vLLM's ``Attention.forward`` (default output shape and dtype, no query quantisation) without its
         cache update: ``unified_attention_with_output`` after the fused write."""
-        from vllm.model_executor.layers.attention.attention import unified_attention_with_output
-        from vllm.utils.torch_utils import _encode_layer_name
-
         attn = self.attn
         output = torch.empty((q.shape[0], attn.num_heads * attn.head_size_v), dtype=q.dtype, device=q.device)
         query = q.view(-1, attn.num_heads, attn.head_size)
@@ -357,18 +360,16 @@ class _CacheWriter:
         key = k.view(-1, attn.num_kv_heads, attn.head_size)
         value = v.view(-1, attn.num_kv_heads, attn.head_size_v)
         if attn.use_direct_call:
-            unified_attention_with_output(query, key, value, out, self.layer_name, kv_cache_dummy_dep=written)
+            self._attention(query, key, value, out, self.layer_name, kv_cache_dummy_dep=written)
         else:
-            torch.ops.vllm.unified_attention_with_output(query, key, value, out, _encode_layer_name(self.layer_name),
+            torch.ops.vllm.unified_attention_with_output(query, key, value, out, self._encode(self.layer_name),
                                                          kv_cache_dummy_dep=written)
         return output
 
     def run(self, qkv: torch.Tensor, positions: torch.Tensor, checked: bool = False) -> None:
         """Prepare ``qkv`` in place and write this step's K and V to the layer's cache (``checked``: the caller
         already had :meth:`_Prepare.ready` say yes for this call)."""
-        from vllm.model_executor.layers.attention.attention import get_attention_context
-
-        _, attn, kv_cache, slot_mapping = get_attention_context(self.layer_name)
+        _, attn, kv_cache, slot_mapping = self._context(self.layer_name)
         state = self.state
         if not checked and not state.ready(qkv):  # compiled call of a layer that stopped qualifying
             self._engine_prepare(qkv, positions)

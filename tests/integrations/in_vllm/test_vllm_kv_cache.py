@@ -59,9 +59,9 @@ def plugin_log(monkeypatch):
     return messages
 
 
-def _run(model_dir: str, dtype: str, entry: dict, kv_cache_dtype: str):
+def _run(model_dir: str, dtype: str, entry: dict, kv_cache_dtype: str, **kwargs):
     return generate(model_dir, dtype, entry, setup=zero_kv_caches, probe=kv_caches, rounds=2,
-                    kv_cache_dtype=kv_cache_dtype, **ENGINE)
+                    kv_cache_dtype=kv_cache_dtype, **ENGINE, **kwargs)
 
 
 def _assert_same_caches(got: dict, want: dict) -> None:
@@ -95,6 +95,19 @@ def test_fused_cache_write_equals_vllms_own_writer(tiny_dir, cache_writes, plugi
     n = len(PROMPTS)
     assert fused.cached_tokens[n:] == own.cached_tokens[n:] and max(fused.cached_tokens[n:]) >= 32
     assert fused.tokens[n:] == fused.tokens[:n]
+    _assert_same_caches(fused.probed, own.probed)
+    assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
+
+
+@pytest.mark.slow
+def test_compiled_engine_writes_the_cache_from_the_opaque_op(tiny_dir, cache_writes):
+    """``enforce_eager=False``: the fused forward traced by vLLM's torch.compile calls
+    ``qkvfuse_vllm::prepare_and_cache``; the caches equal vLLM's writer's in the same compiled engine."""
+    model_dir = tiny_dir("Qwen3")
+    layout = "amx" if AMX else "vec"
+    own = _run(model_dir, "bfloat16", OWN, "auto", enforce_eager=False)
+    fused = _run(model_dir, "bfloat16", FUSED, "auto", enforce_eager=False)
+    assert set(cache_writes) == {layout} and cache_writes[layout] > 0, cache_writes
     _assert_same_caches(fused.probed, own.probed)
     assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
 
