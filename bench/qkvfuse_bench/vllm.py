@@ -790,8 +790,10 @@ def _fresh_engine_rounds(task, name: str, fused, compiled: bool, rounds: int):
 
 
 # Where an engine step's time goes, by the profiler's self CPU time: the weight GEMMs and the MoE experts (the
-# same work with the plugin on and off), attention and the KV-cache writes, and the rest -- inductor's generated
-# code, qkvfuse's ops, everything else the plugin changes.
+# same work with the plugin on and off), attention and vLLM's KV-cache writes, and the rest -- inductor's generated
+# code, qkvfuse's ops, everything else the plugin changes. With the kv_cache option the cache write is part of
+# qkvfuse's op (qkvfuse::split_qkv_rmsnorm_rope_cache, compiled: qkvfuse_vllm::prepare_and_cache), so it moves
+# from "attention" to "rest": compare the two parts' sum between kv_cache on and off.
 _GEMM_MARKS, _ATTENTION_MARKS = ("linear", "matmul", "fused_moe", "aten::mm", "aten::addmm", "aten::bmm"), (
     "attention", "kv_cache", "reshape_and_cache")
 
