@@ -208,9 +208,11 @@ def _vllm_sources(module_name: str):
 
 def _kv_cache_sources():
     """``{name in TESTED_SOURCES: function}`` for the kv_cache option (empty where vLLM's CPU attention backend
-    does not import: the option then leaves every cache to vLLM)."""
+    or the helpers the option uses do not import: the option then leaves every cache to vLLM)."""
     try:
         from vllm.model_executor.layers.attention import attention
+        from vllm.utils.torch_utils import (  # noqa: F401 -- the writer and _register_op use them
+            LayerNameType, _encode_layer_name, _resolve_layer_name, direct_register_custom_op)
         from vllm.v1.attention.backends import cpu_attn
     except ImportError:
         return {}
