@@ -238,7 +238,7 @@ CAUGHT = (AssertionError, pytest.fail.Exception)
 
 
 def _late_bound_reference_kernels() -> torch.library.Library:
-    """Register the reference backend's kernels once more, looking ``qkvfuse.reference``'s two kernels up at
+    """Register the reference backend's kernels once more, looking ``qkvfuse.reference``'s kernels up at
     call time, so a patched module attribute is what runs (the backend registry binds them at import). The
     dispatcher runs the latest registration; destroying the returned library restores the original."""
     lib = _library.impl_library("reference")
@@ -246,7 +246,8 @@ def _late_bound_reference_kernels() -> torch.library.Library:
         warnings.filterwarnings("ignore", message="Warning only once for all operators")  # overriding, on purpose
         _library.register_kernels(lib, "CompositeExplicitAutograd",
                                   lambda *args: ref.split_qkv_rmsnorm_rope_out(*args),
-                                  lambda *args: ref.add_rmsnorm_out(*args))
+                                  lambda *args: ref.add_rmsnorm_out(*args),
+                                  lambda *args: ref.split_qkv_rmsnorm_rope_cache(*args))
     return lib
 
 
