@@ -139,6 +139,72 @@ inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t b
   }
 }
 
+// The tiled layouts' transposes: dst[d * stride + r] = src[r * src_stride + d] for n rows of m elements (kPair:
+// pairs of elements, dst[(d * stride + r) * 2 + e] = src[r * src_stride + 2 * d + e], m pairs). The rows are ones
+// the split just wrote (hot); each destination run of n elements is contiguous, so a block's tile of K is written
+// line by line instead of one element per line per token.
+template <bool kPair, typename U>
+inline void transpose_rows(U* dst, int64_t stride, const U* src, int64_t src_stride, int64_t n, int64_t m) {
+  constexpr int64_t kW = kPair ? 2 : 1;
+  for (int64_t d = 0; d < m; ++d) {
+    U* out = dst + d * stride * kW;
+    const U* in = src + d * kW;
+    for (int64_t r = 0; r < n; ++r) {
+      out[r * kW] = in[r * src_stride];
+      if constexpr (kPair) out[r * kW + 1] = in[r * src_stride + 1];
+    }
+  }
+}
+
+// Tokens 0 .. n - 1 of a batch (slots[i]: token i's slot, or -1), each with hkv head rows of D elements at
+// src + i * tok_stride + h * D, into one side of a "vec" or "amx" cache. Consecutive tokens with consecutive slots
+// in one block (one 16-token tile for amx K) are one run, written per head and dimension as contiguous runs.
+// Distinct tokens never share a slot here (CachePlan::later), so the order of the writes does not matter.
+template <typename U, typename Copy>
+inline void store_tokens_tiled(const CachePlan& c, const CacheSide& s, bool is_key, int64_t hkv, int64_t D,
+                               const int64_t* slots, int64_t n, const U* src, int64_t tok_stride, const Copy& copy) {
+  U* base = reinterpret_cast<U*>(s.base);
+  const int64_t bs = c.block_size;
+  const bool amx = c.layout == kAmx;
+  for (int64_t i = 0; i < n;) {
+    if (slots[i] < 0) {
+      ++i;
+      continue;
+    }
+    const int64_t block = slots[i] / bs, off = slots[i] % bs;
+    const int64_t room = amx && is_key ? 16 - off % 16 : bs - off;  // the run stays in its block (amx K: tile)
+    int64_t j = i + 1;
+    while (j < n && j - i < room && slots[j] == slots[i] + (j - i)) ++j;
+    const int64_t len = j - i;
+    for (int64_t h = 0; h < hkv; ++h) {
+      U* region = base + block * s.sb + h * s.sh;
+      const U* rows = src + i * tok_stride + h * D;
+      if (!amx) {
+        if (is_key) {  // K transposed, [D, block_size]
+          transpose_rows<false>(region + off, bs, rows, tok_stride, len, D);
+        } else {  // V as [block_size, D]
+          for (int64_t r = 0; r < len; ++r) {
+            copy(region + (off + r) * D, rows + r * tok_stride, static_cast<size_t>(D) * sizeof(U));
+          }
+        }
+      } else if (is_key) {  // amx K: [block_size / 16, D / 2, 16, 2]
+        transpose_rows<true>(region + (off / 16) * 16 * D + (off % 16) * 2, 16, rows, tok_stride, len, D / 2);
+      } else {  // amx V: [D / 16, block_size / 2, 16, 2]: a token pair's dims interleaved, 16 at a time
+        for (int64_t r = 0; r < len; ++r) {
+          const int64_t o = off + r;
+          U* dst = region + (o / 2) * 32 + o % 2;
+          const U* row = rows + r * tok_stride;
+          for (int64_t g = 0; g < D; g += 16) {
+            U* group = dst + g * bs;
+            for (int64_t e = 0; e < 16; ++e) group[2 * e] = row[g + e];
+          }
+        }
+      }
+    }
+    i = j;
+  }
+}
+
 // A row of cache elements (elem bytes each) from its bits.
 template <typename Copy>
 inline void store_row_bytes(const CachePlan& c, const CacheSide& s, bool is_key, int64_t D, int64_t slot,

@@ -233,41 +233,100 @@ HeadFn<T, O> pick_head(int norm_mode, bool neox) {
 }
 
 // The cache-writing split's per-thread part: token t's K heads (as the split wrote them, or their fp32 values for
-// an FP8 cache) and V heads into the cache at the token's slot (cache.h).
+// an FP8 cache) and V heads into the cache at the token's slot (cache.h). NHD/HND rows, and any layout in a chunk
+// that is not whole tokens (a decode token split between threads), are stored per head as they are written; the
+// tiled layouts ("vec", "amx") in a chunk of whole tokens are stored a batch of kBatch tokens at a time, right
+// after the split wrote them (still in L1/L2), as contiguous runs (store_tokens_tiled).
 template <typename T>
 class CacheWriter {
  public:
+  static constexpr int64_t kBatch = 16;
+
   CacheWriter(const SplitPlan& p, int norm_mode)
       : p_(p), c_(*p.kv), fp32_k_(p.kv->fp8 != Fp8::None && !std::is_same_v<T, float>),
-        head32_(pick_head<T, float>(norm_mode, p.neox)) {}
+        tiled_(p.kv->layout == kVec || p.kv->layout == kAmx), head32_(pick_head<T, float>(norm_mode, p.neox)) {}
+
+  // A chunk starting at token t0; whole_tokens: it holds only whole tokens (its items start and end on tokens).
+  void begin(bool whole_tokens, int64_t t0) {
+    batched_ = tiled_ && whole_tokens;
+    t0_ = t0;
+    if (batched_ && c_.fp8 != Fp8::None && stage_k_.empty()) {
+      stage_k_.resize(static_cast<size_t>(kBatch * p_.hkv * p_.D));
+      stage_v_.resize(stage_k_.size());
+    }
+  }
 
   // Before the split rewrites them: an FP8 cache's K from the generic head's fp32 values (qkv then gets the
   // build's own heads, as the in-place split does). fp32 qkv: its own K is the fp32 value (after()).
-  void before_k(int64_t slot, const T* src, int64_t first, int64_t n, const float* cos, const float* sin,
+  void before_k(int64_t slot, int64_t t, const T* src, int64_t first, int64_t n, const float* cos, const float* sin,
                 bool finite) {
     if (slot < 0 || !fp32_k_) return;
     for (int64_t i = 0; i < n; ++i) {
       head32_(src + i * p_.D, x_, p_.wk, p_.bk, p_.eps, p_.D, p_.half, cos, sin, finite);
-      quantize_row(c_, x_, p_.D, c_.k.scale, q8_);
-      store_row_bytes(c_, c_.k, true, p_.D, slot, first + i, q8_, copy_);
+      if (batched_) {
+        quantize_row(c_, x_, p_.D, c_.k.scale, stage_k_.data() + ((t - t0_) * p_.hkv + first + i) * p_.D);
+      } else {
+        quantize_row(c_, x_, p_.D, c_.k.scale, q8_);
+        store_row_bytes(c_, c_.k, true, p_.D, slot, first + i, q8_, copy_);
+      }
     }
   }
 
   // After the split wrote K heads first .. first + n - 1 at k: their bits (or, fp32 qkv, their quantised values).
   void after_k(int64_t slot, const T* k, int64_t first, int64_t n) {
-    if (slot < 0 || fp32_k_) return;
+    if (slot < 0 || fp32_k_ || batched_) return;
     for (int64_t i = 0; i < n; ++i) store(c_.k, true, slot, first + i, k + i * p_.D);
   }
 
   // The token's V heads (v: its first, the rest D apart), bit-exact or quantised from their exact values.
   void v(int64_t slot, const T* v) {
-    if (slot < 0) return;
+    if (slot < 0 || batched_) return;
     for (int64_t h = 0; h < p_.hkv; ++h) store(c_.v, false, slot, h, v + h * p_.D);
   }
 
+  // Token t's items are all done: a full batch is stored.
+  void token_done(int64_t t) {
+    if (batched_ && t + 1 - t0_ == kBatch) flush(t + 1);
+  }
+
+  // The chunk ends before token t_end: what is left of the batch is stored.
+  void finish(int64_t t_end) {
+    if (batched_ && t_end > t0_) flush(t_end);
+  }
+
  private:
-  void store(const CacheSide& side, bool is_key, int64_t slot, int64_t head, const T* row) {
-    if (c_.fp8 == Fp8::None) return store_row_bytes(c_, side, is_key, p_.D, slot, head, row, copy_);
+  // Tokens t0_ .. t_end - 1 (their K and V rows in qkv, as the split left them) into the tiled cache.
+  void flush(int64_t t_end) {
+    const int64_t n = t_end - t0_, hd = p_.hkv * p_.D;
+    bool any = false;
+    for (int64_t i = 0; i < n; ++i) {
+      slots_[i] = c_.slot(t0_ + i);
+      any = any || slots_[i] >= 0;
+    }
+    const T* qkv = static_cast<const T*>(p_.qkv);
+    const T* k = static_cast<const T*>(p_.k) + t0_ * p_.k_rs;
+    const T* v = qkv + t0_ * p_.qkv_rs + p_.k_col + hd;
+    if (any && c_.fp8 == Fp8::None) {
+      using U = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+      store_tokens_tiled(c_, c_.k, true, p_.hkv, p_.D, slots_, n, reinterpret_cast<const U*>(k), p_.k_rs, copy_);
+      store_tokens_tiled(c_, c_.v, false, p_.hkv, p_.D, slots_, n, reinterpret_cast<const U*>(v), p_.qkv_rs,
+                         copy_);
+    } else if (any) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (slots_[i] < 0) continue;
+        for (int64_t h = 0; h < p_.hkv; ++h) {
+          if (!fp32_k_) quantize(k + i * p_.k_rs + h * p_.D, c_.k.scale, stage_k_.data() + i * hd + h * p_.D);
+          quantize(v + i * p_.qkv_rs + h * p_.D, c_.v.scale, stage_v_.data() + i * hd + h * p_.D);
+        }
+      }
+      store_tokens_tiled(c_, c_.k, true, p_.hkv, p_.D, slots_, n, stage_k_.data(), hd, copy_);
+      store_tokens_tiled(c_, c_.v, false, p_.hkv, p_.D, slots_, n, stage_v_.data(), hd, copy_);
+    }
+    t0_ = t_end;
+  }
+
+  // A head row's FP8 bits, quantised from its exact values.
+  void quantize(const T* row, float scale, uint8_t* out) {
     const float* x;
     if constexpr (std::is_same_v<T, float>) {
       x = row;
@@ -277,7 +336,12 @@ class CacheWriter {
       for (; d < p_.D; ++d) x_[d] = static_cast<float>(row[d]);
       x = x_;
     }
-    quantize_row(c_, x, p_.D, side.scale, q8_);
+    quantize_row(c_, x, p_.D, scale, out);
+  }
+
+  void store(const CacheSide& side, bool is_key, int64_t slot, int64_t head, const T* row) {
+    if (c_.fp8 == Fp8::None) return store_row_bytes(c_, side, is_key, p_.D, slot, head, row, copy_);
+    quantize(row, side.scale, q8_);
     store_row_bytes(c_, side, is_key, p_.D, slot, head, q8_, copy_);
   }
 
@@ -296,8 +360,13 @@ class CacheWriter {
   const SplitPlan& p_;
   const CachePlan& c_;
   bool fp32_k_;
+  bool tiled_;
+  bool batched_ = false;
+  int64_t t0_ = 0;
   HeadFn<T, float> head32_;
   RowCopy copy_{c_.stream};
+  std::vector<uint8_t> stage_k_, stage_v_;  // FP8, batched: the batch's quantised K and V rows, [kBatch, hkv, D]
+  int64_t slots_[kBatch];
   alignas(64) float x_[kMaxHeadDim];
   alignas(64) uint8_t q8_[kMaxHeadDim];
 };
@@ -331,7 +400,10 @@ void run_split(const SplitPlan& p) {
     std::vector<T> region(p.gated_inplace ? 2 * p.hq * p.D : 0);  // gated in place: a token's Q/gate region
     typename isa::SplitHeads<T>::Token fast_token(fast, cos, sin);
     std::optional<CacheWriter<T>> cache;
-    if (p.kv != nullptr) cache.emplace(p, norm_mode);
+    if (p.kv != nullptr) {
+      cache.emplace(p, norm_mode);
+      cache->begin(begin % per_token == 0 && (end % per_token == 0), begin / per_token);
+    }
     // n consecutive heads of one weight set (Q when is_q, else K) of this token: from src, ss values apart,
     // to dst, D values apart; the specialised heads a batch at a time where they apply.
     auto heads = [&](const T* src, int64_t ss, T* dst, int64_t n, bool is_q) {
@@ -374,7 +446,7 @@ void run_split(const SplitPlan& p) {
         } else {  // this token's next K heads within the range
           const int64_t j = h - q_items, n = std::min(p.hkv - j, end - i);
           const int64_t slot = cache ? p.kv->slot(t) : -1;
-          if (slot >= 0) cache->before_k(slot, row + p.k_col + j * p.D, j, n, cos, sin, finite);
+          if (slot >= 0) cache->before_k(slot, t, row + p.k_col + j * p.D, j, n, cos, sin, finite);
           heads(row + p.k_col + j * p.D, p.D, k + t * p.k_rs + j * p.D, n, false);
           if (slot >= 0) cache->after_k(slot, k + t * p.k_rs + j * p.D, j, n);
           i += n - 1;
@@ -390,10 +462,12 @@ void run_split(const SplitPlan& p) {
         }
       }
       if (++h == per_token) {
+        if (cache) cache->token_done(t);
         h = 0;
         ++t;
       }
     }
+    if (cache) cache->finish(t);
     if (cache && p.kv->stream) isa::stream_fence();
     fast.fence();
   });
