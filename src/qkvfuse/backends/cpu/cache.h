@@ -9,6 +9,7 @@
 // fp8_bits repeats) or truncated toward zero -- reference.quantize's result for the same fp32 input.
 #pragma once
 
+#include "isa.h"
 #include "vec_io.h"
 
 #include <c10/util/bit_cast.h>
@@ -146,7 +147,8 @@ inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t b
 template <bool kPair, typename U>
 inline void transpose_rows(U* dst, int64_t stride, const U* src, int64_t src_stride, int64_t n, int64_t m) {
   constexpr int64_t kW = kPair ? 2 : 1;
-  for (int64_t d = 0; d < m; ++d) {
+  int64_t d = isa::cache_transpose(sizeof(U), kPair, dst, stride, src, src_stride, n, m);
+  for (; d < m; ++d) {
     U* out = dst + d * stride * kW;
     const U* in = src + d * kW;
     for (int64_t r = 0; r < n; ++r) {
@@ -194,6 +196,7 @@ inline void store_tokens_tiled(const CachePlan& c, const CacheSide& s, bool is_k
           const int64_t o = off + r;
           U* dst = region + (o / 2) * 32 + o % 2;
           const U* row = rows + r * tok_stride;
+          if (isa::cache_amx_v_row(sizeof(U), dst, row, D, bs, o % 2 != 0)) continue;
           for (int64_t g = 0; g < D; g += 16) {
             U* group = dst + g * bs;
             for (int64_t e = 0; e < 16; ++e) group[2 * e] = row[g + e];

@@ -19,6 +19,11 @@
 //   stream_cache_rows(bytes), stream_copy(dst, src, bytes), stream_fence()
 //                                 whether a cache-writing split that writes `bytes` to its caches streams its
 //                                 contiguous cache rows, the streamed copy, the fence after a thread's last
+//   cache_transpose(elem, pair, dst, stride, src, src_stride, n, m)
+//                                 the tiled KV caches' K transpose of up to 16 token rows (cache.h transpose_rows);
+//                                 returns how many columns it wrote (0: the portable loop writes them)
+//   cache_amx_v_row(elem, dst, row, D, bs, odd)
+//                                 one token's row into an amx V region; returns whether it wrote it
 //   kPackBlock, pack_rne_block    the specialised bf16 rounding on its own, for tests (0: none)
 //
 // Every specialisation gives each output a value that depends only on its own row or head, its token's cos/sin

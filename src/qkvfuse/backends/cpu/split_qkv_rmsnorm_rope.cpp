@@ -12,7 +12,8 @@
 // shapes, AVX-512 bf16/fp16 heads of D % 32 == 0), they take a batch of heads a given stride apart, so the gated
 // layout's Q heads (2 * D apart) take them too; README.md lists the paths and their bit contracts.
 // The cache-writing split is the in-place form with a KV cache (SplitPlan::kv, cache.h): a token's K heads are
-// stored to its slot by their own item right after it writes them, its V heads by one more item of the token.
+// stored to its slot by their own item right after it writes them, its V heads by one more item of the token; the
+// tiled layouts ("vec", "amx") are stored a batch of whole tokens at a time instead (CacheWriter).
 #include "cache.h"
 #include "checks.h"
 #include "isa.h"

@@ -188,5 +188,67 @@ inline void pack_rne_block(const float* src, c10::BFloat16* dst) {
   _mm512_storeu_si512(dst, avx512::round_lanes(_mm512_loadu_ps(src), _mm512_loadu_ps(src + 16)));
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// The tiled KV caches' stores (cache.h): a run of up to 16 tokens per gather, bits moved, never computed.
+// ------------------------------------------------------------------------------------------------------------
+
+// dst[d * stride + r] = src[r * src_stride + d] (pair: element pairs, dst[(d * stride + r) * 2 + e] =
+// src[r * src_stride + 2 * d + e]) for rows r < n <= 16, elem bytes per element, strides in elements: each column
+// (pair) of the n rows gathered as dwords, then stored as one contiguous run. Returns how many of the m columns
+// (pairs) it wrote, from the first; the caller writes the rest.
+inline int64_t cache_transpose(int64_t elem, bool pair, void* dst, int64_t stride, const void* src,
+                               int64_t src_stride, int64_t n, int64_t m) {
+  const int64_t row_bytes = src_stride * elem;
+  if (n < 1 || n > 16 || row_bytes > (int64_t{1} << 26)) return 0;
+  const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1);
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(static_cast<int>(row_bytes)));
+  const char* s = static_cast<const char*>(src);
+  char* o = static_cast<char*>(dst);
+  auto gather = [&](int64_t byte) {
+    return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, idx, s + byte, 1);
+  };
+  int64_t d = 0;
+  if ((pair && elem == 2) || (!pair && elem == 4)) {  // a column (pair) is one dword per row
+    const int64_t col_bytes = stride * 4;
+    for (; d < m; ++d) _mm512_mask_storeu_epi32(o + d * col_bytes, rows, gather(d * 4));
+  } else if (!pair && elem == 2) {  // two columns per dword: even and odd halves apart
+    const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26,
+                                           24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);  // evens, then odds
+    for (; d + 2 <= m; d += 2) {
+      const __m512i v = _mm512_permutexvar_epi16(split, gather(d * 2));
+      _mm256_mask_storeu_epi16(o + d * stride * 2, rows, _mm512_castsi512_si256(v));
+      _mm256_mask_storeu_epi16(o + (d + 1) * stride * 2, rows, _mm512_extracti64x4_epi64(v, 1));
+    }
+  } else if (!pair && elem == 1) {  // four columns per dword: bytes grouped by column in each lane, then lanes
+    const __m512i bytes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m512i lanes = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    for (; d + 4 <= m; d += 4) {
+      const __m512i v = _mm512_permutexvar_epi32(lanes, _mm512_shuffle_epi8(gather(d), bytes));
+      _mm_mask_storeu_epi8(o + d * stride, rows, _mm512_castsi512_si128(v));
+      _mm_mask_storeu_epi8(o + (d + 1) * stride, rows, _mm512_extracti32x4_epi32(v, 1));
+      _mm_mask_storeu_epi8(o + (d + 2) * stride, rows, _mm512_extracti32x4_epi32(v, 2));
+      _mm_mask_storeu_epi8(o + (d + 3) * stride, rows, _mm512_extracti32x4_epi32(v, 3));
+    }
+  }
+  return d;
+}
+
+// One token's row of D 16-bit elements into an amx V region ([D / 16, bs / 2, 16, 2]; dst: the token's first
+// element, at its pair's odd or even place): each 16 dims widened to dwords and stored to their 16 places of one
+// 64-byte line. Returns whether it wrote the row (16-bit elements, D a multiple of 16).
+inline bool cache_amx_v_row(int64_t elem, void* dst, const void* row, int64_t D, int64_t bs, bool odd) {
+  if (elem != 2 || D % 16 != 0) return false;
+  const __mmask32 lanes = odd ? 0xAAAAAAAAu : 0x55555555u;
+  auto* o = static_cast<char*>(dst) - (odd ? 2 : 0);  // the pair's line
+  const auto* s = static_cast<const char*>(row);
+  for (int64_t g = 0; g < D; g += 16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + g * 2)));
+    if (odd) v = _mm512_slli_epi32(v, 16);
+    _mm512_mask_storeu_epi16(o + g * bs * 2, lanes, v);
+  }
+  return true;
+}
+
 }  // namespace isa
 }  // namespace qkvfuse_cpu

@@ -44,5 +44,9 @@ inline void stream_fence() {}
 constexpr int64_t kPackBlock = 0;
 inline void pack_rne_block(const float*, c10::BFloat16*) {}
 
+// The tiled KV caches' stores (isa.h): none here, cache.h's portable loops write them.
+inline int64_t cache_transpose(int64_t, bool, void*, int64_t, const void*, int64_t, int64_t, int64_t) { return 0; }
+inline bool cache_amx_v_row(int64_t, void*, const void*, int64_t, int64_t, bool) { return false; }
+
 }  // namespace isa
 }  // namespace qkvfuse_cpu
