@@ -29,11 +29,12 @@ import torch
 
 from .. import _library
 
-__all__ = ["enable", "enabled", "set_launchers", "split_entry_of"]
+__all__ = ["enable", "enabled", "set_launchers", "split_entry_of", "stage_split"]
 
 _lock = threading.Lock()
 _state: Optional[bool] = None
 _setter = None
+_stager = None
 NAMESPACE_INDEX = {"auto": 0, "triton": 1}  # the C++ side's launcher tables
 
 
@@ -42,7 +43,7 @@ def split_entry_of(split_out: Callable) -> Callable:
     config, q_out, k_out, v_out, gate_out)`` (the reference's, for the auto ops' fallback)."""
 
     def entry(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, head_dim, form, q_out=None, k_out=None,
-              v_out=None, gate_out=None):
+              v_out=None, gate_out=None, stage=None):
         inplace = form == 2
         config = _library.config_of((cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), head_dim, inplace)
         if inplace:
@@ -71,6 +72,16 @@ def set_launchers(backend: str, split: Callable, norm: Callable) -> None:
             raise RuntimeError("qkvfuse: the native library refused the Triton launchers")
 
 
+def stage_split(run, function, packed_metadata, values: tuple, block_t: int, grid1: int, sections, launch_globals,
+                knobs_runtime) -> None:
+    """Hand the split's compiled launch to the host kernel that called the launcher with ``stage=True`` (see
+    :func:`qkvfuse.backends.triton.launch.split_entry`): Triton's compiled launcher ``run`` and its ``function`` /
+    ``packed_metadata``, the constexprs' values after the integer arguments, the token block, the grid's second
+    dimension, the mRoPE ``(s_t, s_h, s_w)``, the launcher module's globals and ``triton.knobs.runtime``."""
+    if _stager is not None:
+        _stager(run, function, packed_metadata, values, block_t, grid1, *sections, launch_globals, knobs_runtime)
+
+
 def enabled() -> bool:
     """Whether the Triton ops run the C++ host kernels."""
     return bool(_state)
@@ -84,7 +95,7 @@ def enable(python_kernels, launchers) -> bool:
     the C++ kernels call first (lazy ones that import Triton on their first call may re-point them with
     :func:`set_launchers`).
     """
-    global _state, _setter
+    global _state, _setter, _stager
     with _lock:
         if _state is not None:
             return _state
@@ -101,12 +112,20 @@ def enable(python_kernels, launchers) -> bool:
             return False
         setter.argtypes = (ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.c_int)
         setter.restype = ctypes.c_int
+        try:
+            stager = ctypes.PyDLL(path).qkvfuse_stage_split_launch
+        except AttributeError:  # a library built before the kept launches
+            stager = None
+        else:
+            stager.argtypes = (*(ctypes.py_object,) * 4, *(ctypes.c_longlong,) * 5, ctypes.py_object,
+                               ctypes.py_object)
+            stager.restype = ctypes.c_int
         for lib in python_kernels:
             lib._destroy()
         _library.version_libraries.pop("triton")._destroy()
         setter(NAMESPACE_INDEX["auto"], *launchers["auto"], 0)
         if setter(NAMESPACE_INDEX["triton"], *launchers["triton"], 1) != 0:
             raise RuntimeError("qkvfuse: the native Triton host kernels could not be registered")
-        _setter = setter
+        _setter, _stager = setter, stager
         _state = True
         return True

@@ -22,7 +22,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <map>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -116,18 +118,336 @@ void check_cpu_positions(const Tensor& positions, int64_t max_position) {
 
 // ------------------------------------------------------------------------------------------------------------
 // The split: launcher(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads,
-// eps, rope, head_dim, form, q_out, k_out, v_out, gate_out).
+// eps, rope, head_dim, form, q_out, k_out, v_out, gate_out, stage), then, on a device, the compiled launch here.
+//
+// A device launch of the Triton launcher (qkvfuse.backends.triton.launch.split_entry) that reused a compiled kernel
+// stages it (qkvfuse_stage_split_launch, when this call passed stage=True): Triton's compiled launcher and the
+// launch's constant arguments. This file keeps it under a key of everything the launcher's choice of plan and
+// compiled kernel reads -- the namespace and its launcher, the geometry, the form, the launcher module's kernel,
+// driver, interpreter flag and tile settings, the dtypes, the row strides, the output aliasing that decides the V
+// blocks and the barrier, the large-offset flag, the device -- and a later call with the same key makes the same
+// launch itself: the integer arguments from the tensors, the current device's stream from the launcher module's
+// driver, then Triton's compiled launcher. Anything else (a launch hook set, another current device, misaligned
+// or non-contiguous weights, no staged launch yet) goes through the Python launcher.
 // ------------------------------------------------------------------------------------------------------------
+using SplitKey = std::array<int64_t, 34>;
+
+struct SplitLaunch {
+  PyObject* owned[8];  // references held: the key's objects and the launch's
+  PyObject* run;  // Triton's compiled launcher: run(grid0, grid1, grid2, stream, function, packed_metadata,
+                  // launch_metadata, enter_hook, exit_hook, *args)
+  PyObject* function;
+  PyObject* packed_metadata;
+  PyObject* values;  // the constexprs' values (a tuple), after the integer arguments
+  PyObject* driver;
+  int64_t block_t, grid1, s_t, s_h, s_w;
+};
+
+std::map<SplitKey, SplitLaunch> g_split_launches;  // guarded by the GIL
+PyObject* g_launch_globals = nullptr;  // the launcher module's globals (a dict), set by the first staged launch
+PyObject* g_knobs_runtime = nullptr;   // triton.knobs.runtime (the launch hooks)
+
+struct Staged {
+  bool set = false;
+  PyObject *run = nullptr, *function = nullptr, *packed_metadata = nullptr, *values = nullptr;
+  int64_t block_t = 0, grid1 = 0, s_t = 0, s_h = 0, s_w = 0;
+};
+thread_local Staged t_staged;
+thread_local bool t_stage_wanted = false;
+
+PyObject* interned(const char* name) {
+  PyObject* s = PyUnicode_InternFromString(name);
+  if (s == nullptr) throw python_error();
+  return s;  // kept for the life of the process
+}
+
+// A global of the launcher module (borrowed), or nullptr.
+PyObject* launch_global(const char* name, PyObject*& cached_name) {
+  if (cached_name == nullptr) cached_name = interned(name);
+  return PyDict_GetItemWithError(g_launch_globals, cached_name);
+}
+
+bool global_int(const char* name, PyObject*& cached_name, int64_t& out) {
+  PyObject* v = launch_global(name, cached_name);
+  if (v == nullptr || !PyLong_Check(v)) return false;
+  out = PyLong_AsLongLong(v);
+  return !(out == -1 && PyErr_Occurred());
+}
+
+int64_t dtype_code(const OptTensor& t) { return t.has_value() ? static_cast<int64_t>(t->scalar_type()) : -1; }
+
+// The integer arguments of a launch, in the kernel's order from qkv's pointer to the gate's row stride.
+struct SplitArgs {
+  int64_t ptr[11];  // qkv, positions, cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out, gate
+  int64_t T, max_position, rs, pos_axis, pos_tok, cs, q_s, k_s, v_s, g_s;
+};
+
+// The key of this call, and its launch arguments; false where only the Python launcher may launch (the module not
+// known yet, T = 0, non-contiguous or misaligned operands, or a launcher-module global of an unexpected type).
+bool split_key(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+               const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
+               int64_t rope, int64_t D, Form form, const Tensor* q_out, const Tensor* k_out, const Tensor* v_out,
+               const Tensor* gate_out, SplitKey& key, SplitArgs& a) {
+  if (g_launch_globals == nullptr) return false;
+  const int64_t T = qkv.size(0);
+  if (T == 0) return false;
+  const bool norm = q_weight.has_value(), bias = q_bias.has_value(), gated = (rope & kQGate) != 0;
+  const bool mrope = (rope & kMRope) != 0;
+  if (norm && !(q_weight->is_contiguous() && k_weight->is_contiguous())) return false;
+  if (bias && !(q_bias->is_contiguous() && k_bias->is_contiguous())) return false;
+  static PyObject *n_tile = nullptr, *n_per_thread = nullptr, *n_gated = nullptr, *n_kernel = nullptr,
+                  *n_driver = nullptr, *n_interpret = nullptr;
+  int64_t tile = 0, per_thread = 0, max_gated = 0;
+  if (!global_int("GPU_SPLIT_TILE", n_tile, tile) || !global_int("GPU_SPLIT_PER_THREAD", n_per_thread, per_thread) ||
+      !global_int("GPU_MAX_GATED_Q", n_gated, max_gated)) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* kernel = launch_global("split_qkv_rmsnorm_rope_kernel", n_kernel);
+  PyObject* driver = launch_global("driver", n_driver);
+  PyObject* interpret = launch_global("INTERPRET", n_interpret);
+  if (kernel == nullptr || driver == nullptr || interpret != Py_False) {
+    PyErr_Clear();
+    return false;
+  }
+  const int64_t item = qkv.element_size(), q_width = hq * D, k_col = (gated ? 2 : 1) * q_width;
+  const int64_t v_col = k_col + hkv * D;
+  const int64_t qp = reinterpret_cast<int64_t>(qkv.data_ptr());
+  a.ptr[0] = qp;
+  a.ptr[1] = reinterpret_cast<int64_t>(positions.data_ptr());
+  a.ptr[2] = reinterpret_cast<int64_t>(cache.data_ptr());
+  if (norm) {
+    a.ptr[3] = reinterpret_cast<int64_t>(q_weight->data_ptr());
+    a.ptr[4] = reinterpret_cast<int64_t>(k_weight->data_ptr());
+    a.ptr[5] = bias ? reinterpret_cast<int64_t>(q_bias->data_ptr()) : a.ptr[3];
+    a.ptr[6] = bias ? reinterpret_cast<int64_t>(k_bias->data_ptr()) : a.ptr[4];
+  } else {
+    a.ptr[3] = a.ptr[4] = a.ptr[5] = a.ptr[6] = qp;
+  }
+  a.rs = qkv.stride(0);
+  bool v_own, barrier;
+  if (form == kInplace) {
+    a.ptr[7] = qp;
+    a.ptr[8] = qp + k_col * item;
+    a.ptr[9] = qp + v_col * item;
+    a.ptr[10] = gated ? qp + q_width * item : qp;
+    a.q_s = a.k_s = a.v_s = a.g_s = a.rs;
+    v_own = barrier = true;
+  } else {
+    a.ptr[7] = reinterpret_cast<int64_t>(q_out->data_ptr());
+    a.ptr[8] = reinterpret_cast<int64_t>(k_out->data_ptr());
+    a.ptr[9] = reinterpret_cast<int64_t>(v_out->data_ptr());
+    a.q_s = q_out->stride(0);
+    a.k_s = k_out->stride(0);
+    a.v_s = v_out->stride(0);
+    a.ptr[10] = gate_out != nullptr ? reinterpret_cast<int64_t>(gate_out->data_ptr()) : a.ptr[7];
+    a.g_s = gate_out != nullptr ? gate_out->stride(0) : a.q_s;
+    v_own = a.ptr[9] == qp + v_col * item && (T < 2 || a.v_s == a.rs);
+    barrier = a.ptr[7] == qp || a.ptr[8] == qp + k_col * item;
+  }
+  int64_t any = 0;
+  for (const int64_t p : a.ptr) any |= p;
+  if ((any & 15) != 0) return false;
+  constexpr int64_t kI32 = int64_t{1} << 31;
+  a.T = T;
+  a.max_position = cache.size(0);
+  a.cs = cache.stride(0);
+  a.pos_tok = positions.stride(-1);
+  a.pos_axis = mrope ? positions.stride(0) : 0;
+  const int64_t pos_axis_code =
+      a.pos_axis < 2 ? a.pos_axis : ((a.pos_axis & 15) == 0) + 2 + (a.pos_axis >= kI32 ? 4 : 0);
+  key = {ns,
+         reinterpret_cast<int64_t>(g_split[ns]),
+         reinterpret_cast<int64_t>(kernel),
+         reinterpret_cast<int64_t>(driver),
+         tile,
+         per_thread,
+         max_gated,
+         hq,
+         hkv,
+         D,
+         cache.size(1),
+         rope,
+         form,
+         norm,
+         bias,
+         v_own,
+         barrier,
+         static_cast<int64_t>(qkv.scalar_type()),
+         static_cast<int64_t>(positions.scalar_type()),
+         static_cast<int64_t>(cache.scalar_type()),
+         dtype_code(q_weight),
+         dtype_code(k_weight),
+         dtype_code(q_bias),
+         a.rs,
+         pos_axis_code,
+         a.pos_tok,
+         a.cs,
+         a.q_s,
+         a.k_s,
+         a.v_s,
+         a.g_s,
+         T >= kI32 || a.max_position >= kI32,
+         qkv.get_device(),
+         positions.dim()};
+  return true;
+}
+
+PyObject* ll(int64_t v) { return PyLong_FromLongLong(v); }
+
+// The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch (a
+// launch hook is set, qkv is on another device than the current one).
+bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps, int64_t hq, int64_t hkv) {
+  static PyObject *n_active = interned("active"), *n_device = interned("get_current_device"),
+                  *n_stream = interned("get_current_stream"), *n_enter = interned("launch_enter_hook"),
+                  *n_calls = interned("calls");
+  // The Python launcher's rule: hooks are called when getattr(enter, "calls", enter) is true (a hook chain with
+  // hooks, or a plain callable).
+  PyObject* enter = PyObject_GetAttr(g_knobs_runtime, n_enter);
+  if (enter == nullptr) throw python_error();
+  int hooked = 0;
+  if (enter != Py_None) {
+    PyObject* calls = PyObject_GetAttr(enter, n_calls);
+    if (calls == nullptr) {
+      PyErr_Clear();
+      calls = Py_NewRef(enter);
+    }
+    hooked = PyObject_IsTrue(calls);
+    Py_DECREF(calls);
+  }
+  Py_DECREF(enter);
+  if (hooked < 0) throw python_error();
+  if (hooked) return false;
+  PyObject* active = PyObject_GetAttr(e.driver, n_active);
+  if (active == nullptr) throw python_error();
+  PyObject* current_obj = PyObject_CallMethodNoArgs(active, n_device);
+  if (current_obj == nullptr) {
+    Py_DECREF(active);
+    throw python_error();
+  }
+  const int64_t current = PyLong_AsLongLong(current_obj);
+  Py_DECREF(current_obj);
+  if (current == -1 && PyErr_Occurred()) {
+    Py_DECREF(active);
+    throw python_error();
+  }
+  const int64_t index = device < 0 ? current : device;
+  if (index != current) {
+    Py_DECREF(active);
+    return false;
+  }
+  PyObject* index_obj = ll(index);
+  PyObject* stream = index_obj != nullptr ? PyObject_CallMethodOneArg(active, n_stream, index_obj) : nullptr;
+  Py_XDECREF(index_obj);
+  Py_DECREF(active);
+  if (stream == nullptr) throw python_error();
+  const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
+  std::vector<PyObject*> argv;
+  argv.reserve(9 + 27 + n_values);
+  const int64_t grid0 = (a.T + e.block_t - 1) / e.block_t;
+  for (PyObject* o : {ll(grid0), ll(e.grid1), ll(1)}) argv.push_back(o);
+  argv.push_back(stream);
+  for (PyObject* o : {e.function, e.packed_metadata, Py_None, Py_None, Py_None}) {
+    Py_INCREF(o);
+    argv.push_back(o);
+  }
+  for (const int64_t p : a.ptr) argv.push_back(ll(p));
+  for (const int64_t v : {a.T, hq, hkv}) argv.push_back(ll(v));
+  argv.push_back(PyFloat_FromDouble(eps));
+  for (const int64_t v : {a.max_position, e.s_t, e.s_h, e.s_w, a.rs, a.pos_axis, a.pos_tok, a.cs, a.q_s, a.k_s,
+                          a.v_s, a.g_s}) {
+    argv.push_back(ll(v));
+  }
+  for (Py_ssize_t i = 0; i < n_values; ++i) {
+    PyObject* v = PyTuple_GET_ITEM(e.values, i);
+    Py_INCREF(v);
+    argv.push_back(v);
+  }
+  bool ok = true;
+  for (PyObject* o : argv) ok = ok && o != nullptr;
+  PyObject* result = ok ? PyObject_Vectorcall(e.run, argv.data(), argv.size(), nullptr) : nullptr;
+  for (PyObject* o : argv) Py_XDECREF(o);
+  if (result == nullptr) throw python_error();
+  Py_DECREF(result);
+  return true;
+}
+
+// The staged launch (its references are this thread's), kept under key unless one is kept there already.
+void keep_staged(const SplitKey& key) {
+  const Staged& s = t_staged;
+  if (!s.set || !PyTuple_Check(s.values)) return;
+  if (g_split_launches.count(key) != 0) return;
+  SplitLaunch e{};
+  e.run = s.run;
+  e.function = s.function;
+  e.packed_metadata = s.packed_metadata;
+  e.values = s.values;
+  e.driver = reinterpret_cast<PyObject*>(key[3]);
+  e.block_t = s.block_t;
+  e.grid1 = s.grid1;
+  e.s_t = s.s_t;
+  e.s_h = s.s_h;
+  e.s_w = s.s_w;
+  PyObject* owned[8] = {s.run, s.function, s.packed_metadata, s.values, reinterpret_cast<PyObject*>(key[1]),
+                        reinterpret_cast<PyObject*>(key[2]), e.driver, nullptr};
+  for (int i = 0; i < 8; ++i) {
+    e.owned[i] = owned[i];
+    Py_XINCREF(owned[i]);
+  }
+  g_split_launches.emplace(key, e);
+}
+
+void clear_staged() {
+  Staged& s = t_staged;
+  if (s.set) {
+    Py_XDECREF(s.run);
+    Py_XDECREF(s.function);
+    Py_XDECREF(s.packed_metadata);
+    Py_XDECREF(s.values);
+  }
+  s = Staged{};
+}
+
 void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
                   const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
                   double eps, int64_t rope, int64_t D, Form form, const Tensor* q_out, const Tensor* k_out,
                   const Tensor* v_out, const Tensor* gate_out) {
   check_cpu_positions(positions, cache.size(0));
   Gil gil;
-  call(launcher(g_split, ns),
-       {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
-        PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
-        PyLong_FromLongLong(D), PyLong_FromLongLong(form), wrap(q_out), wrap(k_out), wrap(v_out), wrap(gate_out)});
+  SplitKey key;
+  SplitArgs args;
+  bool keyed = split_key(ns, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, D, form,
+                         q_out, k_out, v_out, gate_out, key, args);
+  bool stage = g_launch_globals == nullptr && qkv.size(0) > 0;  // the first launches: the module is not known yet
+  if (keyed) {
+    const auto it = g_split_launches.find(key);
+    if (it != g_split_launches.end()) {
+      if (launch_kept(it->second, args, key[32], eps, hq, hkv)) return;
+    } else {
+      stage = true;
+    }
+  }
+  clear_staged();
+  t_stage_wanted = stage;
+  PyObject* stage_obj = stage ? Py_True : Py_None;
+  Py_INCREF(stage_obj);
+  try {
+    call(launcher(g_split, ns),
+         {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
+          PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
+          PyLong_FromLongLong(D), PyLong_FromLongLong(form), wrap(q_out), wrap(k_out), wrap(v_out), wrap(gate_out),
+          stage_obj});
+  } catch (...) {
+    t_stage_wanted = false;
+    clear_staged();
+    throw;
+  }
+  t_stage_wanted = false;
+  if (t_staged.set && (keyed || split_key(ns, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv,
+                                          rope, D, form, q_out, k_out, v_out, gate_out, key, args))) {
+    keep_staged(key);
+  }
+  clear_staged();
 }
 
 template <int NS>
@@ -229,6 +549,30 @@ void register_kernels(torch::Library& m) {
 
 }  // namespace
 }  // namespace qkvfuse_cpu
+
+// Called from Python through ctypes.PyDLL (the GIL held) by the split launcher, inside a call this file made with
+// stage=True, once that launch went through a compiled kernel: Triton's compiled launcher and its handles, the
+// constexprs' values, the token block, the grid's second dimension, the mRoPE sections, the launcher module's
+// globals and triton.knobs.runtime. The caller keeps it under the call's key when the launcher returns. Returns 0
+// when staged, 1 when this thread's call asked for nothing.
+extern "C" __attribute__((visibility("default"))) int qkvfuse_stage_split_launch(
+    PyObject* run, PyObject* function, PyObject* packed_metadata, PyObject* values, long long block_t,
+    long long grid1, long long s_t, long long s_h, long long s_w, PyObject* launch_globals, PyObject* knobs_runtime) {
+  using namespace qkvfuse_cpu;
+  if (!t_stage_wanted || block_t <= 0 || !PyDict_Check(launch_globals)) return 1;
+  if (g_launch_globals == nullptr) {
+    Py_INCREF(launch_globals);
+    Py_INCREF(knobs_runtime);
+    g_launch_globals = launch_globals;
+    g_knobs_runtime = knobs_runtime;
+  } else if (g_launch_globals != launch_globals) {
+    return 1;
+  }
+  clear_staged();
+  for (PyObject* o : {run, function, packed_metadata, values}) Py_INCREF(o);
+  t_staged = Staged{true, run, function, packed_metadata, values, block_t, grid1, s_t, s_h, s_w};
+  return 0;
+}
 
 // Called from Python through ctypes.PyDLL (the GIL held), by qkvfuse.backends.native_host once it has taken the
 // Python kernels of the same keys away: the launchers of the auto ops (ns 0) and of the triton ops (ns 1), kept for

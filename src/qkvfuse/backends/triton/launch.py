@@ -32,6 +32,7 @@ from triton.runtime import driver
 
 from ..._library import CHECK_POSITIONS_ON_ACCELERATORS, SplitConfig, check_positions, config_of, inplace_views
 from ..._rope_mode import decode_mode
+from .. import native_host
 from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
 
 __all__ = ["INTERPRET", "OUT", "FUNCTIONAL", "INPLACE", "split_config", "norm_config", "split_qkv_rmsnorm_rope_out",
@@ -345,12 +346,14 @@ def split_qkv_rmsnorm_rope_out(
 
 def split_entry(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads: int,
                 num_kv_heads: int, eps: float, rope: int, head_dim: int, form: int, q_out=None, k_out=None,
-                v_out=None, gate_out=None) -> None:
+                v_out=None, gate_out=None, stage=None) -> None:
     """The split launcher the native host kernels call (``backends/cpu/triton_host.cpp``), after they have checked
     every argument: the schema's arguments, the derived ``head_dim``, the form (:data:`OUT`, :data:`FUNCTIONAL` --
     fresh outputs -- or :data:`INPLACE`, whose outputs are ``qkv``'s own columns: ``q_out`` .. ``gate_out`` None
     or :func:`qkvfuse._library.inplace_views`) and the outputs ``[T, Hq*D]``, ``[T, Hkv*D]`` x 2 and, gated,
-    ``[T, Hq*D]``."""
+    ``[T, Hq*D]``. ``stage`` (True from a host kernel that has no compiled launch kept for this call's key): a
+    launch through a compiled kernel is handed to the host kernel (:func:`qkvfuse.backends.native_host.stage_split`),
+    which makes the same launch itself on later calls of that key."""
     T = qkv.shape[0]
     if T == 0:
         return
@@ -406,6 +409,8 @@ def split_entry(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
                 _launch_compiled(c, -(-T // plan.block_t), plan.q_blocks + v_blocks, qkv, (
                     qp, pp, cp, wq, wk, bq, bk, q_o, k_o, v_o, g_o, T, num_q_heads, num_kv_heads, eps, max_position,
                     s_t, s_h, s_w, rs, pos_axis, pos_tok, cs, q_s, k_s, v_s, g_s, *plan.values[barrier]))
+                if stage:
+                    _stage(c, plan, v_blocks, barrier)
                 return
     config = config_of((cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope),
                        head_dim, form == INPLACE)
@@ -418,6 +423,16 @@ def split_entry(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
         c = _compiled(launched)
         if c is not None:
             plan.compiled[spec] = c
+            if stage:
+                _stage(c, plan, v_blocks, barrier)
+
+
+def _stage(c: _Compiled, plan: _SplitPlan, v_blocks: int, barrier: bool) -> None:
+    """Hand a compiled launch to the calling host kernel (it keeps it under its call's key; see ``stage`` of
+    :func:`split_entry`). Not with the position range check on accelerators, which only this launcher makes."""
+    if not CHECK_POSITIONS_ON_ACCELERATORS:
+        native_host.stage_split(c.run, c.function, c.packed_metadata, plan.values[barrier], plan.block_t,
+                                plan.q_blocks + v_blocks, plan.sections, globals(), knobs.runtime)
 
 
 def _norm_plan(T: int, H: int, has_res: bool, has_bias: bool, gemma: bool):
