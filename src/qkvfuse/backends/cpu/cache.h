@@ -14,6 +14,7 @@
 
 #include <c10/util/bit_cast.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -147,13 +148,18 @@ inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t b
 template <bool kPair, typename U>
 inline void transpose_rows(U* dst, int64_t stride, const U* src, int64_t src_stride, int64_t n, int64_t m) {
   constexpr int64_t kW = kPair ? 2 : 1;
-  int64_t d = isa::cache_transpose(sizeof(U), kPair, dst, stride, src, src_stride, n, m);
-  for (; d < m; ++d) {
-    U* out = dst + d * stride * kW;
-    const U* in = src + d * kW;
-    for (int64_t r = 0; r < n; ++r) {
-      out[r * kW] = in[r * src_stride];
-      if constexpr (kPair) out[r * kW + 1] = in[r * src_stride + 1];
+  for (int64_t r0 = 0; r0 < n; r0 += 16) {  // the ISA's transpose takes up to 16 rows
+    const int64_t rows = std::min<int64_t>(16, n - r0);
+    U* tile = dst + r0 * kW;
+    const U* first = src + r0 * src_stride;
+    int64_t d = isa::cache_transpose(sizeof(U), kPair, tile, stride, first, src_stride, rows, m);
+    for (; d < m; ++d) {
+      U* out = tile + d * stride * kW;
+      const U* in = first + d * kW;
+      for (int64_t r = 0; r < rows; ++r) {
+        out[r * kW] = in[r * src_stride];
+        if constexpr (kPair) out[r * kW + 1] = in[r * src_stride + 1];
+      }
     }
   }
 }

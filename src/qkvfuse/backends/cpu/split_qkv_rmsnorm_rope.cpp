@@ -241,7 +241,7 @@ HeadFn<T, O> pick_head(int norm_mode, bool neox) {
 template <typename T>
 class CacheWriter {
  public:
-  static constexpr int64_t kBatch = 16;
+  static constexpr int64_t kBatch = 32;
 
   CacheWriter(const SplitPlan& p, int norm_mode)
       : p_(p), c_(*p.kv), fp32_k_(p.kv->fp8 != Fp8::None && !std::is_same_v<T, float>),
@@ -394,7 +394,13 @@ void run_split(const SplitPlan& p) {
   const size_t head_bytes = static_cast<size_t>(p.D) * sizeof(T);
   // The build's specialised heads for this call, if any (isa.h), and its per-call tables.
   const isa::SplitHeads<T> fast(p, norm_mode);
-  parallel_chunks(p.T * per_token, grain_items(p.D), per_token, [&](int64_t begin, int64_t end) {
+  // The tiled caches: chunks of whole cache lines of tokens where the batch allows (two threads never write one
+  // line of a block's vec K, which holds 64 bytes of consecutive tokens per dim).
+  const int64_t line_tokens = p.kv == nullptr || (p.kv->layout != kVec && p.kv->layout != kAmx) ? 1
+                              : p.kv->layout == kVec ? 64 / p.kv->elem
+                                                     : 16;
+  const int64_t align = per_token * (p.T >= 2 * line_tokens ? line_tokens : 1);
+  parallel_chunks(p.T * per_token, grain_items(p.D), align, [&](int64_t begin, int64_t end) {
     alignas(64) float cos[kMaxHalf], sin[kMaxHalf];
     int64_t t = begin / per_token, h = begin % per_token, cos_sin_token = -1;
     bool finite = false;
