@@ -87,22 +87,36 @@ inline uint8_t fp8_bits(float y) {
   return static_cast<uint8_t>(r | (sign >> 24));
 }
 
-template <int kMant, int kBias, bool kTrunc>
+// kMul: y = x * scale (the truncating rule's reciprocal, or the nearest rule's divisor inverted where that is exact).
+template <int kMant, int kBias, bool kTrunc, bool kMul>
 inline void quantize_row_as(const float* x, int64_t n, float scale, float bound, uint8_t* out) {
-  for (int64_t i = 0; i < n; ++i) {
-    float y = kTrunc ? x[i] * scale : x[i] / scale;
+  for (int64_t i = isa::quantize_fp8<kMant, kBias, kTrunc, kMul>(x, n, scale, bound, out); i < n; ++i) {
+    float y = kMul ? x[i] * scale : x[i] / scale;
     y = y > bound ? bound : (y < -bound ? -bound : y);  // NaN stays NaN (torch.clamp)
     out[i] = fp8_bits<kMant, kBias, kTrunc>(y);
   }
 }
 
+// A normal power of two whose reciprocal is one too (1 / 2^k exact): x / s == x * (1 / s) for every x, each the
+// correctly rounded value of the same real number -- the division (the rows' bottleneck) becomes a multiply.
+inline bool exact_reciprocal(float s) {
+  const uint32_t b = c10::bit_cast<uint32_t>(s);
+  const uint32_t e = (b >> 23) & 0xff;
+  return (b & 0x807fffffu) == 0 && e >= 2 && e <= 252;
+}
+
+template <int kMant, int kBias>
+inline void quantize_row_in(bool truncate, const float* x, int64_t n, float scale, float bound, uint8_t* out) {
+  if (truncate) return quantize_row_as<kMant, kBias, true, true>(x, n, scale, bound, out);
+  if (exact_reciprocal(scale)) return quantize_row_as<kMant, kBias, false, true>(x, n, 1.f / scale, bound, out);
+  quantize_row_as<kMant, kBias, false, false>(x, n, scale, bound, out);
+}
+
 inline void quantize_row(const CachePlan& c, const float* x, int64_t n, float scale, uint8_t* out) {
   if (c.fp8 == Fp8::E4M3) {
-    c.truncate ? quantize_row_as<3, 7, true>(x, n, scale, 448.f, out)
-               : quantize_row_as<3, 7, false>(x, n, scale, 448.f, out);
+    quantize_row_in<3, 7>(c.truncate, x, n, scale, 448.f, out);
   } else {
-    c.truncate ? quantize_row_as<2, 15, true>(x, n, scale, 57344.f, out)
-               : quantize_row_as<2, 15, false>(x, n, scale, 57344.f, out);
+    quantize_row_in<2, 15>(c.truncate, x, n, scale, 57344.f, out);
   }
 }
 

@@ -24,6 +24,8 @@
 //                                 returns how many columns it wrote (0: the portable loop writes them)
 //   cache_amx_v_row(elem, dst, row, D, bs, odd)
 //                                 one token's row into an amx V region; returns whether it wrote it
+//   quantize_fp8<kMant, kBias, kTrunc, kMul>(x, n, scale, bound, out)
+//                                 an FP8 cache row's bits (cache.h quantize_row_as); returns how many it wrote
 //   kPackBlock, pack_rne_block    the specialised bf16 rounding on its own, for tests (0: none)
 //
 // Every specialisation gives each output a value that depends only on its own row or head, its token's cos/sin

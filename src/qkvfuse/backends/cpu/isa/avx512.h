@@ -234,6 +234,52 @@ inline int64_t cache_transpose(int64_t elem, bool pair, void* dst, int64_t strid
   return d;
 }
 
+// FP8 quantisation of x[0 .. n) 16 values at a time (cache.h quantize_row_as, fp8_bits: the same operations on
+// 16 lanes; min/max keep a NaN operand, as the scalar clamp does). Returns how many values it wrote (a multiple of
+// 16); the caller quantises the rest.
+template <int kMant, int kBias, bool kTrunc, bool kMul>
+inline int64_t quantize_fp8(const float* x, int64_t n, float scale, float bound, uint8_t* out) {
+  constexpr int kShift = 23 - kMant;
+  constexpr uint32_t kMinNormal = uint32_t(127 - kBias + 1) << 23;
+  constexpr uint32_t kRebias = uint32_t(127 - kBias) << 23;
+  const __m512 vs = _mm512_set1_ps(scale), hi = _mm512_set1_ps(bound), lo = _mm512_set1_ps(-bound);
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i min_normal = _mm512_set1_epi32(static_cast<int>(kMinNormal));
+  const __m512i rebias = _mm512_set1_epi32(static_cast<int>(kRebias));
+  const __m512i inf = _mm512_set1_epi32(0x7f800000), nan = _mm512_set1_epi32(0x7f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 y = _mm512_loadu_ps(x + i);
+    y = kMul ? _mm512_mul_ps(y, vs) : _mm512_div_ps(y, vs);
+    y = _mm512_max_ps(lo, _mm512_min_ps(hi, y));  // the second operand where either is NaN: y
+    const __m512i bits = _mm512_castps_si512(y);
+    const __m512i sign = _mm512_and_si512(bits, sign_bit);
+    const __m512i a = _mm512_xor_si512(bits, sign);
+    const __mmask16 small = _mm512_cmplt_epu32_mask(a, min_normal);
+    __m512i r;
+    if constexpr (kTrunc) {
+      constexpr float kSteps = float(1 << (kBias - 1 + kMant));
+      const __m512 scaled = _mm512_maskz_mul_ps(small, _mm512_castsi512_ps(a), _mm512_set1_ps(kSteps));
+      r = _mm512_mask_blend_epi32(small, _mm512_srli_epi32(_mm512_sub_epi32(a, rebias), kShift),
+                                  _mm512_cvttps_epu32(scaled));
+    } else {
+      const __m512i magic = _mm512_set1_epi32(static_cast<int>(uint32_t(127 - kBias + kShift + 1) << 23));
+      const __m512i denorm = _mm512_sub_epi32(
+          _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(magic))), magic);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kShift), _mm512_set1_epi32(1));
+      const __m512i normal = _mm512_srli_epi32(
+          _mm512_add_epi32(_mm512_sub_epi32(a, rebias),
+                           _mm512_add_epi32(_mm512_set1_epi32((1u << (kShift - 1)) - 1), odd)),
+          kShift);
+      r = _mm512_mask_blend_epi32(small, normal, denorm);
+    }
+    r = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(a, inf), r, nan);
+    r = _mm512_or_si512(r, _mm512_srli_epi32(sign, 24));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(r));
+  }
+  return i;
+}
+
 // One token's row of D 16-bit elements into an amx V region ([D / 16, bs / 2, 16, 2]; dst: the token's first
 // element, at its pair's odd or even place): each 16 dims widened to dwords and stored to their 16 places of one
 // 64-byte line. Returns whether it wrote the row (16-bit elements, D a multiple of 16).

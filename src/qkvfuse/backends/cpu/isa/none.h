@@ -44,9 +44,13 @@ inline void stream_fence() {}
 constexpr int64_t kPackBlock = 0;
 inline void pack_rne_block(const float*, c10::BFloat16*) {}
 
-// The tiled KV caches' stores (isa.h): none here, cache.h's portable loops write them.
+// The tiled KV caches' stores and the FP8 rows (isa.h): none here, cache.h's portable loops write them.
 inline int64_t cache_transpose(int64_t, bool, void*, int64_t, const void*, int64_t, int64_t, int64_t) { return 0; }
 inline bool cache_amx_v_row(int64_t, void*, const void*, int64_t, int64_t, bool) { return false; }
+template <int kMant, int kBias, bool kTrunc, bool kMul>
+inline int64_t quantize_fp8(const float*, int64_t, float, float, uint8_t*) {
+  return 0;
+}
 
 }  // namespace isa
 }  // namespace qkvfuse_cpu
