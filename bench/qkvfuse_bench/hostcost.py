@@ -9,7 +9,8 @@ compiled kernel, whose launcher (``CompiledKernel.run``, the C function that han
 does nothing, and the driver's current device and stream are constants. Everything before that launcher runs as
 on a device, with the device's block sizes: the public layer, the dispatcher, the argument checks (in C++ once the
 native library is loaded, :mod:`qkvfuse.backends.native_host`; else in Python), the launcher's cached plan and
-compiled-kernel lookup, the launch arguments. CPU tensors stand for device tensors (the position range check,
+compiled-kernel lookup (for the split, after its first launch of a key, the host kernel's kept launch in C++), the
+launch arguments. CPU tensors stand for device tensors (the position range check,
 which the device path skips, is the C++ one: a few nanoseconds at T = 1).
 
 Rows, for ``split_qkv_rmsnorm_rope`` (Qwen3-8B: 32/8 heads x 128, bf16, bf16 norm weights) and ``add_rmsnorm``

@@ -6,8 +6,9 @@
 // rules of checks.h, shapes, strides, dtypes, devices and overlaps, never tensor data), checks the position range
 // for CPU tensors (the interpreter; accelerators clamp in the kernel), allocates the functional form's outputs, and
 // then calls the Triton launcher -- a Python callable registered once (qkvfuse_set_triton_launchers) -- with the
-// checked arguments and the derived head_dim. So a call pays one Python frame (the launcher's), as a Triton op must,
-// and no Python argument checks. Without Python headers at build time this file compiles to nothing and the
+// checked arguments and the derived head_dim. So a call pays one Python frame (the launcher's) and no Python
+// argument checks; the split's later device launches of a key the launcher has handed over are made here, without
+// the launcher's frame (see launch_split). Without Python headers at build time this file compiles to nothing and the
 // Python kernels stay registered.
 #if __has_include(<Python.h>) && defined(QKVFUSE_PYTHON_HOST)
 
@@ -140,7 +141,10 @@ struct SplitLaunch {
   PyObject* packed_metadata;
   PyObject* values;  // the constexprs' values (a tuple), after the integer arguments
   PyObject* driver;
-  int64_t block_t, grid1, s_t, s_h, s_w;
+  int64_t block_t;
+  // The launch's integer arguments fixed by the key, made once: grid1, hq, hkv, s_t, s_h, s_w, row stride of qkv,
+  // positions' token stride, the table's row stride, the outputs' row strides.
+  PyObject* fixed[13];
 };
 
 std::map<SplitKey, SplitLaunch> g_split_launches;  // guarded by the GIL
@@ -297,7 +301,7 @@ PyObject* ll(int64_t v) { return PyLong_FromLongLong(v); }
 
 // The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch (a
 // launch hook is set, qkv is on another device than the current one).
-bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps, int64_t hq, int64_t hkv) {
+bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps) {
   static PyObject *n_active = interned("active"), *n_device = interned("get_current_device"),
                   *n_stream = interned("get_current_stream"), *n_enter = interned("launch_enter_hook"),
                   *n_calls = interned("calls");
@@ -342,31 +346,35 @@ bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, doubl
   Py_DECREF(active);
   if (stream == nullptr) throw python_error();
   const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
-  std::vector<PyObject*> argv;
-  argv.reserve(9 + 27 + n_values);
-  const int64_t grid0 = (a.T + e.block_t - 1) / e.block_t;
-  for (PyObject* o : {ll(grid0), ll(e.grid1), ll(1)}) argv.push_back(o);
-  argv.push_back(stream);
-  for (PyObject* o : {e.function, e.packed_metadata, Py_None, Py_None, Py_None}) {
+  constexpr Py_ssize_t kFixedArgs = 9 + 27;
+  if (n_values > 64) return false;
+  PyObject* argv[kFixedArgs + 64];
+  Py_ssize_t n = 0;
+  const auto owned = [&](PyObject* o) { argv[n++] = o; };
+  const auto borrowed = [&](PyObject* o) {
     Py_INCREF(o);
-    argv.push_back(o);
-  }
-  for (const int64_t p : a.ptr) argv.push_back(ll(p));
-  for (const int64_t v : {a.T, hq, hkv}) argv.push_back(ll(v));
-  argv.push_back(PyFloat_FromDouble(eps));
-  for (const int64_t v : {a.max_position, e.s_t, e.s_h, e.s_w, a.rs, a.pos_axis, a.pos_tok, a.cs, a.q_s, a.k_s,
-                          a.v_s, a.g_s}) {
-    argv.push_back(ll(v));
-  }
-  for (Py_ssize_t i = 0; i < n_values; ++i) {
-    PyObject* v = PyTuple_GET_ITEM(e.values, i);
-    Py_INCREF(v);
-    argv.push_back(v);
-  }
+    argv[n++] = o;
+  };
+  PyObject* const* f = e.fixed;
+  owned(ll((a.T + e.block_t - 1) / e.block_t));
+  borrowed(f[0]);
+  owned(ll(1));
+  owned(stream);
+  for (PyObject* o : {e.function, e.packed_metadata, Py_None, Py_None, Py_None}) borrowed(o);
+  for (const int64_t p : a.ptr) owned(ll(p));
+  owned(ll(a.T));
+  borrowed(f[1]);
+  borrowed(f[2]);
+  owned(PyFloat_FromDouble(eps));
+  owned(ll(a.max_position));
+  for (int i = 3; i < 7; ++i) borrowed(f[i]);  // s_t, s_h, s_w, qkv's row stride
+  owned(ll(a.pos_axis));
+  for (int i = 7; i < 13; ++i) borrowed(f[i]);  // positions' token stride, the table's, the outputs'
+  for (Py_ssize_t i = 0; i < n_values; ++i) borrowed(PyTuple_GET_ITEM(e.values, i));
   bool ok = true;
-  for (PyObject* o : argv) ok = ok && o != nullptr;
-  PyObject* result = ok ? PyObject_Vectorcall(e.run, argv.data(), argv.size(), nullptr) : nullptr;
-  for (PyObject* o : argv) Py_XDECREF(o);
+  for (Py_ssize_t i = 0; i < n; ++i) ok = ok && argv[i] != nullptr;
+  PyObject* result = ok ? PyObject_Vectorcall(e.run, argv, n, nullptr) : nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) Py_XDECREF(argv[i]);
   if (result == nullptr) throw python_error();
   Py_DECREF(result);
   return true;
@@ -384,10 +392,16 @@ void keep_staged(const SplitKey& key) {
   e.values = s.values;
   e.driver = reinterpret_cast<PyObject*>(key[3]);
   e.block_t = s.block_t;
-  e.grid1 = s.grid1;
-  e.s_t = s.s_t;
-  e.s_h = s.s_h;
-  e.s_w = s.s_w;
+  const int64_t fixed[13] = {s.grid1, key[7], key[8], s.s_t, s.s_h, s.s_w, key[23], key[25], key[26],
+                             key[27], key[28], key[29], key[30]};
+  for (int i = 0; i < 13; ++i) {
+    e.fixed[i] = ll(fixed[i]);
+    if (e.fixed[i] == nullptr) {
+      for (int j = 0; j < i; ++j) Py_DECREF(e.fixed[j]);
+      PyErr_Clear();
+      return;
+    }
+  }
   PyObject* owned[8] = {s.run, s.function, s.packed_metadata, s.values, reinterpret_cast<PyObject*>(key[1]),
                         reinterpret_cast<PyObject*>(key[2]), e.driver, nullptr};
   for (int i = 0; i < 8; ++i) {
@@ -422,7 +436,7 @@ void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tens
   if (keyed) {
     const auto it = g_split_launches.find(key);
     if (it != g_split_launches.end()) {
-      if (launch_kept(it->second, args, key[32], eps, hq, hkv)) return;
+      if (launch_kept(it->second, args, key[32], eps)) return;
     } else {
       stage = true;
     }
