@@ -224,6 +224,36 @@ def test_cached_norm_launch_passes_the_jit_arguments(recorded, form):
                                       fresh=(4, 5) if form in ("functional", "no-residual", "out") else ())
 
 
+@pytest.mark.parametrize("form", ["inplace", "functional"])
+def test_kept_split_launch_leaves_hooked_launches_to_the_launcher(recorded, monkeypatch, form):
+    """After the first launches, the host kernel makes the split's compiled launch itself; with a launch hook set
+    (Triton's rule: a hook chain with hooks) the Python launcher makes it (with the launch metadata the hook takes),
+    with the same grid and arguments."""
+    from triton import knobs
+
+    case = SPLIT_CASES["plain"]
+    kwargs = make_split_inputs(case)
+    qkv = kwargs.pop("qkv")
+    calls = {"inplace": lambda: qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend="triton"),
+             "functional": lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, **kwargs, backend="triton")}
+    metadata = []
+    monkeypatch.setattr(_RecordingCompiled, "launch_metadata", lambda self, *args: metadata.append(args))
+    for _ in range(3):
+        calls[form]()
+    assert [entry[0] for entry in recorded] == ["jit", "run", "run"] and metadata == []
+    chain = knobs.runtime.launch_enter_hook
+    hook = lambda *args: None  # noqa: E731
+    chain.add(hook)
+    try:
+        calls[form]()
+    finally:
+        chain.remove(hook)
+    assert [entry[0] for entry in recorded] == ["jit", "run", "run", "run"] and len(metadata) == 1
+    assert recorded[3][1:3] == recorded[2][1:3] or form == "functional"
+    calls[form]()
+    assert len(metadata) == 1  # kept again once the hook is gone
+
+
 def test_misaligned_pointer_takes_the_jit_launch(recorded):
     """A pointer off a 16-byte boundary changes Triton's specialisation: no cached launch for it."""
     case = SPLIT_CASES["plain"]
