@@ -38,7 +38,8 @@ struct CachePlan {
   bool truncate;
   Fp8 fp8;
   int64_t elem;  // bytes per cache element
-  bool stream;   // contiguous rows written with non-temporal stores (isa::stream_cache_rows)
+  bool stream;   // contiguous rows (and whole lines of the tiled layouts) written with non-temporal stores
+                 // (isa::stream_cache_rows)
   int64_t block_size;
   CacheSide k, v;
   const void* slots;
@@ -160,13 +161,14 @@ inline void store_row(const CacheSide& s, int64_t layout, bool is_key, int64_t b
 // the split just wrote (hot); each destination run of n elements is contiguous, so a block's tile of K is written
 // line by line instead of one element per line per token.
 template <bool kPair, typename U>
-inline void transpose_rows(U* dst, int64_t stride, const U* src, int64_t src_stride, int64_t n, int64_t m) {
+inline void transpose_rows(U* dst, int64_t stride, const U* src, int64_t src_stride, int64_t n, int64_t m,
+                           bool stream) {
   constexpr int64_t kW = kPair ? 2 : 1;
   for (int64_t r0 = 0; r0 < n; r0 += 16) {  // the ISA's transpose takes up to 16 rows
     const int64_t rows = std::min<int64_t>(16, n - r0);
     U* tile = dst + r0 * kW;
     const U* first = src + r0 * src_stride;
-    int64_t d = isa::cache_transpose(sizeof(U), kPair, tile, stride, first, src_stride, rows, m);
+    int64_t d = isa::cache_transpose(sizeof(U), kPair, tile, stride, first, src_stride, rows, m, stream);
     for (; d < m; ++d) {
       U* out = tile + d * stride * kW;
       const U* in = first + d * kW;
@@ -203,19 +205,25 @@ inline void store_tokens_tiled(const CachePlan& c, const CacheSide& s, bool is_k
       const U* rows = src + i * tok_stride + h * D;
       if (!amx) {
         if (is_key) {  // K transposed, [D, block_size]
-          transpose_rows<false>(region + off, bs, rows, tok_stride, len, D);
+          transpose_rows<false>(region + off, bs, rows, tok_stride, len, D, c.stream);
         } else {  // V as [block_size, D]
           for (int64_t r = 0; r < len; ++r) {
             copy(region + (off + r) * D, rows + r * tok_stride, static_cast<size_t>(D) * sizeof(U));
           }
         }
       } else if (is_key) {  // amx K: [block_size / 16, D / 2, 16, 2]
-        transpose_rows<true>(region + (off / 16) * 16 * D + (off % 16) * 2, 16, rows, tok_stride, len, D / 2);
+        transpose_rows<true>(region + (off / 16) * 16 * D + (off % 16) * 2, 16, rows, tok_stride, len, D / 2,
+                             c.stream);
       } else {  // amx V: [D / 16, block_size / 2, 16, 2]: a token pair's dims interleaved, 16 at a time
         for (int64_t r = 0; r < len; ++r) {
           const int64_t o = off + r;
           U* dst = region + (o / 2) * 32 + o % 2;
           const U* row = rows + r * tok_stride;
+          if (o % 2 == 0 && r + 1 < len &&
+              isa::cache_amx_v_pair(sizeof(U), dst, row, row + tok_stride, D, bs, c.stream)) {
+            ++r;  // the pair's odd token too
+            continue;
+          }
           if (isa::cache_amx_v_row(sizeof(U), dst, row, D, bs, o % 2 != 0)) continue;
           for (int64_t g = 0; g < D; g += 16) {
             U* group = dst + g * bs;

@@ -19,11 +19,11 @@
 //   stream_cache_rows(bytes), stream_copy(dst, src, bytes), stream_fence()
 //                                 whether a cache-writing split that writes `bytes` to its caches streams its
 //                                 contiguous cache rows, the streamed copy, the fence after a thread's last
-//   cache_transpose(elem, pair, dst, stride, src, src_stride, n, m)
+//   cache_transpose(elem, pair, dst, stride, src, src_stride, n, m, stream)
 //                                 the tiled KV caches' K transpose of up to 16 token rows (cache.h transpose_rows);
 //                                 returns how many columns it wrote (0: the portable loop writes them)
-//   cache_amx_v_row(elem, dst, row, D, bs, odd)
-//                                 one token's row into an amx V region; returns whether it wrote it
+//   cache_amx_v_pair(elem, line, row0, row1, D, bs, stream), cache_amx_v_row(elem, dst, row, D, bs, odd)
+//                                 two tokens' rows (one token's) into an amx V region; return whether they wrote
 //   quantize_fp8<kMant, kBias, kTrunc, kMul>(x, n, scale, bound, out)
 //                                 an FP8 cache row's bits (cache.h quantize_row_as); returns how many it wrote
 //   kPackBlock, pack_rne_block    the specialised bf16 rounding on its own, for tests (0: none)

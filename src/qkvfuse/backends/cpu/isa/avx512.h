@@ -197,7 +197,7 @@ inline void pack_rne_block(const float* src, c10::BFloat16* dst) {
 // (pair) of the n rows gathered as dwords, then stored as one contiguous run. Returns how many of the m columns
 // (pairs) it wrote, from the first; the caller writes the rest.
 inline int64_t cache_transpose(int64_t elem, bool pair, void* dst, int64_t stride, const void* src,
-                               int64_t src_stride, int64_t n, int64_t m) {
+                               int64_t src_stride, int64_t n, int64_t m, bool stream) {
   const int64_t row_bytes = src_stride * elem;
   if (n < 1 || n > 16 || row_bytes > (int64_t{1} << 26)) return 0;
   const __mmask16 rows = static_cast<__mmask16>((1u << n) - 1);
@@ -211,6 +211,9 @@ inline int64_t cache_transpose(int64_t elem, bool pair, void* dst, int64_t strid
   int64_t d = 0;
   if ((pair && elem == 2) || (!pair && elem == 4)) {  // a column (pair) is one dword per row
     const int64_t col_bytes = stride * 4;
+    if (stream && n == 16 && reinterpret_cast<uintptr_t>(o) % 64 == 0 && col_bytes % 64 == 0) {
+      for (; d < m; ++d) _mm512_stream_si512(reinterpret_cast<__m512i*>(o + d * col_bytes), gather(d * 4));
+    }
     for (; d < m; ++d) _mm512_mask_storeu_epi32(o + d * col_bytes, rows, gather(d * 4));
   } else if (!pair && elem == 2) {  // two columns per dword: even and odd halves apart
     const __m512i split = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 30, 28, 26,
@@ -278,6 +281,29 @@ inline int64_t quantize_fp8(const float* x, int64_t n, float scale, float bound,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(r));
   }
   return i;
+}
+
+// Two tokens' rows (an even offset and the next) of D 16-bit elements into an amx V region (line: their pair's
+// first element): each 16 dims of the two interleaved into one whole 64-byte line, streamed when asked and aligned.
+// Returns whether it wrote them.
+inline bool cache_amx_v_pair(int64_t elem, void* line, const void* row0, const void* row1, int64_t D, int64_t bs,
+                             bool stream) {
+  if (elem != 2 || D % 16 != 0) return false;
+  auto* o = static_cast<char*>(line);
+  const auto* s0 = static_cast<const char*>(row0);
+  const auto* s1 = static_cast<const char*>(row1);
+  stream = stream && reinterpret_cast<uintptr_t>(o) % 64 == 0 && (bs * 32) % 64 == 0;
+  for (int64_t g = 0; g < D; g += 16) {
+    const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s0 + g * 2)));
+    const __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s1 + g * 2)));
+    const __m512i v = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+    if (stream) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(o + g * bs * 2), v);
+    } else {
+      _mm512_storeu_si512(o + g * bs * 2, v);
+    }
+  }
+  return true;
 }
 
 // One token's row of D 16-bit elements into an amx V region ([D / 16, bs / 2, 16, 2]; dst: the token's first

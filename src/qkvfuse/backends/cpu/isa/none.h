@@ -45,7 +45,10 @@ constexpr int64_t kPackBlock = 0;
 inline void pack_rne_block(const float*, c10::BFloat16*) {}
 
 // The tiled KV caches' stores and the FP8 rows (isa.h): none here, cache.h's portable loops write them.
-inline int64_t cache_transpose(int64_t, bool, void*, int64_t, const void*, int64_t, int64_t, int64_t) { return 0; }
+inline int64_t cache_transpose(int64_t, bool, void*, int64_t, const void*, int64_t, int64_t, int64_t, bool) {
+  return 0;
+}
+inline bool cache_amx_v_pair(int64_t, void*, const void*, const void*, int64_t, int64_t, bool) { return false; }
 inline bool cache_amx_v_row(int64_t, void*, const void*, int64_t, int64_t, bool) { return false; }
 template <int kMant, int kBias, bool kTrunc, bool kMul>
 inline int64_t quantize_fp8(const float*, int64_t, float, float, uint8_t*) {
