@@ -15,9 +15,9 @@ e5m2), side by side in interleaved rounds (:func:`qkvfuse.benchmarks.timing.meas
 The cache is the one vLLM-CPU gives an attention layer (``[num_blocks, Hkv, block_size, 2 * D]``, K and V the two
 halves of each block) in the layout vLLM picks on this CPU: ``amx`` for a bf16 cache on a CPU with AMX, else
 ``vec``; FP8 caches in ``vec`` (qkvfuse's FP8 ``amx`` packing is vLLM's other format, not implemented), the
-scales 0-d tensors, FP8 rounding ``truncate`` (vLLM's writer's). Slots: each token's, whole blocks in a shuffled
-block table (a prefill's pattern). The roofline is a copy of the same bytes (qkv read and written, K and V written
-to the cache). The ratios are medians of per-round ratios; ``vs two-step`` > 1 means the fused call is faster.
+scales 0-d tensors, FP8 rounding ``truncate`` (vLLM's writer's); FP8 rows only where vLLM-CPU has an FP8 cache
+(AVX-512 or AMX). Slots: each token's, whole blocks in a shuffled block table (a prefill's pattern). The roofline
+is a copy of the same bytes (qkv read and written, K and V written to the cache). The ratios are medians of per-round ratios; ``vs two-step`` > 1 means the fused call is faster.
 """
 
 from __future__ import annotations
@@ -63,6 +63,18 @@ def _cache(T: int, hkv: int, D: int, dtype: torch.dtype, g: torch.Generator):
     return storage, key, value, slots
 
 
+def vllm_refusal(kv_cache_dtype: str, head_dim: int):
+    """Why vLLM-CPU refuses this cache on this CPU (its own ``_get_attn_isa`` rule: FP8 caches need AVX-512 or
+    AMX), or None."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    try:
+        _get_attn_isa(torch.bfloat16, BLOCK_SIZE, head_dim, kv_cache_dtype)
+    except NotImplementedError as e:
+        return str(e)
+    return None
+
+
 def cache_rows(budget: Budget, log=print, presets=PRESETS, tokens=TOKENS, dtypes=tuple(CACHE_DTYPES)):
     import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
 
@@ -81,6 +93,10 @@ def cache_rows(budget: Budget, log=print, presets=PRESETS, tokens=TOKENS, dtypes
         static = (table, wq, wk, None, None, hq, hkv, p.rms_norm_eps, encode_rope(True))
         for dname in dtypes:
             dtype, kv_cache_dtype = CACHE_DTYPES[dname]
+            refusal = vllm_refusal(kv_cache_dtype, D)
+            if refusal:  # no two-step path to time against
+                log(f"cache {name} {dname}: skipped, vLLM-CPU refuses it on this CPU ({refusal})")
+                continue
             fp8 = dtype.itemsize == 1
             isa = vllm_isa(dtype)
             scales = (torch.tensor(0.05), torch.tensor(0.07)) if fp8 else (None, None)

@@ -106,9 +106,10 @@ def store_expected(cache, layout, is_key, slots, rows):
                 region[_region_index(layout, is_key, bs, D, off, d)] = r[t, h]
 
 
-def _slots(kind, T, capacity, dtype, seed):
+def _slots(kind, T, capacity, dtype, seed, blocks=1):
     """A permutation of the slots (kind "permutation"), with every third token skipped ("skips"), cut to half the
-    tokens ("short"), or five slots shared by all tokens ("repeats")."""
+    tokens ("short"), five slots shared by all tokens ("repeats"), or runs of consecutive slots ("runs": the tiled
+    layouts' transposed stores)."""
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(capacity, generator=g)[:T]
     if kind == "skips":
@@ -118,6 +119,11 @@ def _slots(kind, T, capacity, dtype, seed):
     elif kind == "repeats":  # few distinct slots, each taken by several tokens
         slots = torch.randint(0, 5, (T,), generator=g)
         slots[::4] = -1
+    elif kind == "runs":  # a prefill's: blocks of a shuffled table filled in order from a mid-block start, one skip
+        bs = capacity // blocks
+        t = torch.arange(T) + 3
+        slots = torch.randperm(blocks, generator=g)[t // bs] * bs + t % bs
+        slots[T // 2] = -1
     return slots.to(dtype)
 
 
@@ -133,7 +139,7 @@ def run_case(case, layout="NHD", cache_dtype=None, rounding="nearest", slots="sk
     dtype = cache_dtype or case.dtype
     H, D, T = case.num_kv_heads, case.head_dim, case.T
     storage, key, value = make_caches(layout, dtype, nb, bs, H, D, padded, interleaved)
-    slot_mapping = _slots(slots, T, nb * bs, slot_dtype, seed + 1)
+    slot_mapping = _slots(slots, T, nb * bs, slot_dtype, seed + 1, nb)
     extra = {}
     if dtype in FP8:
         extra = dict(k_scale=torch.tensor(scales[0]), v_scale=torch.tensor(scales[1]))
@@ -215,6 +221,16 @@ def test_split_modes(mode, cache):
     run_case(case, "HND", None if cache == "same" else torch.float8_e4m3fn, slots="short")
     if cache == "same" and case.head_dim % 16 == 0 and case.dtype != torch.float32:
         run_case(case, "amx", slots="skips")
+
+
+@pytest.mark.parametrize("layout, head_dim, dtype", [
+    ("vec", 128, torch.bfloat16), ("vec", 80, torch.float16), ("vec", 52, torch.float32), ("vec", 52, torch.bfloat16),
+    ("amx", 128, torch.bfloat16), ("amx", 80, torch.float16)])
+def test_tiled_layouts_consecutive_slots(layout, head_dim, dtype):
+    """Runs of consecutive slots in a block (a prefill's): the tiled layouts' K transposes of whole runs of up to 16
+    tokens and of partial ones, head_dims whose columns are not a whole number of the ISA's blocks."""
+    case = SplitCase(T=45, num_q_heads=2, num_kv_heads=2, head_dim=head_dim, rotary_dim=head_dim, dtype=dtype)
+    run_case(case, layout, slots="runs", nb=4, bs=32)
 
 
 @pytest.mark.parametrize("slots", ["skips", "short", "repeats"])

@@ -470,10 +470,98 @@ inline void pack_rne_block(const float* src, c10::BFloat16* dst) {
   Bf16Block::store<false>(dst, _mm256_loadu_ps(src), _mm256_loadu_ps(src + 8));
 }
 
-// The tiled KV caches' stores and the FP8 rows (isa.h): none here, cache.h's portable loops write them.
-inline int64_t cache_transpose(int64_t, bool, void*, int64_t, const void*, int64_t, int64_t, int64_t, bool) {
+// ------------------------------------------------------------------------------------------------------------
+// The tiled KV caches' K transpose (cache.h transpose_rows): 8 x 8 blocks by unpacks, bits moved, never computed.
+// ------------------------------------------------------------------------------------------------------------
+
+// Eight rows of eight 16-bit elements, transposed in place: a[i] becomes column i.
+inline void transpose8_epi16(__m128i* a) {
+  __m128i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm_unpacklo_epi16(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm_unpackhi_epi16(a[2 * i], a[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7: columns (0, 1), (2, 3), (4, 5), (6, 7)
+    u[4 * h] = _mm_unpacklo_epi32(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm_unpackhi_epi32(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm_unpacklo_epi32(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm_unpackhi_epi32(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    a[2 * c] = _mm_unpacklo_epi64(u[c], u[4 + c]);
+    a[2 * c + 1] = _mm_unpackhi_epi64(u[c], u[4 + c]);
+  }
+}
+
+// Eight rows of eight 32-bit elements, transposed in place: a[i] becomes column i.
+inline void transpose8_epi32(__m256i* a) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit half: columns (0, 1) and (2, 3) of rows 2i, 2i + 1
+    t[2 * i] = _mm256_unpacklo_epi32(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(a[2 * i], a[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 0-3, then 4-7: columns 0 | 4, 1 | 5, 2 | 6, 3 | 7
+    u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    a[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+    a[c + 4] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+  }
+}
+
+// dst[d * stride + r] = src[r * src_stride + d] for rows r < n and columns d < m, E the element (strides in
+// elements), in 8 x 8 blocks: each column's 8 rows one contiguous store. Returns the columns written (m rounded
+// down to 8, every row of them; rows past the last whole 8 element by element), 0 for fewer than 8 rows.
+template <typename E>
+inline int64_t transpose8_blocks(E* dst, int64_t stride, const E* src, int64_t src_stride, int64_t n, int64_t m) {
+  if (n < 8) return 0;
+  const int64_t cols = m - m % 8, rows = n - n % 8;
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    for (int64_t d = 0; d < cols; d += 8) {
+      if constexpr (sizeof(E) == 2) {
+        __m128i a[8];
+        for (int i = 0; i < 8; ++i) {
+          a[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (r0 + i) * src_stride + d));
+        }
+        transpose8_epi16(a);
+        for (int i = 0; i < 8; ++i) _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (d + i) * stride + r0), a[i]);
+      } else {
+        __m256i a[8];
+        for (int i = 0; i < 8; ++i) {
+          a[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (r0 + i) * src_stride + d));
+        }
+        transpose8_epi32(a);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (d + i) * stride + r0), a[i]);
+      }
+    }
+  }
+  for (int64_t r = rows; r < n; ++r) {
+    for (int64_t d = 0; d < cols; ++d) std::memcpy(dst + d * stride + r, src + r * src_stride + d, sizeof(E));
+  }
+  return cols;
+}
+
+// The tiled layouts' K transpose (isa.h cache_transpose): 16-bit columns (vec K of a bf16 / fp16 cache) and
+// 32-bit ones (vec K of an fp32 cache; amx K's element pairs); 8-bit columns are left to cache.h's loop.
+inline int64_t cache_transpose(int64_t elem, bool pair, void* dst, int64_t stride, const void* src,
+                               int64_t src_stride, int64_t n, int64_t m, bool /*stream*/) {
+  if (!pair && elem == 2) {
+    return transpose8_blocks(static_cast<uint16_t*>(dst), stride, static_cast<const uint16_t*>(src), src_stride, n, m);
+  }
+  if (!pair && elem == 4) {
+    return transpose8_blocks(static_cast<uint32_t*>(dst), stride, static_cast<const uint32_t*>(src), src_stride, n, m);
+  }
+  if (pair && elem == 2 && src_stride % 2 == 0) {  // a pair is one dword; pairs' strides in dwords
+    return transpose8_blocks(static_cast<uint32_t*>(dst), stride, static_cast<const uint32_t*>(src), src_stride / 2,
+                             n, m);
+  }
   return 0;
 }
+
+// The amx V stores and the FP8 rows (isa.h): none here, cache.h's portable loops write them.
 inline bool cache_amx_v_pair(int64_t, void*, const void*, const void*, int64_t, int64_t, bool) { return false; }
 inline bool cache_amx_v_row(int64_t, void*, const void*, int64_t, int64_t, bool) { return false; }
 template <int kMant, int kBias, bool kTrunc, bool kMul>
