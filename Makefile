@@ -23,7 +23,7 @@ SGLANG_TEST_PATH := tests/_support/sglang_stubs
 # The research and maintainer harnesses (bench/qkvfuse_bench) are not part of the package: run from bench/.
 BENCH_PATH := bench
 
-.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-hostcost bench-vllm bench-cache bench-sglang verify clean
+.PHONY: run test test-capabilities test-slow test-vllm test-vllm-slow test-sglang bench bench-targets bench-e2e bench-hostcost bench-vllm bench-cache bench-sglang bench-sglang-cache verify clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -110,6 +110,10 @@ test-sglang: $(STAMP_SGLANG)
 
 bench-sglang: $(STAMP_SGLANG)
 	PYTHONPATH=$(BENCH_PATH):$(SGLANG_TEST_PATH) $(PY_SGLANG) -m qkvfuse_bench.sglang
+
+# The cache-writing split against qkvfuse's split + SGLang's own KV-pool writer (set_kv_buffer).
+bench-sglang-cache: $(STAMP_SGLANG)
+	PYTHONPATH=$(BENCH_PATH):$(SGLANG_TEST_PATH) $(PY_SGLANG) -m qkvfuse_bench.sglang_cache
 
 test-slow: $(STAMP)
 	QKVFUSE_REQUIRE_BACKENDS=$(REQUIRE) TRITON_INTERPRET=1 $(PY) -m pytest -q -m slow

@@ -17,7 +17,8 @@ halves of each block) in the layout vLLM picks on this CPU: ``amx`` for a bf16 c
 ``vec``; FP8 caches in ``vec`` (qkvfuse's FP8 ``amx`` packing is vLLM's other format, not implemented), the
 scales 0-d tensors, FP8 rounding ``truncate`` (vLLM's writer's); FP8 rows only where vLLM-CPU has an FP8 cache
 (AVX-512 or AMX). Slots: each token's, whole blocks in a shuffled block table (a prefill's pattern). The roofline
-is a copy of the same bytes (qkv read and written, K and V written to the cache). The ratios are medians of per-round ratios; ``vs two-step`` > 1 means the fused call is faster.
+is a copy of the same bytes (qkv read and written, K and V written to the cache). The ratios are medians of
+per-round ratios; ``vs two-step`` > 1 means the fused call is faster.
 """
 
 from __future__ import annotations
@@ -189,12 +190,16 @@ def targets(rows) -> List[Dict[str, object]]:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m qkvfuse_bench.cache", description=__doc__.split("\n\n")[0])
+def run(argv, prog: str, doc: str, rows_fn, cache_choices=None) -> int:
+    """The cache benches' command line (this module's and :mod:`qkvfuse_bench.sglang_cache`'s): ``rows_fn(budget,
+    presets=, tokens=[, dtypes=])`` rows, then :func:`targets` judged on them; ``cache_choices``: the ``--cache``
+    values, where the bench has more than one cache dtype."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="per cell")
     parser.add_argument("--preset", action="append", choices=PRESETS)
     parser.add_argument("--tokens", type=int, action="append")
-    parser.add_argument("--cache", action="append", choices=list(CACHE_DTYPES))
+    if cache_choices:
+        parser.add_argument("--cache", action="append", choices=list(cache_choices))
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     reason = args.json and unwritable(args.json)
@@ -204,8 +209,8 @@ def main(argv=None) -> int:
     from qkvfuse.backends import cpu
 
     print(f"qkvfuse native CPU build: {cpu.capability()}")
-    rows = cache_rows(Budget(cell_s=args.seconds), presets=args.preset or PRESETS, tokens=args.tokens or TOKENS,
-                      dtypes=args.cache or tuple(CACHE_DTYPES))
+    extra = {"dtypes": args.cache or tuple(cache_choices)} if cache_choices else {}
+    rows = rows_fn(Budget(cell_s=args.seconds), presets=args.preset or PRESETS, tokens=args.tokens or TOKENS, **extra)
     summary = targets(rows)
     for s in summary:
         print(f"{'MET   ' if s['met'] else 'MISSED'} {s['target']:34s} {s['cell']:28s} {s['value']:.2f}")
@@ -214,6 +219,10 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    return run(argv, "python -m qkvfuse_bench.cache", __doc__, cache_rows, CACHE_DTYPES)
 
 
 if __name__ == "__main__":
