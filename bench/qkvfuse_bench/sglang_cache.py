@@ -47,6 +47,8 @@ def cache_rows(budget: Budget, log=print, presets=PRESETS, tokens=TOKENS) -> Lis
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     layer = types.SimpleNamespace(layer_id=0)  # set_kv_buffer reads the layer's id only
+    warm = _pool(2, 1, 64, torch.bfloat16)  # SGLang's first write initialises lazily (a first cell's estimate)
+    warm.set_kv_buffer(layer, KVWriteLoc(torch.tensor([1]), None), *(torch.zeros(1, 1, 64, dtype=torch.bfloat16),) * 2)
     rows: List[Dict[str, object]] = []
     for name in presets:
         p = qkvfuse.get_preset(name)
