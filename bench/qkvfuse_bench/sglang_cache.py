@@ -10,9 +10,9 @@ rotated in place, each token's K and V stored in one layer of an SGLang ``MHATok
 * ``qkvfuse QKNormRope.inplace_cache`` -- the bound fused call, the pool's layer buffers ``[size + page_size,
   kv_heads, head_dim]`` as qkvfuse's ``NHD`` with block size 1 (what the SGLang plugin passes);
 * ``qkvfuse inplace + SGLang set_kv_buffer`` -- qkvfuse's bound in-place split, then the pool's own
-  ``set_kv_buffer(layer, KVWriteLoc(loc), k, v)`` (what the plugin ran before it wrote the pool itself; on a CPU
-  without AMX SGLang stores with an indexed assignment, with AMX through ``sgl_kernel.store_cache_cpu`` when that
-  library is installed).
+  ``set_kv_buffer(layer, KVWriteLoc(loc), k, v)`` (what the plugin ran before it wrote the pool itself; an indexed
+  assignment on a CPU without AMX; on an AMX CPU SGLang's ``_set_kv_buffer_impl`` calls ``sgl_kernel``'s
+  ``store_cache_cpu`` instead, which this bench has not been run with).
 
 The roofline is a copy of the same bytes (qkv read and written, K and V written). The ratios are medians of
 per-round ratios; ``vs two-step`` > 1 means the fused call is faster; the run ends with the targets of
