@@ -517,8 +517,9 @@ def test_vllm_bench_judges_the_peer_targets_per_cell():
 
 @pytest.mark.parametrize("bench", ["vllm", "sglang", "cache", "sglang_cache"])
 def test_engine_benches_refuse_an_unwritable_json_before_the_run(bench, tmp_path, capsys):
-    """The vLLM and SGLang benches (engines and cache writes) check ``--json`` before anything runs, as the CLI does (a folder not made yet,
-    like ``bench/results/`` in a fresh clone, would otherwise lose a long run's rows at its end)."""
+    """The vLLM and SGLang benches (engines and cache writes) check ``--json`` before anything runs, as the CLI
+    does (a folder not made yet, like ``bench/results/`` in a fresh clone, would otherwise lose a long run's rows
+    at its end)."""
     import importlib
 
     module = importlib.import_module(f"qkvfuse_bench.{bench}")
