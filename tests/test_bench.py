@@ -473,6 +473,9 @@ def test_vllm_latency_rows_pair_rounds_and_profile_parts_split_by_name():
                                    ("vllm::unified_attention_with_output", 300.0), ("_C::cpu_attn_reshape_and_cache", 100.0),
                                    ("qkvfuse::add_rmsnorm_inplace", 20.0), ("## Call CompiledFxGraph None ##", 80.0)])
     assert parts == pytest.approx({"gemm": 6.0, "attention": 0.4, "rest": 0.1})
+    top = bench_vllm.rest_top([("aten::mm", 9000.0), ("qkvfuse::add_rmsnorm_inplace", 20.0), ("aten::copy_", 60.0),
+                               ("## Call CompiledFxGraph None ##", 80.0), ("aten::copy_", 30.0)], n=2)
+    assert top == [["aten::copy_", pytest.approx(0.09)], ["## Call CompiledFxGraph None ##", pytest.approx(0.08)]]
 
 
 def test_vllm_bench_judges_the_peer_targets_per_cell():

@@ -798,23 +798,37 @@ _GEMM_MARKS, _ATTENTION_MARKS = ("linear", "matmul", "fused_moe", "aten::mm", "a
     "attention", "kv_cache", "reshape_and_cache")
 
 
-def _profiled_ms(llm, prompt: List[int], new_tokens: int) -> Dict[str, float]:
+def _profiled_ms(llm, prompt: List[int], new_tokens: int) -> Dict[str, object]:
+    """ms per request by part (:func:`step_parts`), and under ``"top"`` the rest's largest ops (:func:`rest_top`)."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, detokenize=False, ignore_eos=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return step_parts((e.key, e.self_cpu_time_total) for e in prof.key_averages())
+    events = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+    return {**step_parts(events), "top": rest_top(events)}
+
+
+def _part(name: str) -> str:
+    return ("gemm" if any(m in name for m in _GEMM_MARKS) else
+            "attention" if any(m in name for m in _ATTENTION_MARKS) else "rest")
 
 
 def step_parts(events) -> Dict[str, float]:
     """``{"gemm", "attention", "rest": ms}`` of profiler ``(name, self CPU µs)`` pairs."""
     parts = {"gemm": 0.0, "attention": 0.0, "rest": 0.0}
     for name, self_us in events:
-        part = ("gemm" if any(m in name for m in _GEMM_MARKS) else
-                "attention" if any(m in name for m in _ATTENTION_MARKS) else "rest")
-        parts[part] += self_us / 1e3
+        parts[_part(name)] += self_us / 1e3
     return parts
+
+
+def rest_top(events, n: int = 8) -> List[List[object]]:
+    """The ``n`` largest ops of :func:`step_parts`' rest, ``[[name, self CPU ms], ...]`` largest first."""
+    rest = {}
+    for name, self_us in events:
+        if _part(name) == "rest":
+            rest[name] = rest.get(name, 0.0) + self_us / 1e3
+    return [[name, ms] for name, ms in sorted(rest.items(), key=lambda kv: -kv[1])[:n]]
 
 
 def _heap_only_malloc() -> bool:
@@ -844,9 +858,12 @@ def _profile_engine(name: str, fused, compiled: bool, seed: int) -> Dict[str, ob
     with _model_dir(name) as model_dir:
         llm = _engine(model_dir, fused, compiled)
         _time_request(llm, _random_prompt(g))  # warm-up
-        parts = {phase: {p: v / new for p, v in _profiled_ms(llm, _random_prompt(g, length), new).items()}
-                 for phase, length, new in _PROFILED}
-    return {"heap_only_malloc": heap_only, **parts}
+        parts, top = {}, {}
+        for phase, length, new in _PROFILED:
+            measured = _profiled_ms(llm, _random_prompt(g, length), new)
+            top[phase] = [[op, ms / new] for op, ms in measured.pop("top")]
+            parts[phase] = {p: v / new for p, v in measured.items()}
+    return {"heap_only_malloc": heap_only, "top": top, **parts}
 
 
 def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=print) -> List[Dict[str, object]]:
@@ -863,13 +880,16 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
     rows = []
     mode = "compiled" if compiled else "eager"
     for name in names:
-        parts, heap_only = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True
+        parts, heap_only, tops = {(k, p): [] for k in ("on", "off") for p, _, _ in _PROFILED}, True, {}
         for r, key, measured in _fresh_engine_rounds(_profile_engine, name, fused, compiled, rounds):
             heap_only = heap_only and measured["heap_only_malloc"]
             for phase, _, _ in _PROFILED:
                 parts[(key, phase)].append(measured[phase])
                 log(f"{name} {mode} round {r + 1}/{rounds} {key:3s} {phase:8s} ms per step: "
                     + "  ".join(f"{p} {v:8.2f}" for p, v in measured[phase].items()))
+                log("    rest's largest ops, ms per step: "
+                    + "; ".join(f"{op} {ms:.2f}" for op, ms in measured["top"][phase]))
+                tops.setdefault((key, phase), []).append(measured["top"][phase])
         for phase, _, _ in _PROFILED:
             on, off = parts[("on", phase)], parts[("off", phase)]
             ratios = [b["rest"] / a["rest"] for a, b in zip(on, off)]
@@ -877,7 +897,8 @@ def profile_rows(names, compiled: bool, rounds: int, fused=PLUGIN_PARTS, log=pri
                    "rounds": rounds, "heap_only_malloc": heap_only,
                    **{f"{k}_{p}_ms": statistics.median(s[p] for s in v)
                       for k, v in (("on", on), ("off", off)) for p in on[0]},
-                   "rest_off_over_on": statistics.median(ratios), "rest_ratios": ratios}
+                   "rest_off_over_on": statistics.median(ratios), "rest_ratios": ratios,
+                   "rest_top_on": tops[("on", phase)], "rest_top_off": tops[("off", phase)]}
             rows.append(row)
             log(f"{name} {mode} {phase:8s} ms per step (self CPU, medians): rest off {row['off_rest_ms']:8.2f} "
                 f"on {row['on_rest_ms']:8.2f} (paired x{row['rest_off_over_on']:.2f}; rounds "

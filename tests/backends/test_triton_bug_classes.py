@@ -224,33 +224,50 @@ def test_cached_norm_launch_passes_the_jit_arguments(recorded, form):
                                       fresh=(4, 5) if form in ("functional", "no-residual", "out") else ())
 
 
-@pytest.mark.parametrize("form", ["inplace", "functional"])
-def test_kept_split_launch_leaves_hooked_launches_to_the_launcher(recorded, monkeypatch, form):
-    """After the first launches, the host kernel makes the split's compiled launch itself; with a launch hook set
-    (Triton's rule: a hook chain with hooks) the Python launcher makes it (with the launch metadata the hook takes),
-    with the same grid and arguments."""
-    from triton import knobs
-
+def _kept_calls():
+    """``{name: call}``: public Triton calls of each op and form whose compiled launch the host kernel keeps."""
     case = SPLIT_CASES["plain"]
     kwargs = make_split_inputs(case)
     qkv = kwargs.pop("qkv")
-    calls = {"inplace": lambda: qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend="triton"),
-             "functional": lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, **kwargs, backend="triton")}
-    metadata = []
+    x, residual = torch.randn(3, 80, dtype=torch.bfloat16), torch.randn(3, 80, dtype=torch.bfloat16)
+    weight = torch.randn(80)
+    norm = qkvfuse.AddRMSNorm(weight, eps=1e-6, backend="triton")
+    return {
+        "split-inplace": lambda: qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend="triton"),
+        "split-functional": lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, **kwargs, backend="triton"),
+        "norm-inplace": lambda: norm.inplace(x, residual),
+        "norm-functional": lambda: qkvfuse.add_rmsnorm(x, None, weight, 1e-6, backend="triton"),
+    }
+
+
+@pytest.mark.parametrize("name", ["split-inplace", "split-functional", "norm-inplace", "norm-functional"])
+def test_kept_launch_leaves_hooked_launches_to_the_launcher(recorded, monkeypatch, name):
+    """After the first launch, the host kernel makes the compiled launch itself (the Python launcher's cached launch
+    is not reached); with a launch hook set (Triton's rule: a hook chain with hooks) the Python launcher makes it
+    (with the launch metadata the hook takes), with the same grid and arguments."""
+    from triton import knobs
+
+    call = _kept_calls()[name]
+    metadata, python_launches = [], []
     monkeypatch.setattr(_RecordingCompiled, "launch_metadata", lambda self, *args: metadata.append(args))
+    launch_compiled = launch._launch_compiled
+    monkeypatch.setattr(launch, "_launch_compiled",
+                        lambda *args: (python_launches.append(1), launch_compiled(*args)))
     for _ in range(3):
-        calls[form]()
+        call()
     assert [entry[0] for entry in recorded] == ["jit", "run", "run"] and metadata == []
+    if native_host.enabled():
+        assert python_launches == []  # the kept launches are the host kernel's
     chain = knobs.runtime.launch_enter_hook
     hook = lambda *args: None  # noqa: E731
     chain.add(hook)
     try:
-        calls[form]()
+        call()
     finally:
         chain.remove(hook)
     assert [entry[0] for entry in recorded] == ["jit", "run", "run", "run"] and len(metadata) == 1
-    assert recorded[3][1:3] == recorded[2][1:3] or form == "functional"
-    calls[form]()
+    assert recorded[3][1:3] == recorded[2][1:3] or name.endswith("functional")
+    call()
     assert len(metadata) == 1  # kept again once the hook is gone
 
 

@@ -181,7 +181,7 @@ class _LazyTriton:
 
     def __init__(self, name: str, fallback: bool):
         self.name, self.fallback = name, fallback
-        self.split_out = self.norm_out = self.split_cache = self.split_entry = None
+        self.split_out = self.norm_out = self.split_cache = self.split_entry = self.norm_entry = None
 
     def _kernels(self):
         if self.split_out is None:
@@ -192,12 +192,13 @@ class _LazyTriton:
                 _fall_back("triton", reason)
                 module = reference
                 self.split_entry = native_host.split_entry_of(reference.split_qkv_rmsnorm_rope_out)
+                self.norm_entry = native_host.norm_entry_of(reference.add_rmsnorm_out)
             else:
-                self.split_entry = module.split_entry
+                self.split_entry, self.norm_entry = module.split_entry, module.add_rmsnorm_out
             self.split_out, self.norm_out = module.split_qkv_rmsnorm_rope_out, module.add_rmsnorm_out
             self.split_cache = module.split_qkv_rmsnorm_rope_cache
             triton_host_kernels()
-            native_host.set_launchers(self.name, self.split_entry, self.norm_out)
+            native_host.set_launchers(self.name, self.split_entry, self.norm_entry)
         return self
 
     def split(self, *args):
@@ -213,7 +214,7 @@ class _LazyTriton:
         self._kernels().split_entry(*args)
 
     def host_norm(self, *args):
-        self._kernels().norm_out(*args)
+        self._kernels().norm_entry(*args)
 
 
 def triton_host_kernels() -> bool:

@@ -14,8 +14,9 @@ the Python kernels stay: same results, same messages, more host time.
 The launchers the C++ kernels call (:func:`split_entry_of`, :func:`qkvfuse.backends.triton.launch.split_entry`)
 take the checked arguments and the derived ``head_dim``: ``(qkv, positions, cos_sin_cache, q_weight, k_weight,
 q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope, head_dim, form, q_out, k_out, v_out, gate_out)`` with ``form``
-0 (``out=``), 1 (functional: fresh outputs) or 2 (in place: no outputs given), and for add_rmsnorm the reference
-launcher's ``(x, residual, weight, bias, eps, gemma, y_out, residual_out)``.
+0 (``out=``), 1 (functional: fresh outputs) or 2 (in place: no outputs given), and for add_rmsnorm
+(:func:`norm_entry_of`, :func:`qkvfuse.backends.triton.launch.add_rmsnorm_out`) the reference launcher's ``(x,
+residual, weight, bias, eps, gemma, y_out, residual_out)``; both then ``stage`` (:func:`stage_launch`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from .. import _library
 
-__all__ = ["enable", "enabled", "set_launchers", "split_entry_of", "stage_split"]
+__all__ = ["enable", "enabled", "norm_entry_of", "set_launchers", "split_entry_of", "stage_launch"]
 
 _lock = threading.Lock()
 _state: Optional[bool] = None
@@ -57,6 +58,17 @@ def split_entry_of(split_out: Callable) -> Callable:
     return entry
 
 
+def norm_entry_of(norm_out: Callable) -> Callable:
+    """The host kernels' add_rmsnorm launcher over a launcher of the reference signature ``norm_out(x, residual,
+    weight, bias, eps, gemma, y_out, residual_out)`` (the reference's, for the auto ops' fallback): the same
+    arguments and ``stage``, which only a Triton launcher uses."""
+
+    def entry(x, residual, weight, bias, eps, gemma, y_out, residual_out, stage=None):
+        norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
+
+    return entry
+
+
 def _library_path() -> Optional[str]:
     for path in sorted(torch.ops.loaded_libraries):
         if os.path.basename(path).startswith("qkvfuse_cpu_"):
@@ -72,12 +84,13 @@ def set_launchers(backend: str, split: Callable, norm: Callable) -> None:
             raise RuntimeError("qkvfuse: the native library refused the Triton launchers")
 
 
-def stage_split(run, function, packed_metadata, values: tuple, block_t: int, grid1: int, sections, launch_globals,
-                knobs_runtime) -> None:
-    """Hand the split's compiled launch to the host kernel that called the launcher with ``stage=True`` (see
-    :func:`qkvfuse.backends.triton.launch.split_entry`): Triton's compiled launcher ``run`` and its ``function`` /
-    ``packed_metadata``, the constexprs' values after the integer arguments, the token block, the grid's second
-    dimension, the mRoPE ``(s_t, s_h, s_w)``, the launcher module's globals and ``triton.knobs.runtime``."""
+def stage_launch(run, function, packed_metadata, values: tuple, block_t: int, grid1: int, sections, launch_globals,
+                 knobs_runtime) -> None:
+    """Hand a compiled launch to the host kernel that called the launcher with ``stage=True`` (see
+    :func:`qkvfuse.backends.triton.launch.split_entry` and ``add_rmsnorm_out``): Triton's compiled launcher ``run``
+    and its ``function`` / ``packed_metadata``, the constexprs' values after the integer arguments, the token block,
+    the grid's second dimension, the split's mRoPE ``(s_t, s_h, s_w)`` (zeros for add_rmsnorm), the launcher
+    module's globals and ``triton.knobs.runtime``."""
     if _stager is not None:
         _stager(run, function, packed_metadata, values, block_t, grid1, *sections, launch_globals, knobs_runtime)
 
@@ -113,7 +126,7 @@ def enable(python_kernels, launchers) -> bool:
         setter.argtypes = (ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.c_int)
         setter.restype = ctypes.c_int
         try:
-            stager = ctypes.PyDLL(path).qkvfuse_stage_split_launch
+            stager = ctypes.PyDLL(path).qkvfuse_stage_launch
         except AttributeError:  # a library built before the kept launches
             stager = None
         else:

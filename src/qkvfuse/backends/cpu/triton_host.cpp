@@ -7,9 +7,9 @@
 // for CPU tensors (the interpreter; accelerators clamp in the kernel), allocates the functional form's outputs, and
 // then calls the Triton launcher -- a Python callable registered once (qkvfuse_set_triton_launchers) -- with the
 // checked arguments and the derived head_dim. So a call pays one Python frame (the launcher's) and no Python
-// argument checks; the split's later device launches of a key the launcher has handed over are made here, without
-// the launcher's frame (see launch_split). Without Python headers at build time this file compiles to nothing and the
-// Python kernels stay registered.
+// argument checks; later device launches of a key the launcher has handed over are made here, without the
+// launcher's frame (see launch_split, launch_norm). Without Python headers at build time this file compiles to
+// nothing and the Python kernels stay registered.
 #if __has_include(<Python.h>) && defined(QKVFUSE_PYTHON_HOST)
 
 #include <Python.h>
@@ -76,14 +76,9 @@ PyObject* wrap(const Tensor* t) {
 
 // Calls fn with the given new references (stolen); raises the Python error as a C++ exception the Python
 // binding restores (same type and message).
-void call(PyObject* fn, std::initializer_list<PyObject*> args) {
-  PyObject* argv[24];
-  size_t n = 0;
+void call(PyObject* fn, PyObject** argv, size_t n) {
   bool ok = true;
-  for (PyObject* a : args) {
-    ok = ok && a != nullptr;
-    argv[n++] = a;
-  }
+  for (size_t i = 0; i < n; ++i) ok = ok && argv[i] != nullptr;
   PyObject* result = ok ? PyObject_Vectorcall(fn, argv, n, nullptr) : nullptr;
   for (size_t i = 0; i < n; ++i) Py_XDECREF(argv[i]);
   if (result == nullptr) throw python_error();
@@ -122,7 +117,7 @@ void check_cpu_positions(const Tensor& positions, int64_t max_position) {
 // eps, rope, head_dim, form, q_out, k_out, v_out, gate_out, stage), then, on a device, the compiled launch here.
 //
 // A device launch of the Triton launcher (qkvfuse.backends.triton.launch.split_entry) that reused a compiled kernel
-// stages it (qkvfuse_stage_split_launch, when this call passed stage=True): Triton's compiled launcher and the
+// stages it (qkvfuse_stage_launch, when this call passed stage=True): Triton's compiled launcher and the
 // launch's constant arguments. This file keeps it under a key of everything the launcher's choice of plan and
 // compiled kernel reads -- the namespace and its launcher, the geometry, the form, the launcher module's kernel,
 // driver, interpreter flag and tile settings, the dtypes, the row strides, the output aliasing that decides the V
@@ -299,9 +294,10 @@ bool split_key(int ns, const Tensor& qkv, const Tensor& positions, const Tensor&
 
 PyObject* ll(int64_t v) { return PyLong_FromLongLong(v); }
 
-// The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch (a
-// launch hook is set, qkv is on another device than the current one).
-bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps) {
+// The current stream of Triton's driver for a kept launch on `device` (-1: the current one), a new reference; nullptr
+// (nothing to launch here) where the Python launcher must launch: a launch hook is set, or the tensors are on
+// another device than the current one.
+PyObject* kept_stream(PyObject* driver, int64_t device) {
   static PyObject *n_active = interned("active"), *n_device = interned("get_current_device"),
                   *n_stream = interned("get_current_stream"), *n_enter = interned("launch_enter_hook"),
                   *n_calls = interned("calls");
@@ -321,8 +317,8 @@ bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, doubl
   }
   Py_DECREF(enter);
   if (hooked < 0) throw python_error();
-  if (hooked) return false;
-  PyObject* active = PyObject_GetAttr(e.driver, n_active);
+  if (hooked) return nullptr;
+  PyObject* active = PyObject_GetAttr(driver, n_active);
   if (active == nullptr) throw python_error();
   PyObject* current_obj = PyObject_CallMethodNoArgs(active, n_device);
   if (current_obj == nullptr) {
@@ -338,29 +334,48 @@ bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, doubl
   const int64_t index = device < 0 ? current : device;
   if (index != current) {
     Py_DECREF(active);
-    return false;
+    return nullptr;
   }
   PyObject* index_obj = ll(index);
   PyObject* stream = index_obj != nullptr ? PyObject_CallMethodOneArg(active, n_stream, index_obj) : nullptr;
   Py_XDECREF(index_obj);
   Py_DECREF(active);
   if (stream == nullptr) throw python_error();
+  return stream;
+}
+
+// Triton's compiled launcher run(grid0, grid1, 1, stream, function, packed_metadata, None, None, None, *args) with
+// the launch's arguments in argv[9:n] (new references, released here; a nullptr among them raises the pending
+// Python error).
+void run_compiled(PyObject* run, PyObject* function, PyObject* packed_metadata, PyObject* grid1, int64_t grid0,
+                  PyObject* stream, PyObject** argv, Py_ssize_t n) {
+  argv[0] = ll(grid0);
+  argv[1] = Py_NewRef(grid1);
+  argv[2] = ll(1);
+  argv[3] = stream;
+  argv[4] = Py_NewRef(function);
+  argv[5] = Py_NewRef(packed_metadata);
+  for (int i = 6; i < 9; ++i) argv[i] = Py_NewRef(Py_None);
+  bool ok = true;
+  for (Py_ssize_t i = 0; i < n; ++i) ok = ok && argv[i] != nullptr;
+  PyObject* result = ok ? PyObject_Vectorcall(run, argv, n, nullptr) : nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) Py_XDECREF(argv[i]);
+  if (result == nullptr) throw python_error();
+  Py_DECREF(result);
+}
+
+// The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch.
+bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps) {
   const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
   constexpr Py_ssize_t kFixedArgs = 9 + 27;
   if (n_values > 64) return false;
+  PyObject* stream = kept_stream(e.driver, device);
+  if (stream == nullptr) return false;
   PyObject* argv[kFixedArgs + 64];
-  Py_ssize_t n = 0;
+  Py_ssize_t n = 9;
   const auto owned = [&](PyObject* o) { argv[n++] = o; };
-  const auto borrowed = [&](PyObject* o) {
-    Py_INCREF(o);
-    argv[n++] = o;
-  };
+  const auto borrowed = [&](PyObject* o) { argv[n++] = Py_NewRef(o); };
   PyObject* const* f = e.fixed;
-  owned(ll((a.T + e.block_t - 1) / e.block_t));
-  borrowed(f[0]);
-  owned(ll(1));
-  owned(stream);
-  for (PyObject* o : {e.function, e.packed_metadata, Py_None, Py_None, Py_None}) borrowed(o);
   for (const int64_t p : a.ptr) owned(ll(p));
   owned(ll(a.T));
   borrowed(f[1]);
@@ -371,13 +386,29 @@ bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, doubl
   owned(ll(a.pos_axis));
   for (int i = 7; i < 13; ++i) borrowed(f[i]);  // positions' token stride, the table's, the outputs'
   for (Py_ssize_t i = 0; i < n_values; ++i) borrowed(PyTuple_GET_ITEM(e.values, i));
-  bool ok = true;
-  for (Py_ssize_t i = 0; i < n; ++i) ok = ok && argv[i] != nullptr;
-  PyObject* result = ok ? PyObject_Vectorcall(e.run, argv, n, nullptr) : nullptr;
-  for (Py_ssize_t i = 0; i < n; ++i) Py_XDECREF(argv[i]);
-  if (result == nullptr) throw python_error();
-  Py_DECREF(result);
+  run_compiled(e.run, e.function, e.packed_metadata, f[0], (a.T + e.block_t - 1) / e.block_t, stream, argv, n);
   return true;
+}
+
+// New references to `n` integers in `out`; false (none held, no error pending) where one cannot be made.
+bool make_fixed(const int64_t* values, PyObject** out, int n) {
+  for (int i = 0; i < n; ++i) {
+    out[i] = ll(values[i]);
+    if (out[i] == nullptr) {
+      for (int j = 0; j < i; ++j) Py_DECREF(out[j]);
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+// A kept launch's references to its key's objects and its launch's (held for the life of the process).
+void hold(PyObject* const (&objects)[8], PyObject* (&owned)[8]) {
+  for (int i = 0; i < 8; ++i) {
+    owned[i] = objects[i];
+    Py_XINCREF(objects[i]);
+  }
 }
 
 // The staged launch (its references are this thread's), kept under key unless one is kept there already.
@@ -394,20 +425,10 @@ void keep_staged(const SplitKey& key) {
   e.block_t = s.block_t;
   const int64_t fixed[13] = {s.grid1, key[7], key[8], s.s_t, s.s_h, s.s_w, key[23], key[25], key[26],
                              key[27], key[28], key[29], key[30]};
-  for (int i = 0; i < 13; ++i) {
-    e.fixed[i] = ll(fixed[i]);
-    if (e.fixed[i] == nullptr) {
-      for (int j = 0; j < i; ++j) Py_DECREF(e.fixed[j]);
-      PyErr_Clear();
-      return;
-    }
-  }
+  if (!make_fixed(fixed, e.fixed, 13)) return;
   PyObject* owned[8] = {s.run, s.function, s.packed_metadata, s.values, reinterpret_cast<PyObject*>(key[1]),
                         reinterpret_cast<PyObject*>(key[2]), e.driver, nullptr};
-  for (int i = 0; i < 8; ++i) {
-    e.owned[i] = owned[i];
-    Py_XINCREF(owned[i]);
-  }
+  hold(owned, e.owned);
   g_split_launches.emplace(key, e);
 }
 
@@ -420,6 +441,25 @@ void clear_staged() {
     Py_XDECREF(s.values);
   }
   s = Staged{};
+}
+
+// The Python launcher with these arguments (new references, stolen) and `stage` appended: with stage, a launch
+// through a compiled kernel is staged for the caller to keep (t_staged).
+void call_staging(bool stage, PyObject* fn, std::initializer_list<PyObject*> args) {
+  clear_staged();
+  t_stage_wanted = stage;
+  PyObject* argv[24];
+  size_t n = 0;
+  for (PyObject* a : args) argv[n++] = a;
+  argv[n++] = Py_NewRef(stage ? Py_True : Py_None);
+  try {
+    call(fn, argv, n);
+  } catch (...) {
+    t_stage_wanted = false;
+    clear_staged();
+    throw;
+  }
+  t_stage_wanted = false;
 }
 
 void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
@@ -441,22 +481,11 @@ void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tens
       stage = true;
     }
   }
-  clear_staged();
-  t_stage_wanted = stage;
-  PyObject* stage_obj = stage ? Py_True : Py_None;
-  Py_INCREF(stage_obj);
-  try {
-    call(launcher(g_split, ns),
-         {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
-          PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
-          PyLong_FromLongLong(D), PyLong_FromLongLong(form), wrap(q_out), wrap(k_out), wrap(v_out), wrap(gate_out),
-          stage_obj});
-  } catch (...) {
-    t_stage_wanted = false;
-    clear_staged();
-    throw;
-  }
-  t_stage_wanted = false;
+  call_staging(stage, launcher(g_split, ns),
+               {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
+                PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
+                PyLong_FromLongLong(D), PyLong_FromLongLong(form), wrap(q_out), wrap(k_out), wrap(v_out),
+                wrap(gate_out)});
   if (t_staged.set && (keyed || split_key(ns, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv,
                                           rope, D, form, q_out, k_out, v_out, gate_out, key, args))) {
     keep_staged(key);
@@ -504,13 +533,146 @@ void split_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cac
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// add_rmsnorm: launcher(x, residual, weight, bias, eps, gemma, y_out, residual_out).
-// ------------------------------------------------------------------------------------------------------------
+// add_rmsnorm: launcher(x, residual, weight, bias, eps, gemma, y_out, residual_out, stage).
+//
+// Its compiled launch is kept the split's way (the launcher stages it, see launch_split): under a key of what the
+// launcher's plan and compiled kernel read -- the namespace and its launcher, the launcher module's kernel, driver,
+// interpreter flag and tile settings, the row width, residual / bias / gemma, the dtypes, the row strides, the
+// large-offset flag, the device.
+using NormKey = std::array<int64_t, 20>;
+
+struct NormLaunch {
+  PyObject* owned[8];
+  PyObject *run, *function, *packed_metadata, *values, *driver;
+  int64_t block_t;
+  PyObject* fixed[6];  // the grid's second dimension (1), H, the row strides of x, residual, y, residual_out
+};
+
+std::map<NormKey, NormLaunch> g_norm_launches;  // guarded by the GIL
+
+struct NormArgs {
+  int64_t ptr[6];  // x, residual, weight, bias, y, residual_out
+  int64_t T;
+};
+
+// The key of this call and its launch arguments; false where only the Python launcher may launch (as split_key).
+bool norm_key(int ns, const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
+              bool gemma, const Tensor& y_out, const Tensor* residual_out, NormKey& key, NormArgs& a) {
+  if (g_launch_globals == nullptr) return false;
+  const int64_t T = x.size(0);
+  if (T == 0 || !weight.is_contiguous() || (bias.has_value() && !bias->is_contiguous())) return false;
+  static PyObject *n_tile = nullptr, *n_row = nullptr, *n_per_thread = nullptr, *n_kernel = nullptr,
+                  *n_driver = nullptr, *n_interpret = nullptr;
+  int64_t tile = 0, max_row = 0, per_thread = 0;
+  if (!global_int("GPU_NORM_TILE", n_tile, tile) || !global_int("GPU_MAX_ROW", n_row, max_row) ||
+      !global_int("GPU_NORM_PER_THREAD", n_per_thread, per_thread)) {
+    PyErr_Clear();
+    return false;
+  }
+  PyObject* kernel = launch_global("add_rmsnorm_kernel", n_kernel);
+  PyObject* driver = launch_global("driver", n_driver);
+  PyObject* interpret = launch_global("INTERPRET", n_interpret);
+  if (kernel == nullptr || driver == nullptr || interpret != Py_False) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool has_res = residual.has_value();
+  if (has_res && residual_out == nullptr) return false;
+  a.T = T;
+  a.ptr[0] = reinterpret_cast<int64_t>(x.data_ptr());
+  a.ptr[2] = reinterpret_cast<int64_t>(weight.data_ptr());
+  a.ptr[3] = bias.has_value() ? reinterpret_cast<int64_t>(bias->data_ptr()) : a.ptr[2];
+  a.ptr[4] = reinterpret_cast<int64_t>(y_out.data_ptr());
+  const int64_t xs = x.stride(0), ys = y_out.stride(0);
+  const int64_t rs = has_res ? residual->stride(0) : xs, ros = has_res ? residual_out->stride(0) : ys;
+  a.ptr[1] = has_res ? reinterpret_cast<int64_t>(residual->data_ptr()) : a.ptr[0];
+  a.ptr[5] = has_res ? reinterpret_cast<int64_t>(residual_out->data_ptr()) : a.ptr[4];
+  int64_t any = 0;
+  for (const int64_t p : a.ptr) any |= p;
+  if ((any & 15) != 0) return false;
+  constexpr int64_t kI32 = int64_t{1} << 31;
+  key = {ns,
+         reinterpret_cast<int64_t>(g_norm[ns]),
+         reinterpret_cast<int64_t>(kernel),
+         reinterpret_cast<int64_t>(driver),
+         tile,
+         max_row,
+         per_thread,
+         x.size(1),
+         has_res,
+         bias.has_value(),
+         gemma,
+         static_cast<int64_t>(x.scalar_type()),
+         static_cast<int64_t>(weight.scalar_type()),
+         dtype_code(bias),
+         xs,
+         rs,
+         ys,
+         ros,
+         T >= kI32,
+         x.get_device()};
+  return true;
+}
+
+bool launch_norm_kept(const NormLaunch& e, const NormArgs& a, int64_t device, double eps) {
+  const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
+  constexpr Py_ssize_t kFixedArgs = 9 + 13;
+  if (n_values > 16) return false;
+  PyObject* stream = kept_stream(e.driver, device);
+  if (stream == nullptr) return false;
+  PyObject* argv[kFixedArgs + 16];
+  Py_ssize_t n = 9;
+  for (const int64_t p : a.ptr) argv[n++] = ll(p);
+  argv[n++] = ll(a.T);
+  argv[n++] = Py_NewRef(e.fixed[1]);  // H
+  argv[n++] = PyFloat_FromDouble(eps);
+  for (int i = 2; i < 6; ++i) argv[n++] = Py_NewRef(e.fixed[i]);  // the row strides
+  for (Py_ssize_t i = 0; i < n_values; ++i) argv[n++] = Py_NewRef(PyTuple_GET_ITEM(e.values, i));
+  run_compiled(e.run, e.function, e.packed_metadata, e.fixed[0], (a.T + e.block_t - 1) / e.block_t, stream, argv,
+               n);
+  return true;
+}
+
+void keep_staged_norm(const NormKey& key) {
+  const Staged& s = t_staged;
+  if (!s.set || !PyTuple_Check(s.values) || g_norm_launches.count(key) != 0) return;
+  NormLaunch e{};
+  e.run = s.run;
+  e.function = s.function;
+  e.packed_metadata = s.packed_metadata;
+  e.values = s.values;
+  e.driver = reinterpret_cast<PyObject*>(key[3]);
+  e.block_t = s.block_t;
+  const int64_t fixed[6] = {s.grid1, key[7], key[14], key[15], key[16], key[17]};
+  if (!make_fixed(fixed, e.fixed, 6)) return;
+  PyObject* owned[8] = {s.run, s.function, s.packed_metadata, s.values, reinterpret_cast<PyObject*>(key[1]),
+                        reinterpret_cast<PyObject*>(key[2]), e.driver, nullptr};
+  hold(owned, e.owned);
+  g_norm_launches.emplace(key, e);
+}
+
 void launch_norm(int ns, const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                  double eps, bool gemma, const Tensor& y_out, const Tensor* residual_out) {
   Gil gil;
-  call(launcher(g_norm, ns), {wrap(x), wrap(residual), wrap(weight), wrap(bias), PyFloat_FromDouble(eps),
-                              PyBool_FromLong(gemma), wrap(y_out), wrap(residual_out)});
+  NormKey key;
+  NormArgs args;
+  const bool keyed = norm_key(ns, x, residual, weight, bias, gemma, y_out, residual_out, key, args);
+  bool stage = g_launch_globals == nullptr && x.size(0) > 0;
+  if (keyed) {
+    const auto it = g_norm_launches.find(key);
+    if (it != g_norm_launches.end()) {
+      if (launch_norm_kept(it->second, args, key[19], eps)) return;
+    } else {
+      stage = true;
+    }
+  }
+  call_staging(stage, launcher(g_norm, ns),
+               {wrap(x), wrap(residual), wrap(weight), wrap(bias), PyFloat_FromDouble(eps), PyBool_FromLong(gemma),
+                wrap(y_out), wrap(residual_out)});
+  if (t_staged.set && (keyed || norm_key(ns, x, residual, weight, bias, gemma, y_out, residual_out, key, args))) {
+    keep_staged_norm(key);
+  }
+  clear_staged();
 }
 
 template <int NS>
@@ -564,12 +726,12 @@ void register_kernels(torch::Library& m) {
 }  // namespace
 }  // namespace qkvfuse_cpu
 
-// Called from Python through ctypes.PyDLL (the GIL held) by the split launcher, inside a call this file made with
-// stage=True, once that launch went through a compiled kernel: Triton's compiled launcher and its handles, the
-// constexprs' values, the token block, the grid's second dimension, the mRoPE sections, the launcher module's
-// globals and triton.knobs.runtime. The caller keeps it under the call's key when the launcher returns. Returns 0
-// when staged, 1 when this thread's call asked for nothing.
-extern "C" __attribute__((visibility("default"))) int qkvfuse_stage_split_launch(
+// Called from Python through ctypes.PyDLL (the GIL held) by the split or add_rmsnorm launcher, inside a call this file
+// made with stage=True, once that launch went through a compiled kernel: Triton's compiled launcher and its handles,
+// the constexprs' values, the token block, the grid's second dimension, the split's mRoPE sections, the launcher
+// module's globals and triton.knobs.runtime. The caller keeps it under the call's key when the launcher returns.
+// Returns 0 when staged, 1 when this thread's call asked for nothing.
+extern "C" __attribute__((visibility("default"))) int qkvfuse_stage_launch(
     PyObject* run, PyObject* function, PyObject* packed_metadata, PyObject* values, long long block_t,
     long long grid1, long long s_t, long long s_h, long long s_w, PyObject* launch_globals, PyObject* knobs_runtime) {
   using namespace qkvfuse_cpu;

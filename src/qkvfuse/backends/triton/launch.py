@@ -352,7 +352,7 @@ def split_entry(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     fresh outputs -- or :data:`INPLACE`, whose outputs are ``qkv``'s own columns: ``q_out`` .. ``gate_out`` None
     or :func:`qkvfuse._library.inplace_views`) and the outputs ``[T, Hq*D]``, ``[T, Hkv*D]`` x 2 and, gated,
     ``[T, Hq*D]``. ``stage`` (True from a host kernel that has no compiled launch kept for this call's key): a
-    launch through a compiled kernel is handed to the host kernel (:func:`qkvfuse.backends.native_host.stage_split`),
+    launch through a compiled kernel is handed to the host kernel (:func:`qkvfuse.backends.native_host.stage_launch`),
     which makes the same launch itself on later calls of that key."""
     T = qkv.shape[0]
     if T == 0:
@@ -431,7 +431,7 @@ def _stage(c: _Compiled, plan: _SplitPlan, v_blocks: int, barrier: bool) -> None
     """Hand a compiled launch to the calling host kernel (it keeps it under its call's key; see ``stage`` of
     :func:`split_entry`). Not with the position range check on accelerators, which only this launcher makes."""
     if not CHECK_POSITIONS_ON_ACCELERATORS:
-        native_host.stage_split(c.run, c.function, c.packed_metadata, plan.values[barrier], plan.block_t,
+        native_host.stage_launch(c.run, c.function, c.packed_metadata, plan.values[barrier], plan.block_t,
                                 plan.q_blocks + v_blocks, plan.sections, globals(), knobs.runtime)
 
 
@@ -450,10 +450,12 @@ def add_rmsnorm_out(
     gemma: bool,
     y_out: torch.Tensor,
     residual_out: Optional[torch.Tensor],
+    stage: Optional[bool] = None,
 ) -> None:
     """Triton ``add_rmsnorm`` into ``y_out`` (and ``residual_out`` with a residual); reference signature (checked
     input: also the launcher the native host kernels call). ``x``, ``residual``, ``y_out``, ``residual_out``:
-    ``[T, H]`` rows; ``weight``, ``bias``: ``[H]``."""
+    ``[T, H]`` rows; ``weight``, ``bias``: ``[H]``. ``stage`` (True from a host kernel with no compiled launch kept
+    for its call's key): a launch through a compiled kernel is handed to it, as :func:`split_entry` does."""
     T, H = x.shape
     if T == 0:
         return
@@ -483,6 +485,9 @@ def add_rmsnorm_out(
             if c is not None:
                 _launch_compiled(c, _cdiv(T, block_t), 1, x,
                                  (xp, rp, wp, bp, yp, rop, T, H, eps, xs, rs, ys, ros, *values))
+                if stage:
+                    native_host.stage_launch(c.run, c.function, c.packed_metadata, values, block_t, 1, (0, 0, 0),
+                                             globals(), knobs.runtime)
                 return
     res, res_out = (residual, residual_out) if has_res else (x, y_out)
     weight, bias = _dense(weight), _dense(bias)
@@ -495,3 +500,6 @@ def add_rmsnorm_out(
         c = _compiled(launched)
         if c is not None:
             compiled[spec] = c
+            if stage:
+                native_host.stage_launch(c.run, c.function, c.packed_metadata, values, block_t, 1, (0, 0, 0),
+                                         globals(), knobs.runtime)
