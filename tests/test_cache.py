@@ -112,3 +112,39 @@ def test_bad_scale_is_refused_before_any_write(backend, value):
     kw = make_cache_inputs(CacheCase(_split(), layout="NHD", cache_dtype=torch.float8_e4m3fn), seed=1)
     with pytest.raises(ValueError, match=r"^v_scale: expected a positive finite scale"):
         _untouched(backend, kw, v_scale=torch.tensor(value))
+
+
+def _bound(kw, backend):
+    """The bound object of a make_cache_inputs case's split (the engine plugins' object)."""
+    static = {k: kw[k] for k in ("q_weight", "k_weight", "q_bias", "k_bias", "eps", "is_neox", "mrope_section",
+                                 "mrope_interleaved", "q_gate", "gemma_norm") if k in kw}
+    return qkvfuse.QKNormRope(kw["num_q_heads"], kw["num_kv_heads"], kw["head_dim"], kw["cos_sin_cache"], **static,
+                              backend=backend)
+
+
+def test_plugins_write_without_views_as_inplace_cache(backend):
+    """``QKNormRope._write_cache`` (the engine plugins' call: ``inplace_cache`` without the views) writes the bytes
+    ``inplace_cache`` writes, and refuses a bad call with its error before writing anything."""
+    kw = make_cache_inputs(CacheCase(_split(), layout="vec", block_size=32), seed=4)
+    prep = _bound(kw, backend)
+    cache_args = (kw["key_cache"], kw["value_cache"], kw["slot_mapping"])
+    storage, qkv = kw["storage"], kw["qkv"]
+    first_storage, first_qkv = storage.clone(), qkv.clone()
+    prep.inplace_cache(qkv, kw["positions"], *cache_args, layout="vec")
+    want_storage, want_qkv = storage.clone(), qkv.clone()
+    storage.copy_(first_storage)
+    qkv.copy_(first_qkv)
+    assert prep._write_cache(qkv, kw["positions"], *cache_args, "vec", None, None, "nearest") is None
+    assert torch.equal(storage, want_storage) and torch.equal(qkv.view(torch.int16), want_qkv.view(torch.int16))
+    for bad in (qkv[:, :-2], qkv[0], "qkv"):
+        with pytest.raises(Exception) as want:
+            prep.inplace_cache(bad, kw["positions"], *cache_args, layout="vec")
+        before = storage.clone()
+        with pytest.raises(type(want.value)) as got:
+            prep._write_cache(bad, kw["positions"], *cache_args, "vec", None, None, "nearest")
+        assert str(got.value) == str(want.value) and torch.equal(storage, before)
+    slots = kw["slot_mapping"].clone()
+    slots[-1] = 3 * 32
+    with pytest.raises(ValueError, match=r"^slot_mapping: expected values < 96 .* got 96"):
+        prep._write_cache(qkv, kw["positions"], kw["key_cache"], kw["value_cache"], slots, "vec", None, None,
+                          "nearest")

@@ -416,14 +416,28 @@ class QKNormRope:
         """:meth:`inplace`, and in the same pass each token's K and V written to the paged KV cache; returns the
         in-place views. See :func:`split_qkv_rmsnorm_rope_cache_` for the cache arguments."""
         try:
-            views = qkv.split_with_sizes(self._widths, 1)
-            self._cache(qkv, positions, *self._args, key_cache, value_cache, slot_mapping,
-                        _cache_mode_of(layout, fp8_rounding), k_scale, v_scale)
+            views = qkv.split_with_sizes(self._widths, 1)  # the width check, as in inplace
+        except Exception:
+            self._bad_call(qkv, positions)
+            raise
+        self._write_cache(qkv, positions, key_cache, value_cache, slot_mapping, layout, k_scale, v_scale, fp8_rounding)
+        return views if self._n_outs == 3 else _gated_order(views)
+
+    def _write_cache(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                     value_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str, k_scale: Optional[torch.Tensor],
+                     v_scale: Optional[torch.Tensor], fp8_rounding: str) -> None:
+        """:meth:`inplace_cache` without making the views: for the engine plugins, which make their own views (or
+        none, inside an opaque op), so that a layer's call makes them once."""
+        try:
+            if qkv.shape[1] == self._width:
+                self._cache(qkv, positions, *self._args, key_cache, value_cache, slot_mapping,
+                            _cache_mode_of(layout, fp8_rounding), k_scale, v_scale)
+                return
         except Exception:
             self._bad_call(qkv, positions)
             _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale)
             raise
-        return views if self._n_outs == 3 else _gated_order(views)
+        self._bad_call(qkv, positions)
 
     def __repr__(self) -> str:
         c = self.config

@@ -368,10 +368,11 @@ class _CacheWriter:
                                                          kv_cache_dummy_dep=written)
         return output
 
-    def run(self, qkv: torch.Tensor, positions: torch.Tensor, checked: bool = False) -> None:
+    def run(self, qkv: torch.Tensor, positions: torch.Tensor, checked: bool = False, context=None) -> None:
         """Prepare ``qkv`` in place and write this step's K and V to the layer's cache (``checked``: the caller
-        already had :meth:`_Prepare.ready` say yes for this call)."""
-        _, attn, kv_cache, slot_mapping = self._context(self.layer_name)
+        already had :meth:`_Prepare.ready` say yes for this call; ``context``: vLLM's ``get_attention_context`` of
+        the layer, when the caller has it)."""
+        _, attn, kv_cache, slot_mapping = context or self._context(self.layer_name)
         state = self.state
         if not checked and not state.ready(qkv):  # compiled call of a layer that stopped qualifying
             self._engine_prepare(qkv, positions)
@@ -388,9 +389,8 @@ class _CacheWriter:
             prep.inplace(qkv, positions)
             self._engine_write(qkv, kv_cache, slot_mapping)
             return
-        prep.inplace_cache(qkv, positions, target.key_cache, target.value_cache, slot_mapping,
-                           layout=target.layout, k_scale=target.k_scale, v_scale=target.v_scale,
-                           fp8_rounding="truncate")
+        prep._write_cache(qkv, positions, target.key_cache, target.value_cache, slot_mapping, target.layout,
+                          target.k_scale, target.v_scale, "truncate")
 
     def _bind(self, kv_cache: torch.Tensor, isa: Optional[str], dtype: torch.dtype, k_scale: float,
               v_scale: float) -> _CacheTarget:
@@ -451,8 +451,8 @@ def _prepare_and_cache(qkv: torch.Tensor, positions: torch.Tensor, layer_name) -
     from vllm.model_executor.layers.attention.attention import get_attention_context
     from vllm.utils.torch_utils import _resolve_layer_name
 
-    attn = get_attention_context(_resolve_layer_name(layer_name))[1]
-    getattr(attn, _WRITER).run(qkv, positions)
+    context = get_attention_context(_resolve_layer_name(layer_name))
+    getattr(context[1], _WRITER).run(qkv, positions, context=context)
     return qkv.new_empty(0)
 
 

@@ -33,13 +33,13 @@ FP8 = pytest.mark.skipif(not (AMX or torch.cpu._is_avx512_supported()),
 def cache_writes(monkeypatch):
     """``{layout: calls}`` of the fused cache-writing call made in this process (the in-process engine)."""
     counts = {}
-    inplace_cache = ops.QKNormRope.inplace_cache
+    write_cache = ops.QKNormRope._write_cache  # the plugin's call (inplace_cache without the views)
 
-    def counted(self, *args, layout="NHD", **kwargs):
+    def counted(self, qkv, positions, key_cache, value_cache, slot_mapping, layout, *args):
         counts[layout] = counts.get(layout, 0) + 1
-        return inplace_cache(self, *args, layout=layout, **kwargs)
+        return write_cache(self, qkv, positions, key_cache, value_cache, slot_mapping, layout, *args)
 
-    monkeypatch.setattr(ops.QKNormRope, "inplace_cache", counted)
+    monkeypatch.setattr(ops.QKNormRope, "_write_cache", counted)
     return counts
 
 
