@@ -569,3 +569,21 @@ def test_overview_times_an_importable_peer_beside_qkvfuse_and_the_screen_shows_i
     assert set(line["us"]) == {overview.BOUND, overview.FUNCTIONAL, EAGER, overview.VLLM}
     assert line["vs_best"] == min(rows[0].vs[EAGER], rows[0].vs[overview.VLLM])
     assert line["vs_eager"] == rows[0].vs_eager and line["of_copy"] == rows[0].roofline
+
+
+def test_hostcost_rows_cover_every_call_and_the_yardsticks_in_both_modes():
+    """The Triton host-time bench (launches stubbed) at a tiny budget: every call of both ops, the bare ops and the
+    yardsticks, in both grad modes, each a positive time; the Triton launcher module is restored afterwards."""
+    pytest.importorskip("triton")
+    from qkvfuse_bench import hostcost
+
+    from qkvfuse.backends.triton import launch
+
+    kernels = (launch.split_qkv_rmsnorm_rope_kernel, launch.add_rmsnorm_kernel, launch.driver)
+    rows = hostcost.rows(seconds=0.02)
+    assert (launch.split_qkv_rmsnorm_rope_kernel, launch.add_rmsnorm_kernel, launch.driver) == kernels
+    calls = {(r["op"], r["call"]) for r in rows}
+    assert len(rows) == 2 * len(calls) and {r["mode"] for r in rows} == {"default", "inference_mode"}
+    assert {"QKNormRope.inplace (bound)", "AddRMSNorm.inplace (bound)", "qkv.split_with_sizes (the three views)",
+            "torch.ops.aten.alias.default"} <= {call for _, call in calls}
+    assert all(r["us"] > 0 for r in rows)
