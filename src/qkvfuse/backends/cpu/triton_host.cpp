@@ -160,17 +160,38 @@ PyObject* interned(const char* name) {
   return s;  // kept for the life of the process
 }
 
-// A global of the launcher module (borrowed), or nullptr.
-PyObject* launch_global(const char* name, PyObject*& cached_name) {
-  if (cached_name == nullptr) cached_name = interned(name);
-  return PyDict_GetItemWithError(g_launch_globals, cached_name);
-}
+// What a launch reads of the launcher module's globals: its kernel, the driver, the interpreter flag and three
+// integer tile settings, by name (the names interned once).
+struct ModuleNames {
+  const char* kernel;
+  const char* settings[3];
+  PyObject* interned[6] = {};
+};
 
-bool global_int(const char* name, PyObject*& cached_name, int64_t& out) {
-  PyObject* v = launch_global(name, cached_name);
-  if (v == nullptr || !PyLong_Check(v)) return false;
-  out = PyLong_AsLongLong(v);
-  return !(out == -1 && PyErr_Occurred());
+// The launcher module's kernel and driver (borrowed) and its tile settings, with the interpreter off; false (no
+// error pending) where one is missing or of an unexpected type.
+bool launch_module(ModuleNames& m, int64_t (&settings)[3], PyObject*& kernel, PyObject*& driver) {
+  if (m.interned[0] == nullptr) {
+    const char* names[6] = {m.kernel, "driver", "INTERPRET", m.settings[0], m.settings[1], m.settings[2]};
+    for (int i = 0; i < 6; ++i) m.interned[i] = interned(names[i]);
+  }
+  PyObject* v[6];
+  for (int i = 0; i < 6; ++i) v[i] = PyDict_GetItemWithError(g_launch_globals, m.interned[i]);
+  bool ok = v[0] != nullptr && v[1] != nullptr && v[2] == Py_False;
+  for (int i = 0; ok && i < 3; ++i) {
+    ok = v[3 + i] != nullptr && PyLong_Check(v[3 + i]);
+    if (ok) {
+      settings[i] = PyLong_AsLongLong(v[3 + i]);
+      ok = !(settings[i] == -1 && PyErr_Occurred());
+    }
+  }
+  if (!ok) {
+    PyErr_Clear();
+    return false;
+  }
+  kernel = v[0];
+  driver = v[1];
+  return true;
 }
 
 int64_t dtype_code(const OptTensor& t) { return t.has_value() ? static_cast<int64_t>(t->scalar_type()) : -1; }
@@ -194,21 +215,12 @@ bool split_key(int ns, const Tensor& qkv, const Tensor& positions, const Tensor&
   const bool mrope = (rope & kMRope) != 0;
   if (norm && !(q_weight->is_contiguous() && k_weight->is_contiguous())) return false;
   if (bias && !(q_bias->is_contiguous() && k_bias->is_contiguous())) return false;
-  static PyObject *n_tile = nullptr, *n_per_thread = nullptr, *n_gated = nullptr, *n_kernel = nullptr,
-                  *n_driver = nullptr, *n_interpret = nullptr;
-  int64_t tile = 0, per_thread = 0, max_gated = 0;
-  if (!global_int("GPU_SPLIT_TILE", n_tile, tile) || !global_int("GPU_SPLIT_PER_THREAD", n_per_thread, per_thread) ||
-      !global_int("GPU_MAX_GATED_Q", n_gated, max_gated)) {
-    PyErr_Clear();
-    return false;
-  }
-  PyObject* kernel = launch_global("split_qkv_rmsnorm_rope_kernel", n_kernel);
-  PyObject* driver = launch_global("driver", n_driver);
-  PyObject* interpret = launch_global("INTERPRET", n_interpret);
-  if (kernel == nullptr || driver == nullptr || interpret != Py_False) {
-    PyErr_Clear();
-    return false;
-  }
+  static ModuleNames names{"split_qkv_rmsnorm_rope_kernel",
+                           {"GPU_SPLIT_TILE", "GPU_SPLIT_PER_THREAD", "GPU_MAX_GATED_Q"}};
+  int64_t settings[3];
+  PyObject *kernel, *driver;
+  if (!launch_module(names, settings, kernel, driver)) return false;
+  const int64_t tile = settings[0], per_thread = settings[1], max_gated = settings[2];
   const int64_t item = qkv.element_size(), q_width = hq * D, k_col = (gated ? 2 : 1) * q_width;
   const int64_t v_col = k_col + hkv * D;
   const int64_t qp = reinterpret_cast<int64_t>(qkv.data_ptr());
@@ -561,21 +573,11 @@ bool norm_key(int ns, const Tensor& x, const OptTensor& residual, const Tensor& 
   if (g_launch_globals == nullptr) return false;
   const int64_t T = x.size(0);
   if (T == 0 || !weight.is_contiguous() || (bias.has_value() && !bias->is_contiguous())) return false;
-  static PyObject *n_tile = nullptr, *n_row = nullptr, *n_per_thread = nullptr, *n_kernel = nullptr,
-                  *n_driver = nullptr, *n_interpret = nullptr;
-  int64_t tile = 0, max_row = 0, per_thread = 0;
-  if (!global_int("GPU_NORM_TILE", n_tile, tile) || !global_int("GPU_MAX_ROW", n_row, max_row) ||
-      !global_int("GPU_NORM_PER_THREAD", n_per_thread, per_thread)) {
-    PyErr_Clear();
-    return false;
-  }
-  PyObject* kernel = launch_global("add_rmsnorm_kernel", n_kernel);
-  PyObject* driver = launch_global("driver", n_driver);
-  PyObject* interpret = launch_global("INTERPRET", n_interpret);
-  if (kernel == nullptr || driver == nullptr || interpret != Py_False) {
-    PyErr_Clear();
-    return false;
-  }
+  static ModuleNames names{"add_rmsnorm_kernel", {"GPU_NORM_TILE", "GPU_MAX_ROW", "GPU_NORM_PER_THREAD"}};
+  int64_t settings[3];
+  PyObject *kernel, *driver;
+  if (!launch_module(names, settings, kernel, driver)) return false;
+  const int64_t tile = settings[0], max_row = settings[1], per_thread = settings[2];
   const bool has_res = residual.has_value();
   if (has_res && residual_out == nullptr) return false;
   a.T = T;
