@@ -432,7 +432,7 @@ def _stage(c: _Compiled, plan: _SplitPlan, v_blocks: int, barrier: bool) -> None
     :func:`split_entry`). Not with the position range check on accelerators, which only this launcher makes."""
     if not CHECK_POSITIONS_ON_ACCELERATORS:
         native_host.stage_launch(c.run, c.function, c.packed_metadata, plan.values[barrier], plan.block_t,
-                                plan.q_blocks + v_blocks, plan.sections, globals(), knobs.runtime)
+                                 plan.q_blocks + v_blocks, plan.sections, globals(), knobs.runtime)
 
 
 def _norm_plan(T: int, H: int, has_res: bool, has_bias: bool, gemma: bool):
