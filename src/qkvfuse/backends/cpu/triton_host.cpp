@@ -128,7 +128,9 @@ void check_cpu_positions(const Tensor& positions, int64_t max_position) {
 // ------------------------------------------------------------------------------------------------------------
 using SplitKey = std::array<int64_t, 34>;
 
-struct SplitLaunch {
+// A kept compiled launch (the split's and add_rmsnorm's), with the N integer arguments its key fixes.
+template <size_t N>
+struct KeptLaunch {
   PyObject* owned[8];  // references held: the key's objects and the launch's
   PyObject* run;  // Triton's compiled launcher: run(grid0, grid1, grid2, stream, function, packed_metadata,
                   // launch_metadata, enter_hook, exit_hook, *args)
@@ -137,10 +139,12 @@ struct SplitLaunch {
   PyObject* values;  // the constexprs' values (a tuple), after the integer arguments
   PyObject* driver;
   int64_t block_t;
-  // The launch's integer arguments fixed by the key, made once: grid1, hq, hkv, s_t, s_h, s_w, row stride of qkv,
-  // positions' token stride, the table's row stride, the outputs' row strides.
-  PyObject* fixed[13];
+  PyObject* fixed[N];  // the launch's integer arguments fixed by the key, made once
 };
+
+// The split's fixed arguments: grid1, hq, hkv, s_t, s_h, s_w, row stride of qkv, positions' token stride, the
+// table's row stride, the outputs' row strides.
+using SplitLaunch = KeptLaunch<13>;
 
 std::map<SplitKey, SplitLaunch> g_split_launches;  // guarded by the GIL
 PyObject* g_launch_globals = nullptr;  // the launcher module's globals (a dict), set by the first staged launch
@@ -423,25 +427,38 @@ void hold(PyObject* const (&objects)[8], PyObject* (&owned)[8]) {
   }
 }
 
-// The staged launch (its references are this thread's), kept under key unless one is kept there already.
-void keep_staged(const SplitKey& key) {
+// The staged launch (its references are this thread's), kept under key unless one is kept there already: key[1],
+// key[2] and key[3] are the launcher, the launcher module's kernel and its driver (held with the launch), `fixed`
+// the launch's integer arguments the key fixes.
+template <size_t N, size_t K>
+void keep_staged(std::map<std::array<int64_t, K>, KeptLaunch<N>>& kept, const std::array<int64_t, K>& key,
+                 const int64_t (&fixed)[N]) {
   const Staged& s = t_staged;
-  if (!s.set || !PyTuple_Check(s.values)) return;
-  if (g_split_launches.count(key) != 0) return;
-  SplitLaunch e{};
+  if (!s.set || !PyTuple_Check(s.values) || kept.count(key) != 0) return;
+  KeptLaunch<N> e{};
   e.run = s.run;
   e.function = s.function;
   e.packed_metadata = s.packed_metadata;
   e.values = s.values;
   e.driver = reinterpret_cast<PyObject*>(key[3]);
   e.block_t = s.block_t;
-  const int64_t fixed[13] = {s.grid1, key[7], key[8], s.s_t, s.s_h, s.s_w, key[23], key[25], key[26],
-                             key[27], key[28], key[29], key[30]};
-  if (!make_fixed(fixed, e.fixed, 13)) return;
+  if (!make_fixed(fixed, e.fixed, static_cast<int>(N))) return;
   PyObject* owned[8] = {s.run, s.function, s.packed_metadata, s.values, reinterpret_cast<PyObject*>(key[1]),
                         reinterpret_cast<PyObject*>(key[2]), e.driver, nullptr};
   hold(owned, e.owned);
-  g_split_launches.emplace(key, e);
+  kept.emplace(key, e);
+}
+
+// The kept launch under a call's key (nullptr where none), and whether the Python launcher is to stage its compiled
+// launch: the key is new, or the launcher module is not known yet (the first launches; keyed is then false).
+template <class Kept, class Key>
+const typename Kept::mapped_type* find_kept(const Kept& kept, bool keyed, const Key& key, int64_t T, bool& stage) {
+  stage = g_launch_globals == nullptr && T > 0;
+  if (!keyed) return nullptr;
+  const auto it = kept.find(key);
+  if (it != kept.end()) return &it->second;
+  stage = true;
+  return nullptr;
 }
 
 void clear_staged() {
@@ -484,15 +501,9 @@ void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tens
   SplitArgs args;
   bool keyed = split_key(ns, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, D, form,
                          q_out, k_out, v_out, gate_out, key, args);
-  bool stage = g_launch_globals == nullptr && qkv.size(0) > 0;  // the first launches: the module is not known yet
-  if (keyed) {
-    const auto it = g_split_launches.find(key);
-    if (it != g_split_launches.end()) {
-      if (launch_kept(it->second, args, key[32], eps)) return;
-    } else {
-      stage = true;
-    }
-  }
+  bool stage;
+  const SplitLaunch* kept = find_kept(g_split_launches, keyed, key, qkv.size(0), stage);
+  if (kept != nullptr && launch_kept(*kept, args, key[32], eps)) return;
   call_staging(stage, launcher(g_split, ns),
                {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
                 PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
@@ -500,7 +511,9 @@ void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tens
                 wrap(gate_out)});
   if (t_staged.set && (keyed || split_key(ns, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv,
                                           rope, D, form, q_out, k_out, v_out, gate_out, key, args))) {
-    keep_staged(key);
+    const int64_t fixed[13] = {t_staged.grid1, key[7], key[8], t_staged.s_t, t_staged.s_h, t_staged.s_w, key[23],
+                               key[25], key[26], key[27], key[28], key[29], key[30]};
+    keep_staged(g_split_launches, key, fixed);
   }
   clear_staged();
 }
@@ -553,12 +566,9 @@ void split_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cac
 // large-offset flag, the device.
 using NormKey = std::array<int64_t, 20>;
 
-struct NormLaunch {
-  PyObject* owned[8];
-  PyObject *run, *function, *packed_metadata, *values, *driver;
-  int64_t block_t;
-  PyObject* fixed[6];  // the grid's second dimension (1), H, the row strides of x, residual, y, residual_out
-};
+// add_rmsnorm's fixed arguments: the grid's second dimension (1), H, the row strides of x, residual, y and
+// residual_out.
+using NormLaunch = KeptLaunch<6>;
 
 std::map<NormKey, NormLaunch> g_norm_launches;  // guarded by the GIL
 
@@ -635,44 +645,21 @@ bool launch_norm_kept(const NormLaunch& e, const NormArgs& a, int64_t device, do
   return true;
 }
 
-void keep_staged_norm(const NormKey& key) {
-  const Staged& s = t_staged;
-  if (!s.set || !PyTuple_Check(s.values) || g_norm_launches.count(key) != 0) return;
-  NormLaunch e{};
-  e.run = s.run;
-  e.function = s.function;
-  e.packed_metadata = s.packed_metadata;
-  e.values = s.values;
-  e.driver = reinterpret_cast<PyObject*>(key[3]);
-  e.block_t = s.block_t;
-  const int64_t fixed[6] = {s.grid1, key[7], key[14], key[15], key[16], key[17]};
-  if (!make_fixed(fixed, e.fixed, 6)) return;
-  PyObject* owned[8] = {s.run, s.function, s.packed_metadata, s.values, reinterpret_cast<PyObject*>(key[1]),
-                        reinterpret_cast<PyObject*>(key[2]), e.driver, nullptr};
-  hold(owned, e.owned);
-  g_norm_launches.emplace(key, e);
-}
-
 void launch_norm(int ns, const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                  double eps, bool gemma, const Tensor& y_out, const Tensor* residual_out) {
   Gil gil;
   NormKey key;
   NormArgs args;
   const bool keyed = norm_key(ns, x, residual, weight, bias, gemma, y_out, residual_out, key, args);
-  bool stage = g_launch_globals == nullptr && x.size(0) > 0;
-  if (keyed) {
-    const auto it = g_norm_launches.find(key);
-    if (it != g_norm_launches.end()) {
-      if (launch_norm_kept(it->second, args, key[19], eps)) return;
-    } else {
-      stage = true;
-    }
-  }
+  bool stage;
+  const NormLaunch* kept = find_kept(g_norm_launches, keyed, key, x.size(0), stage);
+  if (kept != nullptr && launch_norm_kept(*kept, args, key[19], eps)) return;
   call_staging(stage, launcher(g_norm, ns),
                {wrap(x), wrap(residual), wrap(weight), wrap(bias), PyFloat_FromDouble(eps), PyBool_FromLong(gemma),
                 wrap(y_out), wrap(residual_out)});
   if (t_staged.set && (keyed || norm_key(ns, x, residual, weight, bias, gemma, y_out, residual_out, key, args))) {
-    keep_staged_norm(key);
+    const int64_t fixed[6] = {t_staged.grid1, key[7], key[14], key[15], key[16], key[17]};
+    keep_staged(g_norm_launches, key, fixed);
   }
   clear_staged();
 }
