@@ -3,15 +3,15 @@
 Every layout x cache dtype x FP8 rounding on small shapes (Triton under the interpreter), the geometries that
 matter (partial rotary, GPT-J pairs, mRoPE, the gated Gemma layout, no QK-norm), slot patterns (shuffled, fewer
 slots than tokens, negative slots, saturating FP8 scales), K and V interleaved in one buffer, strided caches, the
-bound form, and the error rules that need data (slots past the capacity, scales that are not positive) leaving
-qkv and the caches untouched.
+bound form, the out-of-place forms, and the error rules that need data (slots past the capacity, scales that are
+not positive) leaving qkv, the outputs and the caches untouched.
 """
 
 import pytest
 import torch
 
 import qkvfuse
-from qkvfuse._verify.cache import VERIFY_CASES, CacheCase, check_cache_case, make_cache_inputs
+from qkvfuse._verify.cache import FORMS, VERIFY_CASES, CacheCase, check_cache_case, make_cache_inputs
 from qkvfuse._verify.inputs import SplitCase
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -60,7 +60,37 @@ def test_geometries(backend, geometry, cache_dtype):
 def test_strided_caches(backend, interleaved, padded):
     for layout in ("NHD", "HND"):
         check_cache_case(backend, CacheCase(_split(), layout=layout, interleaved=interleaved, padded=padded),
-                         bound=True)
+                         form="bound")
+
+
+@pytest.mark.parametrize("form", [f for f in FORMS if f not in ("inplace", "bound")])
+@pytest.mark.parametrize("name", ["NHD bf16", "vec e4m3 truncate", "amx bf16 interleaved", "NHD fp32 short slots",
+                                  "HND e5m2 saturated", "NHD gated mRoPE"])
+def test_out_of_place_forms(backend, form, name):
+    """``split_qkv_rmsnorm_rope_cache`` (into poisoned ``out=`` tensors) and ``QKNormRope.with_cache`` (fresh
+    outputs): ``qkv`` unchanged, the outputs those of ``split_qkv_rmsnorm_rope``, the caches as in place."""
+    check_cache_case(backend, dict(VERIFY_CASES)[name], form=form)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_form_at_decode_and_without_tokens(backend, form):
+    check_cache_case(backend, CacheCase(_split(T=1), layout="vec", block_size=32), form=form)
+    check_cache_case(backend, CacheCase(_split(T=0, q_gate=True, gemma_norm=True), layout="NHD"), form=form)
+
+
+def test_out_of_place_refuses_a_cache_over_an_output(backend):
+    """A cache may not share memory with an output of the out-of-place form (nor with an input); nothing is
+    written."""
+    kw = make_cache_inputs(CacheCase(_split(), layout="NHD"), seed=2)
+    storage, qkv = kw.pop("storage"), kw.pop("qkv")
+    T, kv_width = qkv.shape[0], 2 * 64
+    outs = [qkv.new_zeros(T, 4 * 64), qkv.new_zeros(T, kv_width), qkv.new_zeros(T, kv_width)]
+    outs[1] = kw["key_cache"].view(-1)[: T * kv_width].view(T, kv_width)  # k_out inside the key cache
+    before, qkv_before = storage.clone(), qkv.clone()
+    with pytest.raises(ValueError, match=r"^key_cache: expected a cache that shares no element with an output, "
+                                         r"got memory shared with k_out"):
+        qkvfuse.split_qkv_rmsnorm_rope_cache(qkv, **kw, out=tuple(outs), backend=backend)
+    assert torch.equal(storage, before) and torch.equal(qkv.view(torch.int16), qkv_before.view(torch.int16))
 
 
 def test_decode_and_one_block(backend):
@@ -87,31 +117,40 @@ def test_duplicate_slots_store_one_tokens_rows(backend):
     assert torch.equal(stored, k_rows[0]) or torch.equal(stored, k_rows[1])
 
 
-def _untouched(backend, kw, **changes):
+def _untouched(backend, kw, in_place, **changes):
+    """Call the in-place or the out-of-place form (into poisoned outputs); whatever it raises, nothing changed."""
     kw = dict(kw, **changes)
     storage = kw.pop("storage")
     qkv = kw.pop("qkv")
-    before, qkv_before = storage.clone(), qkv.clone()
+    outs = tuple(torch.full((qkv.shape[0], w), float("nan"), dtype=qkv.dtype) for w in (4 * 64, 2 * 64, 2 * 64))
+    before, qkv_before, outs_before = storage.clone(), qkv.clone(), [o.clone() for o in outs]
     try:
-        qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kw, backend=backend)
+        if in_place:
+            qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kw, backend=backend)
+        else:
+            qkvfuse.split_qkv_rmsnorm_rope_cache(qkv, **kw, out=outs, backend=backend)
     finally:
         assert torch.equal(storage, before) and torch.equal(qkv.view(torch.int16), qkv_before.view(torch.int16)), (
             "a refused call wrote to qkv or a cache")
+        assert all(torch.equal(o.view(torch.int16), b.view(torch.int16)) for o, b in zip(outs, outs_before)), (
+            "a refused call wrote to an output")
 
 
-def test_slot_past_the_capacity_is_refused_before_any_write(backend):
+@pytest.mark.parametrize("in_place", [True, False], ids=["inplace", "out"])
+def test_slot_past_the_capacity_is_refused_before_any_write(backend, in_place):
     kw = make_cache_inputs(CacheCase(_split(), layout="vec", block_size=32), seed=1)
     slots = kw["slot_mapping"].clone()
     slots[-1] = 3 * 32
     with pytest.raises(ValueError, match=r"^slot_mapping: expected values < 96 .* got 96"):
-        _untouched(backend, kw, slot_mapping=slots)
+        _untouched(backend, kw, in_place, slot_mapping=slots)
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["inplace", "out"])
 @pytest.mark.parametrize("value", [0.0, -1.0, float("inf"), float("nan")])
-def test_bad_scale_is_refused_before_any_write(backend, value):
+def test_bad_scale_is_refused_before_any_write(backend, value, in_place):
     kw = make_cache_inputs(CacheCase(_split(), layout="NHD", cache_dtype=torch.float8_e4m3fn), seed=1)
     with pytest.raises(ValueError, match=r"^v_scale: expected a positive finite scale"):
-        _untouched(backend, kw, v_scale=torch.tensor(value))
+        _untouched(backend, kw, in_place, v_scale=torch.tensor(value))
 
 
 def _bound(kw, backend):

@@ -3,9 +3,11 @@
 Every entry point -- :class:`qkvfuse.QKNormRope` (call, ``out=`` into a packed buffer, ``out=`` exactly aliasing
 its own slices of ``qkv``, ``.inplace``), the public :func:`~qkvfuse.split_qkv_rmsnorm_rope` (functional, ``out=``)
 and :func:`~qkvfuse.split_qkv_rmsnorm_rope_`, the cache-writing :func:`~qkvfuse.split_qkv_rmsnorm_rope_cache_` and
-``QKNormRope.inplace_cache`` (a bf16/fp32 NHD cache; an FP8 vLLM-CPU ``vec`` cache), :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``,
-``.inplace``), :func:`~qkvfuse.add_rmsnorm` (with and without a residual) and :func:`~qkvfuse.add_rmsnorm_` -- runs in one module, :class:`Prepare`, which each
-test runs eagerly and then under one mode: ``torch.jit.trace``, ``torch.export`` (strict / non-strict, saved and
+``QKNormRope.inplace_cache`` (a bf16/fp32 NHD cache; an FP8 vLLM-CPU ``vec`` cache), their out-of-place forms
+:func:`~qkvfuse.split_qkv_rmsnorm_rope_cache` (fresh outputs, an HND cache) and ``QKNormRope.with_cache`` (``out=``
+into a packed buffer, an FP8 NHD cache), :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``,
+``.inplace``), :func:`~qkvfuse.add_rmsnorm` (with and without a residual) and :func:`~qkvfuse.add_rmsnorm_` -- runs
+in one module, :class:`Prepare`, which each test runs eagerly and then under one mode: ``torch.jit.trace``, ``torch.export`` (strict / non-strict, saved and
 loaded in a fresh process), ``torch.compile`` (static, dynamic over T), ``FakeTensorMode`` and meta tensors, a
 ``TorchDispatchMode`` / ``TorchFunctionMode``, the profiler, ``inference_mode`` / ``no_grad``. Outputs must be
 **bitwise** equal to eager (compared as integers, so NaN and -0.0 count too), and where the mode records a graph
@@ -150,6 +152,17 @@ class Prepare(torch.nn.Module):
         self.prep.inplace_cache(bwork, positions, k8, v8, slots, layout="vec", k_scale=k_scale, v_scale=v_scale,
                                 fp8_rounding="truncate")
         outs += [cwork, cviews[1], k_cache, v_cache, bwork, kv8]
+        # Out of place: public with fresh outputs into an HND cache, bound into out= column views of one buffer
+        # and an FP8 e5m2 NHD cache.
+        hk_cache, hv_cache = qkv.new_zeros(4, heads, 16, d), qkv.new_zeros(4, heads, 16, d)
+        couts = qkvfuse.split_qkv_rmsnorm_rope_cache(qkv, positions, **kw, key_cache=hk_cache, value_cache=hv_cache,
+                                                     slot_mapping=slots, layout="HND", backend=b)
+        bpacked = qkv.new_empty(qkv.shape[0], sum(self.sizes))
+        k85 = torch.zeros(4, 16, heads, d, dtype=torch.float8_e5m2, device=qkv.device)
+        v85 = torch.zeros_like(k85)
+        self.prep.with_cache(qkv, positions, k85, v85, slots, k_scale=k_scale, v_scale=v_scale,
+                             out=tuple(bpacked.split(self.sizes, dim=1)))
+        outs += [*couts, hk_cache, hv_cache, bpacked, k85, v85]
         g = self.gemma
         y, r = self.norm(q, residual)  # bound add + norm
         x2, r2 = q.clone(), residual.clone()  # bound, in-place out=(x, residual)
@@ -277,7 +290,7 @@ _LOAD_AND_RUN = textwrap.dedent("""
     import qkvfuse  # the only qkvfuse import: it must register every kernel the programs call
 
     int_view = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
-                torch.float8_e4m3fn: torch.uint8}
+                torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8}
     runs = 0
     for data_path, *programs in (arg.split(",") for arg in sys.argv[1:]):
         data = torch.load(data_path)

@@ -4,9 +4,9 @@
 the repository root (``bench/device-check.sh`` runs it). ``--device cpu`` with ``TRITON_INTERPRET=1`` is a dry
 run at small sizes (the code a GPU run executes, timings meaningless; ``tests/backends/test_triton_cache.py``).
 
-* correctness: :data:`qkvfuse._verify.cache.VERIFY_CASES` and Qwen3-8B-sized cases through
-  :func:`qkvfuse._verify.cache.check_cache_case` on backend ``triton`` (every byte of ``qkv`` and of the caches'
-  storage judged);
+* correctness: :data:`qkvfuse._verify.cache.VERIFY_CASES` (in place, and out of place into poisoned outputs) and
+  Qwen3-8B-sized cases through :func:`qkvfuse._verify.cache.check_cache_case` on backend ``triton`` (every byte of
+  ``qkv``, of the outputs and of the caches' storage judged);
 * bandwidth: Qwen3-8B (32/8 x 128, bf16) at each ``--tokens`` T, NHD caches of bf16 and e4m3: the fused op, the
   in-place split alone, the split followed by a torch indexed cache write (the unfused pair), and ``copy_`` of as
   many bytes as the fused op moves (its reads plus writes); each timed as CUDA-graph replays of
@@ -43,9 +43,11 @@ def correctness_rows(device: str, large_T: int) -> List[Dict[str, object]]:
                                                                  cache_dtype=dtype, num_blocks=large_T // 16 + 2))
              for layout in ("NHD", "HND") for name, dtype in (("bf16", None), ("e4m3", torch.float8_e4m3fn))]
     rows = []
-    for name, case in list(VERIFY_CASES) + large:
+    runs = [(name, case, "inplace") for name, case in list(VERIFY_CASES) + large]
+    runs += [(f"{name} out=", case, "out") for name, case in VERIFY_CASES]
+    for name, case, form in runs:
         try:
-            check_cache_case("triton", case, device=device)
+            check_cache_case("triton", case, device=device, form=form)
             rows.append(dict(case=name, ok=True, detail=""))
         except AssertionError as exc:
             rows.append(dict(case=name, ok=False, detail=str(exc)[:200]))

@@ -432,8 +432,8 @@ def check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode: int, k_sc
     ``cache_mode`` (:func:`qkvfuse._cache_mode.encode_cache`), the two caches' device, dtype, shape for the layout
     and ``(num_kv_heads, head_dim)``, strides, ``slot_mapping`` and the FP8 scales; with ``real``, that the caches
     share no element with each other (an interleaved KV buffer's halves are fine), with ``qkv`` or with
-    ``inputs`` (``(name, tensor or None)`` pairs: the split's other tensors). Slot and scale values are
-    :func:`qkvfuse._library.check_cache_values`' (data, not metadata)."""
+    ``inputs`` (``(name, tensor or None)`` pairs: the split's other tensors, then the out= form's outputs, named
+    ``*_out``). Slot and scale values are :func:`qkvfuse._library.check_cache_values`' (data, not metadata)."""
     layout, truncate = decode_cache(cache_mode)
     if layout not in LAYOUT_NAMES or cache_mode < 0 or cache_mode & ~31:
         fail("cache_mode", cache_mode, f"a layout code in {sorted(LAYOUT_NAMES)}, plus 16 for truncating FP8 "
@@ -485,4 +485,5 @@ def check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode: int, k_sc
         for name, c in (("key_cache", key_cache), ("value_cache", value_cache)):
             for other, t in others:
                 if t is not None and t.numel() and c.numel() and strided_share(c, t):
-                    fail(name, f"memory shared with {other}", "a cache that shares no element with an input")
+                    role = "an output" if other.endswith("_out") else "an input"
+                    fail(name, f"memory shared with {other}", f"a cache that shares no element with {role}")

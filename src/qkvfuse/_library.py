@@ -17,6 +17,8 @@ Ops, defined in three namespaces with one schema each:
   de-interleaves the row's Q/gate region into ``[Q heads | gate heads]`` (:func:`inplace_views`);
 * ``split_qkv_rmsnorm_rope_cache`` -- the in-place form that also writes each token's K (normed, rotated) and V
   into a paged KV cache in the same pass (:class:`CacheTarget`, :mod:`qkvfuse._cache_mode`);
+* ``split_qkv_rmsnorm_rope_cache_out`` -- the out= form that also writes the cache: ``qkv`` is read only, the
+  cache arguments sit where the in-place cache form has them, the outputs last as in ``split_qkv_rmsnorm_rope_out``;
 * ``add_rmsnorm`` / ``add_rmsnorm_out`` -- fused residual add + RMSNorm (+ bias); without a residual the second
   output of the functional form is an empty placeholder;
 * ``add_rmsnorm_inplace`` -- the engines' in-place form: ``y`` over ``x``, the rounded sum over ``residual``.
@@ -54,13 +56,14 @@ from . import _cache_mode, _checks, _rope_mode
 from ._rope_mode import RopeMode
 
 __all__ = ["NAMESPACES", "OPS", "Q_GATE", "GEMMA", "encode_rope", "decode_rope", "decode_flags", "SplitConfig",
-           "config_of", "split_config", "CacheTarget", "impl_library", "register_kernels", "schema_kernels",
-           "check_positions", "check_cache_values", "MAX_HEAD_DIM"]
+           "config_of", "split_config", "CacheTarget", "CACHE_OPS", "impl_library", "register_kernels",
+           "schema_kernels", "check_positions", "check_cache_values", "MAX_HEAD_DIM"]
 
 # Backend choice -> the namespace of its ops ("auto": the dispatcher picks by device).
 NAMESPACES = {"auto": "qkvfuse", "reference": "qkvfuse_reference", "triton": "qkvfuse_triton"}
 OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm",
-       "add_rmsnorm_out", "add_rmsnorm_inplace", "split_qkv_rmsnorm_rope_cache")
+       "add_rmsnorm_out", "add_rmsnorm_inplace", "split_qkv_rmsnorm_rope_cache", "split_qkv_rmsnorm_rope_cache_out")
+CACHE_OPS = ("split_qkv_rmsnorm_rope_cache", "split_qkv_rmsnorm_rope_cache_out")  # the ops that write a KV cache
 MAX_HEAD_DIM = _checks.MAX_HEAD_DIM
 
 # The rope code lives in the bottom module qkvfuse._rope_mode (qkvfuse._checks reads it too); re-exported here,
@@ -78,7 +81,8 @@ _NORM_ARGS = "Tensor x, Tensor? residual, Tensor weight, Tensor? bias, float eps
 
 _MUTATED = {"split_qkv_rmsnorm_rope_out": (11, 12, 13, 14), "split_qkv_rmsnorm_rope_inplace": (0,),
             "add_rmsnorm_out": (5, 6), "add_rmsnorm_inplace": (0, 1),
-            "split_qkv_rmsnorm_rope_cache": (0, 11, 12)}  # argument indices each mutating form writes
+            "split_qkv_rmsnorm_rope_cache": (0, 11, 12),
+            "split_qkv_rmsnorm_rope_cache_out": (11, 12, 17, 18, 19, 20)}  # argument indices each mutating form writes
 _libs = {}
 for _ns in NAMESPACES.values():
     _lib = _libs[_ns] = torch.library.Library(_ns, "DEF")
@@ -89,6 +93,9 @@ for _ns in NAMESPACES.values():
     _lib.define(f"split_qkv_rmsnorm_rope_cache(Tensor(a!) qkv, {_SPLIT_ARGS}, Tensor(b!) key_cache, "
                 "Tensor(c!) value_cache, Tensor slot_mapping, int cache_mode, Tensor? k_scale=None, "
                 "Tensor? v_scale=None) -> ()")
+    _lib.define(f"split_qkv_rmsnorm_rope_cache_out(Tensor qkv, {_SPLIT_ARGS}, Tensor(a!) key_cache, "
+                "Tensor(b!) value_cache, Tensor slot_mapping, int cache_mode, Tensor? k_scale, Tensor? v_scale, "
+                "Tensor(c!) q_out, Tensor(d!) k_out, Tensor(e!) v_out, Tensor(f!)? gate_out=None) -> ()")
     _lib.define(f"add_rmsnorm({_NORM_ARGS}, bool gemma=False) -> (Tensor, Tensor)")
     _lib.define(f"add_rmsnorm_out({_NORM_ARGS}, Tensor(a!) y_out, Tensor(b!)? residual_out, bool gemma=False) -> ()")
     _lib.define("add_rmsnorm_inplace(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, Tensor? bias, float eps, "
@@ -294,6 +301,16 @@ for _ns, _lib in _libs.items():
         _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, num_kv_heads,
                             head_dim, real=False)
 
+    @torch.library.register_fake(f"{_ns}::split_qkv_rmsnorm_rope_cache_out", lib=_lib)
+    def _split_cache_out_fake(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+                              num_kv_heads, eps, rope, key_cache, value_cache, slot_mapping, cache_mode, k_scale,
+                              v_scale, q_out, k_out, v_out, gate_out=None):
+        head_dim = _checks.check_split(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias,
+                                       num_q_heads, num_kv_heads, eps, rope, outs=(q_out, k_out, v_out, gate_out),
+                                       real=False)
+        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, num_kv_heads,
+                            head_dim, real=False)
+
     @torch.library.register_fake(f"{_ns}::add_rmsnorm", lib=_lib)
     def _norm_fake(x, residual, weight, bias, eps, gemma=False):
         _checks.check_norm(x, residual, weight, bias, real=False)
@@ -309,13 +326,14 @@ for _ns, _lib in _libs.items():
 
 
 # --------------------------------------------------------------------------------------------------------
-# Registration. A backend gives two launchers:
+# Registration. A backend gives three launchers:
 #   split_out(qkv, positions, config, q_out, k_out, v_out, gate_out)   (config: a SplitConfig)
 #   norm_out(x, residual, weight, bias, eps, gemma, y_out, residual_out)
 #   split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target)   (target: a CacheTarget)
 # (qkvfuse.reference's functions are the specification), adapted here to the schemas: functional and in-place
-# forms derived from the out= form (the cache form gets the in-place views and config.inplace); the norm kernels accept outputs that exactly alias their own inputs; the
-# gated in-place form's outputs are inplace_views, which overlap the interleaved input (config.inplace tells the
+# forms derived from the out= form (the in-place cache form gets the in-place views and config.inplace, its out=
+# form the caller's outputs); the norm kernels accept outputs that exactly alias their own inputs; the gated
+# in-place form's outputs are inplace_views, which overlap the interleaved input (config.inplace tells the
 # launcher: the split kernels read a token's Q/gate region before they write it).
 # --------------------------------------------------------------------------------------------------------
 SplitOut = Callable[..., None]
@@ -336,6 +354,9 @@ def register_kernels(lib: torch.library.Library, dispatch_key: str, split_out: S
     for op, kernel in schema_kernels(split_out, norm_out, split_cache).items():
         if op in ops:
             lib.impl(op, kernel, dispatch_key)
+
+
+_CACHE_INPUTS = ("cos_sin_cache", "q_weight", "k_weight", "q_bias", "k_bias")  # the caches' overlap rule's names
 
 
 def schema_kernels(split_out: SplitOut, norm_out: NormOut, split_cache: SplitCache) -> dict:
@@ -366,19 +387,30 @@ def schema_kernels(split_out: SplitOut, norm_out: NormOut, split_cache: SplitCac
         views = inplace_views(qkv, hq, hkv, config.q_gate)
         run(qkv, positions, config, *views[:3], views[3] if len(views) == 4 else None)
 
+    def cache_run(qkv, positions, static, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs):
+        # outs None: the in-place form (its views are the outputs)
+        head_dim = _checks.check_split(qkv, positions, *static, inplace=outs is None, outs=outs)
+        named_outs = () if outs is None else tuple(zip(("q_out", "k_out", "v_out", "gate_out"), outs))
+        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, static[6],
+                            head_dim, inputs=(("positions", positions), *zip(_CACHE_INPUTS, static[:5]), *named_outs))
+        config = config_of(static, head_dim, inplace=outs is None)
+        target = CacheTarget(key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale)
+        check_positions(positions, static[0].shape[0])  # before anything is written
+        check_cache_values(target, qkv.shape[0])
+        if outs is None:
+            views = inplace_views(qkv, static[5], static[6], config.q_gate)
+            outs = (*views[:3], views[3] if len(views) == 4 else None)
+        split_cache(qkv, positions, config, *outs, target)
+
     def cache(qkv, positions, cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, key_cache, value_cache, slot_mapping,
               cache_mode, k_scale=None, v_scale=None):
-        static = (cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
-        head_dim = _checks.check_split(qkv, positions, *static, inplace=True)
-        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, hkv, head_dim,
-                            inputs=(("positions", positions), ("cos_sin_cache", cs), ("q_weight", q_w),
-                                    ("k_weight", k_w), ("q_bias", q_b), ("k_bias", k_b)))
-        config = config_of(static, head_dim, inplace=True)
-        target = CacheTarget(key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale)
-        check_positions(positions, cs.shape[0])  # before anything is written
-        check_cache_values(target, qkv.shape[0])
-        views = inplace_views(qkv, hq, hkv, config.q_gate)
-        split_cache(qkv, positions, config, *views[:3], views[3] if len(views) == 4 else None, target)
+        cache_run(qkv, positions, (cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), key_cache, value_cache,
+                  slot_mapping, cache_mode, k_scale, v_scale, None)
+
+    def cache_out(qkv, positions, cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, key_cache, value_cache, slot_mapping,
+                  cache_mode, k_scale, v_scale, q_out, k_out, v_out, gate_out=None):
+        cache_run(qkv, positions, (cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), key_cache, value_cache,
+                  slot_mapping, cache_mode, k_scale, v_scale, (q_out, k_out, v_out, gate_out))
 
     def norm_checked_out(x, residual, weight, bias, eps, y_out, residual_out, gemma=False):
         _checks.check_norm(x, residual, weight, bias, outs=(y_out, residual_out))
@@ -396,6 +428,7 @@ def schema_kernels(split_out: SplitOut, norm_out: NormOut, split_cache: SplitCac
 
     return {"split_qkv_rmsnorm_rope": functional, "split_qkv_rmsnorm_rope_out": out,
             "split_qkv_rmsnorm_rope_inplace": inplace, "split_qkv_rmsnorm_rope_cache": cache,
+            "split_qkv_rmsnorm_rope_cache_out": cache_out,
             "add_rmsnorm": norm_functional,
             "add_rmsnorm_out": norm_checked_out, "add_rmsnorm_inplace": norm_inplace}
 

@@ -46,7 +46,8 @@ from ._library import SplitConfig, split_config
 from ._rope_mode import encode_rope
 from .backends import select_ops
 
-__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "split_qkv_rmsnorm_rope_cache_", "add_rmsnorm",
+__all__ = ["split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_", "split_qkv_rmsnorm_rope_cache",
+           "split_qkv_rmsnorm_rope_cache_", "add_rmsnorm",
            "add_rmsnorm_", "QKNormRope", "AddRMSNorm", "KV_CACHE_LAYOUTS", "MAX_HEAD_DIM", "MAX_HEADS"]
 
 _Tensor = torch.Tensor
@@ -60,6 +61,7 @@ class _Ops(NamedTuple):
     norm_out: object
     norm_inplace: object
     split_cache: object
+    split_cache_out: object
 
 
 # One bundle of ops per backend choice (see qkvfuse._library.NAMESPACES).
@@ -262,6 +264,18 @@ def _inplace_result(qkv: torch.Tensor, widths: Tuple[int, ...]):
     return views if len(views) == 3 else _gated_order(views)
 
 
+def _out_widths(num_q_heads: int, num_kv_heads: int, head_dim: int, q_gate: bool) -> Tuple[int, ...]:
+    """Column widths of the split's outputs ``(q, k, v)``, gated ``(q, k, v, gate)``."""
+    q, kv = num_q_heads * head_dim, num_kv_heads * head_dim
+    return (q, kv, kv, q) if q_gate else (q, kv, kv)
+
+
+def _fresh_outputs(qkv: torch.Tensor, widths: Tuple[int, ...]) -> Tuple[torch.Tensor, ...]:
+    """Fresh outputs of ``widths`` (:func:`_out_widths`: Python ints, so a ``torch.jit.trace`` records no arithmetic
+    on ``qkv``'s shape) for ``qkv``'s tokens."""
+    return tuple(qkv.new_empty((qkv.shape[0], width)) for width in widths)
+
+
 def _gated_order(views):
     """The gated in-place form's ``(q, k, v, gate)`` of ``split_with_sizes``' column views ``(q, gate, k, v)``."""
     return views[0], views[2], views[3], views[1]
@@ -344,7 +358,8 @@ class QKNormRope:
     :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each).
     """
 
-    __slots__ = ("config", "_width", "_widths", "_split", "_out", "_inplace", "_cache", "_args", "_outs", "_n_outs")
+    __slots__ = ("config", "_width", "_widths", "_split", "_out", "_inplace", "_cache", "_cache_out", "_args", "_outs",
+                 "_n_outs")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
@@ -358,7 +373,8 @@ class QKNormRope:
         self._width, self._args = c.width, c.schema_args()
         self._widths = _view_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
         ops = _ops_for(backend, c.device)
-        self._split, self._out, self._inplace, self._cache = ops.split, ops.split_out, ops.split_inplace, ops.split_cache
+        self._split, self._out, self._inplace = ops.split, ops.split_out, ops.split_inplace
+        self._cache, self._cache_out = ops.split_cache, ops.split_cache_out
         self._outs = _GATED_OUTS if q_gate else _SPLIT_OUTS
         self._n_outs = len(self._outs)
 
@@ -422,6 +438,30 @@ class QKNormRope:
             raise
         self._write_cache(qkv, positions, key_cache, value_cache, slot_mapping, layout, k_scale, v_scale, fp8_rounding)
         return views if self._n_outs == 3 else _gated_order(views)
+
+    def with_cache(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, *, layout: str = "NHD",
+                   k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                   fp8_rounding: str = "nearest", out: Optional[Tuple[torch.Tensor, ...]] = None):
+        """The out-of-place form of :meth:`inplace_cache`: ``(q, k, v)`` (gated: ``(q, k, v, gate)``) as
+        ``self(qkv, positions, out=out)`` returns them (``qkv`` is only read), and in the same pass each token's K
+        and V written to the paged KV cache. See :func:`split_qkv_rmsnorm_rope_cache`."""
+        try:
+            if qkv.shape[1] == self._width:
+                if out is None:
+                    c = self.config
+                    out = _fresh_outputs(qkv, _out_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate))
+                elif type(out) is not tuple or len(out) != self._n_outs:
+                    _check_outs(out, self._outs)
+                    out = tuple(out)
+                self._cache_out(qkv, positions, *self._args, key_cache, value_cache, slot_mapping,
+                                _cache_mode_of(layout, fp8_rounding), k_scale, v_scale, *out)
+                return out
+        except Exception:
+            self._bad_call(qkv, positions, out)
+            _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale)
+            raise
+        self._bad_call(qkv, positions, out)
 
     def _write_cache(self, qkv: torch.Tensor, positions: torch.Tensor, key_cache: torch.Tensor,
                      value_cache: torch.Tensor, slot_mapping: torch.Tensor, layout: str, k_scale: Optional[torch.Tensor],
@@ -667,6 +707,55 @@ def split_qkv_rmsnorm_rope_cache_(
     _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale)
     ops.split_cache(qkv, positions, *static, key_cache, value_cache, slot_mapping, code, k_scale, v_scale)
     return _inplace_result(qkv, widths)
+
+
+def split_qkv_rmsnorm_rope_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    layout: str = "NHD",
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+    fp8_rounding: str = "nearest",
+    q_weight: Optional[torch.Tensor] = None,
+    k_weight: Optional[torch.Tensor] = None,
+    q_bias: Optional[torch.Tensor] = None,
+    k_bias: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    is_neox: bool = True,
+    mrope_section: Optional[Sequence[int]] = None,
+    mrope_interleaved: bool = False,
+    q_gate: bool = False,
+    gemma_norm: bool = False,
+    out: Optional[Tuple[torch.Tensor, ...]] = None,
+    backend: Optional[str] = None,
+) -> Tuple[torch.Tensor, ...]:
+    """The out-of-place :func:`split_qkv_rmsnorm_rope_cache_`: ``qkv`` is only read.
+
+    Returns what :func:`split_qkv_rmsnorm_rope` returns for the same arguments -- fresh ``(q, k, v)`` (gated:
+    ``(q, k, v, gate)``), or ``out`` filled, with its rules -- and in the same pass writes each token's K and V
+    into the paged KV cache exactly as :func:`split_qkv_rmsnorm_rope_cache_` does (same cache arguments, same
+    bits). A cache may not share an element with ``qkv``, another input, an output or the other cache.
+    :meth:`QKNormRope.with_cache` is the bound form.
+    """
+    ops, static, _ = _split_call(qkv, positions, cos_sin_cache, num_q_heads, num_kv_heads, head_dim, q_weight,
+                                 k_weight, q_bias, k_bias, eps, is_neox, mrope_section, mrope_interleaved, q_gate,
+                                 gemma_norm, backend)
+    code = _cache_mode_of(layout, fp8_rounding)
+    _check_cache_tensors(key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    if out is None:
+        out = _fresh_outputs(qkv, _out_widths(num_q_heads, num_kv_heads, head_dim, q_gate))
+    else:
+        _check_outs(out, _GATED_OUTS if q_gate else _SPLIT_OUTS)
+    ops.split_cache_out(qkv, positions, *static, key_cache, value_cache, slot_mapping, code, k_scale, v_scale, *out)
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -50,18 +50,18 @@ def split_variant(hq, hkv, head_dim, rotary_dim, dtype="bf16", mrope=False, inte
 
 
 def cache_variant(hq, hkv, head_dim, rotary_dim, cache="bf16", fp8=0, truncate=False, amx=False, q_gate=False,
-                  mrope=False, slots="i64"):
-    # The cache kernel's block sizes are the in-place split's (backends/triton/cache.py).
-    cfg = launch.split_config(1, hq, hkv, head_dim, interpret=False, whole_q_region=q_gate)
+                  mrope=False, slots="i64", in_place=True):
+    # The cache kernel's block sizes are the split's (backends/triton/cache.py).
+    cfg = launch.split_config(1, hq, hkv, head_dim, interpret=False, whole_q_region=q_gate and in_place)
     num_warps = cfg.pop("num_warps")
     del cfg["V_BLOCK"]
     pointers = dict(qkv_ptr="*bf16", pos_ptr="*i64", cos_sin_ptr="*fp32", q_w_ptr="*fp32", k_w_ptr="*fp32",
-                    q_b_ptr="*fp32", k_b_ptr="*fp32", q_out_ptr="*bf16", gate_out_ptr="*bf16",
-                    key_cache_ptr=f"*{cache}", value_cache_ptr=f"*{cache}", slot_ptr=f"*{slots}",
-                    k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+                    q_b_ptr="*fp32", k_b_ptr="*fp32", q_out_ptr="*bf16", k_out_ptr="*bf16", v_out_ptr="*bf16",
+                    gate_out_ptr="*bf16", key_cache_ptr=f"*{cache}", value_cache_ptr=f"*{cache}",
+                    slot_ptr=f"*{slots}", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     constexprs = dict(HEAD_DIM=head_dim, ROT_DIM=rotary_dim, NORM=True, Q_BIAS=False, K_BIAS=False, GEMMA=q_gate,
                       IS_NEOX=True, MROPE=mrope, MROPE_INTERLEAVED=mrope, Q_GATE=q_gate, AMX=amx, FP8=fp8,
-                      TRUNCATE=truncate, **cfg)
+                      TRUNCATE=truncate, IN_PLACE=in_place, COPY_V=not in_place, **cfg)
     return _compile(cache_kernels.split_qkv_rmsnorm_rope_cache_kernel, pointers, constexprs, num_warps)
 
 
@@ -97,6 +97,9 @@ VARIANTS = {
     "cache amx 16/2x128": lambda: cache_variant(16, 2, 128, 128, amx=True),
     "cache Qwen3.5 gated 16/4x256 mRoPE e4m3": lambda: cache_variant(16, 4, 256, 64, "u8", cache_kernels.E4M3,
                                                                      q_gate=True, mrope=True),
+    "cache out= Qwen3.5 gated 16/4x256 e4m3": lambda: cache_variant(16, 4, 256, 64, "u8", cache_kernels.E4M3,
+                                                                    q_gate=True, in_place=False),
+    "cache out= GLM 96/8x128 rotary 64 bf16": lambda: cache_variant(96, 8, 128, 64, in_place=False),
     "add_rmsnorm 5120": lambda: norm_variant(5120),
     "add_rmsnorm 4096 gemma": lambda: norm_variant(4096, bias=False, gemma=True),
     "add_rmsnorm 20000 (two passes)": lambda: norm_variant(20000, residual=True, bias=False),

@@ -1,10 +1,13 @@
-"""Checks of the cache-writing split (:func:`qkvfuse.split_qkv_rmsnorm_rope_cache_`) on any backend.
+"""Checks of the cache-writing split (:func:`qkvfuse.split_qkv_rmsnorm_rope_cache_`, its out-of-place form
+:func:`qkvfuse.split_qkv_rmsnorm_rope_cache` and their bound forms) on any backend.
 
-:func:`check_cache_case` runs one :class:`CacheCase` -- fresh random inputs, caches poisoned byte by byte before
-the call -- and raises ``AssertionError`` with a readable detail when the backend is wrong:
+:func:`check_cache_case` runs one :class:`CacheCase` -- fresh random inputs, caches (and given outputs) poisoned
+before the call -- and raises ``AssertionError`` with a readable detail when the backend is wrong:
 
-* ``qkv`` holds exactly the bits :func:`qkvfuse.split_qkv_rmsnorm_rope_` gives on the same backend;
-* a cache of ``qkv``'s dtype holds, at each written slot, exactly the K and V bits of that token in ``qkv`` -- a
+* in place, ``qkv`` holds exactly the bits :func:`qkvfuse.split_qkv_rmsnorm_rope_` gives on the same backend;
+  out of place, ``qkv`` is unchanged and the outputs hold exactly the bits of
+  :func:`qkvfuse.split_qkv_rmsnorm_rope`;
+* a cache of ``qkv``'s dtype holds, at each written slot, exactly the K and V bits the split gave that token -- a
   plain indexed copy, computed here by per-token index arithmetic written independently of the backends' (the
   layouts of :mod:`qkvfuse._cache_mode`);
 * an FP8 cache holds K and V judged against the float64 oracle divided by the scale: within half an FP8 ulp
@@ -163,30 +166,50 @@ def _fp8_errors(name: str, stored: torch.Tensor, oracle: torch.Tensor, dtype: to
     return ""
 
 
-def check_cache_case(backend: str, case: CacheCase, seed: int = 0, device="cpu", bound: bool = False) -> None:
-    """Run ``case`` on ``backend`` (public function, or the bound :meth:`qkvfuse.QKNormRope.inplace_cache` with
-    ``bound``) and judge every byte of ``qkv`` and of the caches' storage (module docstring)."""
+# check_cache_case's forms: the public in-place function, its bound form, the out-of-place function (into poisoned
+# out= tensors) and its bound form (fresh outputs).
+FORMS = ("inplace", "bound", "out", "bound_out")
+
+
+def check_cache_case(backend: str, case: CacheCase, seed: int = 0, device="cpu", form: str = "inplace") -> None:
+    """Run ``case`` on ``backend`` in one of :data:`FORMS` and judge every byte of ``qkv``, of the outputs and of
+    the caches' storage (module docstring)."""
+    assert form in FORMS, form
     kw = make_cache_inputs(case, seed, device)
     storage = kw.pop("storage")
     before = storage.clone()
     qkv = kw.pop("qkv")
     split_kw = {k: v for k, v in kw.items() if k not in ("key_cache", "value_cache", "slot_mapping", "layout",
                                                           "k_scale", "v_scale", "fp8_rounding")}
-    want = qkv.clone()
-    qkvfuse.split_qkv_rmsnorm_rope_(want, **split_kw, backend=backend)
+    cache_kw = {k: kw[k] for k in ("key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale") if k in kw}
+    cache_kw.update(layout=case.layout, fp8_rounding=case.rounding)
     got = qkv.clone()
-    if bound:
+    prep = None
+    if form.startswith("bound"):
         statics = {k: v for k, v in split_kw.items() if k not in ("positions", "num_q_heads", "num_kv_heads",
                                                                   "head_dim", "cos_sin_cache")}
         prep = qkvfuse.QKNormRope(split_kw["num_q_heads"], split_kw["num_kv_heads"], split_kw["head_dim"],
                                   split_kw["cos_sin_cache"], **statics, backend=backend)
-        views = prep.inplace_cache(got, kw["positions"], kw["key_cache"], kw["value_cache"], kw["slot_mapping"],
-                                   layout=case.layout, k_scale=kw.get("k_scale"), v_scale=kw.get("v_scale"),
-                                   fp8_rounding=case.rounding)
+    if form in ("inplace", "bound"):
+        want = qkv.clone()
+        qkvfuse.split_qkv_rmsnorm_rope_(want, **split_kw, backend=backend)
+        if prep is not None:
+            outs = prep.inplace_cache(got, kw["positions"], **cache_kw)
+        else:
+            outs = qkvfuse.split_qkv_rmsnorm_rope_cache_(got, **kw, backend=backend)
+        assert torch.equal(_bits(got), _bits(want)), "qkv differs from split_qkv_rmsnorm_rope_ on the same backend"
+        assert all(v.data_ptr() >= got.data_ptr() for v in outs)
     else:
-        views = qkvfuse.split_qkv_rmsnorm_rope_cache_(got, **kw, backend=backend)
-    assert torch.equal(_bits(got), _bits(want)), "qkv differs from split_qkv_rmsnorm_rope_ on the same backend"
-    assert all(v.data_ptr() >= got.data_ptr() for v in views)
+        want = qkvfuse.split_qkv_rmsnorm_rope(qkv, **split_kw, backend=backend)
+        if prep is not None:
+            outs = prep.with_cache(got, kw["positions"], **cache_kw)
+        else:
+            poisoned = tuple(torch.full_like(t, float("nan")) for t in want)
+            outs = qkvfuse.split_qkv_rmsnorm_rope_cache(got, **kw, out=poisoned, backend=backend)
+            assert all(o is p for o, p in zip(outs, poisoned)), "out= returned other tensors than it was given"
+        assert torch.equal(_bits(got), _bits(qkv)), "the out-of-place form wrote to qkv"
+        assert len(outs) == len(want) and all(torch.equal(_bits(o), _bits(w)) for o, w in zip(outs, want)), (
+            "outputs differ from split_qkv_rmsnorm_rope on the same backend")
 
     s = case.split
     T, H, D = s.T, s.num_kv_heads, s.head_dim
@@ -194,8 +217,8 @@ def check_cache_case(backend: str, case: CacheCase, seed: int = 0, device="cpu",
     slots = kw["slot_mapping"].cpu().tolist()
     key_cache, value_cache = kw["key_cache"], kw["value_cache"]
     q_region = (2 if s.q_gate else 1) * s.num_q_heads * D
-    k_rows = got[:, q_region : q_region + H * D].reshape(T, H, D).cpu()
-    v_rows = got[:, q_region + H * D : q_region + 2 * H * D].reshape(T, H, D).cpu()
+    k_rows = outs[1].reshape(T, H, D).cpu()
+    v_rows = outs[2].reshape(T, H, D).cpu()
     fp8 = is_fp8(dtype)
     if fp8:
         oracle = oracle_split(qkv, **{k: v for k, v in split_kw.items()})

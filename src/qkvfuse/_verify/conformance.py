@@ -6,6 +6,7 @@ Triton at realistic sizes on an accelerator, is :func:`qkvfuse._verify.device.co
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
@@ -16,6 +17,9 @@ from ..testing.accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_
 from ..testing.oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
 from .cache import VERIFY_CASES as CACHE_CASES
 from .cache import check_cache_case
+
+# The cache-writing forms verified, by their public names: the in-place form and the out-of-place one.
+_CACHE_FORMS = {"split_qkv_rmsnorm_rope_cache_": "inplace", "split_qkv_rmsnorm_rope_cache": "out"}
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .sections import Options, Section, advance, planned, triton_interpreter
 
@@ -53,7 +57,7 @@ def ops_section(opts: Options) -> Section:
                          for dtype in (torch.bfloat16, torch.float32)
                          if not (interp and dtype == torch.float32
                                  and preset.name not in ("Qwen3-8B", "GLM-4.7", "Qwen3.5-27B"))]
-    planned(sum(len(cases) + 2 * len(norm_cases) + len(CACHE_CASES) for cases in plan.values()))
+    planned(sum(len(cases) + 2 * len(norm_cases) + len(_CACHE_FORMS) * len(CACHE_CASES) for cases in plan.values()))
     for backend in usable:
         interp = backend == "triton"
         for preset, T, dtype in plan[backend]:
@@ -85,22 +89,23 @@ def ops_section(opts: Options) -> Section:
                              "mode": "residual" + (" + bias" if "bias" in kw else "") + (", gemma" if gemma else ""),
                              "max err": report.max_err, "unfused err": report.unfused_err, "pass": report.ok,
                              "detail": report.detail})
-        for name, cache_case in CACHE_CASES:
+        for (name, cache_case), (op, form) in itertools.product(CACHE_CASES, _CACHE_FORMS.items()):
             t0 = time.perf_counter()
             try:
-                check_cache_case(backend, cache_case)
+                check_cache_case(backend, cache_case, form=form)
                 ok, detail = True, ""
             except AssertionError as exc:
                 ok, detail = False, str(exc)
             advance()
-            rows.append({"op": "split_qkv_rmsnorm_rope_cache", "preset": name, "backend": backend,
+            rows.append({"op": op, "preset": name, "backend": backend,
                          "T": cache_case.split.T, "dtype": str(cache_case.dtype)[6:], "mode": "cache",
                          "max err": "", "unfused err": "", "pass": ok, "detail": detail,
                          "s": round(time.perf_counter() - t0, 2)})
     note = ("rule (qkvfuse.testing.accuracy): max err <= unfused err + 1 ulp (+ fp32 summation noise), every "
             "element within 1/2 ulp of the float64 oracle (+ fp32 allowance), V / residual_out bit-exact; "
-            "split_qkv_rmsnorm_rope_cache (qkvfuse._verify.cache): qkv as split_qkv_rmsnorm_rope_, same-dtype "
-            "caches bit-exact, FP8 within 1/2 FP8 ulp of the oracle / scale (truncate: below it by < 1 ulp), "
+            "split_qkv_rmsnorm_rope_cache_ (qkvfuse._verify.cache): qkv as split_qkv_rmsnorm_rope_ (the out-of-place "
+            "split_qkv_rmsnorm_rope_cache: qkv unchanged, outputs as split_qkv_rmsnorm_rope), same-dtype caches "
+            "bit-exact, FP8 within 1/2 FP8 ulp of the oracle / scale (truncate: below it by < 1 ulp), "
             "every other cache byte unchanged")
     if skipped:
         note += "\nunavailable backends: " + "; ".join(f"{b} ({r})" for b, r in skipped.items())

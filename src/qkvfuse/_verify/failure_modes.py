@@ -729,6 +729,25 @@ def _cache_untouched(backend: str, **changes):
                      kw["key_cache"].view(torch.uint8), kw["value_cache"].view(torch.uint8))
 
 
+def _cache_out(backend: str, out=None, over: str = "", raw: bool = False):
+    """The out-of-place cache op on :func:`_cache_kwargs` into ``out`` (default: poisoned fresh outputs); ``over``
+    names an output placed inside the key cache's memory; ``raw``: the raw op (no public layer)."""
+    kw = _cache_kwargs()
+    qkv = kw["qkv"]
+    if out is None:
+        out = [torch.full((3, w), float("nan"), dtype=qkv.dtype) for w in (4 * 64, 2 * 64, 2 * 64)]
+    out = list(out)
+    if over:
+        i = ("q_out", "k_out", "v_out").index(over)
+        out[i] = kw["key_cache"].view(-1)[: out[i].numel()].view(out[i].shape)
+    if not raw:
+        return qkvfuse.split_qkv_rmsnorm_rope_cache(**kw, out=tuple(out), backend=backend)
+    ops, static = _raw_ops(backend, {k: v for k, v in kw.items() if k not in (
+        "key_cache", "value_cache", "slot_mapping", "layout", "k_scale", "v_scale", "fp8_rounding")})
+    return ops.split_cache_out(qkv, kw["positions"], *static, kw["key_cache"], kw["value_cache"], kw["slot_mapping"],
+                               0, None, None, *out)
+
+
 def _raw_cache(backend: str, cache_mode: int = 0, fp8: bool = False, **changes):
     """The raw cache op (a loaded program's call): what the public layer cannot refuse for it."""
     kw = _cache_kwargs(cache_dtype=torch.float8_e4m3fn if fp8 else None)
@@ -947,6 +966,14 @@ BAD_CALLS: List[BadCall] = [
     _B("raw cache_mode unknown", "cache_mode", lambda b: _raw_cache(b, cache_mode=7)),
     _B("raw cache_mode negative", "cache_mode", lambda b: _raw_cache(b, cache_mode=-1)),
     _B("raw FP8 cache without v_scale", "v_scale", lambda b: _raw_cache(b, fp8=True, v_scale=None)),
+    # the out-of-place cache form: its outputs (the split's out= rules) and the caches' overlap with them
+    _B("cache out= of 2 tensors", "out", lambda b: _cache_out(b, out=[torch.zeros(3, 256, dtype=torch.bfloat16)] * 2)),
+    _B("cache out= k_out too narrow", "k_out",
+       lambda b: _cache_out(b, out=[torch.zeros(3, w, dtype=torch.bfloat16) for w in (256, 64, 128)])),
+    _B("cache out= k_out inside key_cache", "key_cache", lambda b: _cache_out(b, over="k_out")),
+    _B("raw cache out= v_out inside key_cache", "key_cache", lambda b: _cache_out(b, over="v_out", raw=True)),
+    _B("raw cache out= q_out fp32", "q_out",
+       lambda b: _cache_out(b, out=[torch.zeros(3, 256)] + [torch.zeros(3, 128, dtype=torch.bfloat16)] * 2, raw=True)),
     # build_cos_sin_cache
     _B("cache builder rotary_dim odd", "rotary_dim", lambda b: build_cos_sin_cache(63, 16, 1e4)),
     _B("cache builder rotary_dim 0", "rotary_dim", lambda b: build_cos_sin_cache(0, 16, 1e4)),

@@ -36,17 +36,18 @@ HEAD_EDGES = EDGES + (MAX_HEADS, MAX_HEADS + 1)
 # Every integer argument of every op, as "namespace::op.argument"; the test holds this to the registered schemas.
 _SPLIT_INTS = ("num_q_heads", "num_kv_heads", "rope")
 _SPLIT_OPS = ("split_qkv_rmsnorm_rope", "split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace",
-              "split_qkv_rmsnorm_rope_cache")
+              *_library.CACHE_OPS)
 SWEPT = frozenset(
     [f"{ns}::{op}.{arg}" for ns in _library.NAMESPACES.values() for op in _SPLIT_OPS for arg in _SPLIT_INTS]
-    + [f"{ns}::split_qkv_rmsnorm_rope_cache.cache_mode" for ns in _library.NAMESPACES.values()]
+    + [f"{ns}::{op}.cache_mode" for ns in _library.NAMESPACES.values() for op in _library.CACHE_OPS]
     + [f"qkvfuse_cpu::split_generic_out.{arg}" for arg in _SPLIT_INTS]
     + ["qkvfuse_cpu::mrope_axis_map.half", "qkvfuse_cpu::mrope_axis_map.mrope_section",
        "qkvfuse_cpu::decode_rope.rope", "qkvfuse_cpu::grain_items.elems_per_item"])
 
 T, D, R = 2, 8, 4  # tokens, head_dim, rotary_dim of the base calls
 _FORMS = {"functional": "split_qkv_rmsnorm_rope", "out": "split_qkv_rmsnorm_rope_out",
-          "inplace": "split_qkv_rmsnorm_rope_inplace", "cache": "split_qkv_rmsnorm_rope_cache"}
+          "inplace": "split_qkv_rmsnorm_rope_inplace", "cache": "split_qkv_rmsnorm_rope_cache",
+          "cache_out": "split_qkv_rmsnorm_rope_cache_out"}
 BLOCKS, BLOCK_SIZE = 2, 4  # the cache form's NHD caches: [BLOCKS, BLOCK_SIZE, 1 KV head, D], fp32
 
 Outcome = Tuple[str, object]  # ("raised", "Type: message") or ("ran", tensors to compare)
@@ -84,6 +85,9 @@ def _call(ns: str, form: str, args, outs) -> Outcome:
             if form == "cache":  # outs: (key_cache, value_cache, slot_mapping, cache_mode)
                 op(*args, *outs, None, None)
                 return "ran", (args[0], outs[0], outs[1])
+            if form == "cache_out":  # outs: the cache form's, then the out= form's outputs
+                op(*args, *outs[:4], None, None, *outs[4:])
+                return "ran", (args[0], *(t for t in outs[:2] + outs[4:] if t is not None))
             op(*args)
             return "ran", (args[0],)
     except Exception as exc:  # noqa: BLE001 -- the outcome compared with the reference's
@@ -108,14 +112,14 @@ def _split_cases(ns: str, form: str) -> Dict[str, Callable[[], Tuple[bool, str]]
     found = {}
 
     def add(name: str, make: Callable[[], tuple], cache_mode: int = 0) -> None:
-        if form == "cache":
-            make = _with_cache(make, cache_mode)
+        if form in ("cache", "cache_out"):
+            make = _with_cache(make, cache_mode, keep_outs=form == "cache_out")
 
         def check():
             return _agree(_call(ns, form, *make()), _call("qkvfuse_reference", form, *make()))
         found[f"{ns}::{form}: {name}"] = check
 
-    if form == "cache":
+    if form in ("cache", "cache_out"):
         for v in EDGES:
             add(f"cache_mode={v}", lambda: _split_args(2, 1, 1, False), cache_mode=v)
 
@@ -144,14 +148,15 @@ def _split_cases(ns: str, form: str) -> Dict[str, Callable[[], Tuple[bool, str]]
     return found
 
 
-def _with_cache(make: Callable[[], tuple], cache_mode: int) -> Callable[[], tuple]:
+def _with_cache(make: Callable[[], tuple], cache_mode: int, keep_outs: bool = False) -> Callable[[], tuple]:
     """``make``'s split call with the cache form's arguments (poisoned fp32 NHD caches for one KV head, every token
-    to a slot) in place of the out= outputs."""
+    to a slot) in place of the out= outputs (``keep_outs``: followed by them, the out-of-place cache form)."""
     def made():
-        args, _ = make()
+        args, outs = make()
         tokens = args[0].shape[0]
         caches = tuple(torch.full((BLOCKS, BLOCK_SIZE, 1, D), float("nan")) for _ in range(2))
-        return args, (*caches, torch.arange(tokens, dtype=torch.int64) % (BLOCKS * BLOCK_SIZE), cache_mode)
+        cache_args = (*caches, torch.arange(tokens, dtype=torch.int64) % (BLOCKS * BLOCK_SIZE), cache_mode)
+        return args, cache_args + (outs if keep_outs else ())
     return made
 
 

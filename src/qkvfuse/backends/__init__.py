@@ -174,7 +174,7 @@ class _LazyTriton:
     """Triton kernels for one set of ops: import the backend on the first call. For ``auto`` a failed
     import falls back to the reference with one warning; for ``triton`` (requested) it raises.
 
-    The first call also switches the Triton ops (but the cache-writing split) to the native host kernels where the
+    The first call also switches the Triton ops (but the cache-writing forms) to the native host kernels where the
     native library has them (:mod:`.native_host`): later calls are checked in C++ and reach the launchers through
     :meth:`host_split` / :meth:`host_norm`, which point the C++ kernels at the backend's own launchers once it is
     imported."""
@@ -224,8 +224,8 @@ def triton_host_kernels() -> bool:
 
 
 # The Python kernels of the Triton keys: the ops the native host kernels serve in libraries of their own
-# (native_host.enable destroys them when the C++ kernels take over), the cache-writing split in _impls.
-_HOST_OPS = tuple(op for op in _library.OPS if op != "split_qkv_rmsnorm_rope_cache")
+# (native_host.enable destroys them when the C++ kernels take over), the cache-writing forms in _impls.
+_HOST_OPS = tuple(op for op in _library.OPS if op not in _library.CACHE_OPS)
 _triton_libs = []
 _lazies = []
 for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
@@ -235,7 +235,7 @@ for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITO
     for _key in _keys:
         _library.register_kernels(_triton_libs[-1], _key, _lazy.split, _lazy.norm, _lazy.cache, ops=_HOST_OPS)
         _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm, _lazy.cache,
-                                  ops=("split_qkv_rmsnorm_rope_cache",))
+                                  ops=_library.CACHE_OPS)
 
 from . import cpu as _cpu  # noqa: E402  (registers the lazily built native kernels for CPU tensors)
 

@@ -15,6 +15,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -409,7 +410,8 @@ inline void scale_arg(const char* name, const std::optional<Tensor>& scale, cons
 }
 
 // _checks.check_cache, in its order and with its messages: `others` are the split's other tensors, in the order
-// of the Python rule (positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias).
+// of the Python rule (positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias; the out= form's outputs after
+// them, whose names end in "_out").
 inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
                   int64_t cache_mode, const std::optional<Tensor>& k_scale, const std::optional<Tensor>& v_scale,
                   int64_t num_kv_heads, int64_t head_dim, std::initializer_list<Named> others) {
@@ -482,13 +484,13 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
     fail(Kind::Value, "value_cache", "memory shared with key_cache",
          "a cache that shares no element with key_cache (K and V may interleave in one buffer)");
   }
-  c10::SmallVector<Named, 12> inputs{{"qkv", &qkv}};
+  c10::SmallVector<Named, 16> inputs{{"qkv", &qkv}};
   inputs.append(others.begin(), others.end());
   inputs.push_back({"slot_mapping", &slot_mapping});
   inputs.push_back({"k_scale", k_scale.has_value() ? &*k_scale : nullptr});
   inputs.push_back({"v_scale", v_scale.has_value() ? &*v_scale : nullptr});
   // The byte ranges first (each once): strided_share's finer test only for ranges that meet.
-  c10::SmallVector<std::pair<int64_t, int64_t>, 12> spans;
+  c10::SmallVector<std::pair<int64_t, int64_t>, 16> spans;
   for (const Named& other : inputs) {
     spans.push_back(other.t != nullptr && other.t->numel() != 0 ? span(*other.t) : std::pair<int64_t, int64_t>{0, 0});
   }
@@ -497,8 +499,10 @@ inline void cache(const Tensor& qkv, const Tensor& key_cache, const Tensor& valu
     for (size_t i = 0; i < inputs.size(); ++i) {
       const Named& other = inputs[i];
       if (other.t != nullptr && spans[i].first < c1 && c0 < spans[i].second && strided_share(*c, *other.t)) {
+        const size_t len = std::strlen(other.name);
+        const bool output = len > 4 && std::strcmp(other.name + len - 4, "_out") == 0;
         fail(Kind::Value, name, std::string("memory shared with ") + other.name,
-             "a cache that shares no element with an input");
+             output ? "a cache that shares no element with an output" : "a cache that shares no element with an input");
       }
     }
   }

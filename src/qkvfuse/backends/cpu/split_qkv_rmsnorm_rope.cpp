@@ -11,9 +11,9 @@
 // Where the build's instruction set has specialised heads for the call (isa.h: AVX2 bf16 heads of the published
 // shapes, AVX-512 bf16/fp16 heads of D % 32 == 0), they take a batch of heads a given stride apart, so the gated
 // layout's Q heads (2 * D apart) take them too; README.md lists the paths and their bit contracts.
-// The cache-writing split is the in-place form with a KV cache (SplitPlan::kv, cache.h): a token's K heads are
-// stored to its slot by their own item right after it writes them, its V heads by one more item of the token; the
-// tiled layouts ("vec", "amx") are stored a batch of whole tokens at a time instead (CacheWriter).
+// The cache-writing split is the in-place or out= form with a KV cache (SplitPlan::kv, cache.h): a token's K heads
+// are stored to its slot by their own item right after it writes them, its V heads by one more item of the token;
+// the tiled layouts ("vec", "amx") are stored a batch of whole tokens at a time instead (CacheWriter).
 #include "cache.h"
 #include "checks.h"
 #include "isa.h"
@@ -871,21 +871,29 @@ void check_cache_values(const CachePlan& c, int64_t capacity, const OptTensor& k
   }
 }
 
-// The in-place split that also stores each token's K and V in a paged KV cache, in the same pass (cache.h).
-void split_qkv_rmsnorm_rope_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
-                                  const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
-                                  const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
-                                  const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
-                                  int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale) {
-  const int64_t D = head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, nullptr, true);
+// The split that also stores each token's K and V in a paged KV cache, in the same pass (cache.h): in place
+// (`outs` nullptr) or into the out= form's outputs (q_out, k_out, v_out, gate_out or nullptr).
+void split_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                 const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
+                 double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+                 const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
+                 const Tensor* const* outs) {
+  const int64_t D =
+      head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, outs == nullptr);
   auto opt = [](const OptTensor& t) { return t.has_value() ? &*t : nullptr; };
+  auto out = [&](int i) { return outs != nullptr ? outs[i] : nullptr; };
   checks::cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, hkv, D,
                 {{"positions", &positions}, {"cos_sin_cache", &cache}, {"q_weight", opt(q_weight)},
-                 {"k_weight", opt(k_weight)}, {"q_bias", opt(q_bias)}, {"k_bias", opt(k_bias)}});
+                 {"k_weight", opt(k_weight)}, {"q_bias", opt(q_bias)}, {"k_bias", opt(k_bias)}, {"q_out", out(0)},
+                 {"k_out", out(1)}, {"v_out", out(2)}, {"gate_out", out(3)}});
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
                          decode_rope(rope), weights);
-  set_inplace(p, qkv);
+  if (outs != nullptr) {
+    set_outputs(p, qkv, *outs[0], *outs[1], *outs[2], outs[3]);
+  } else {
+    set_inplace(p, qkv);
+  }
   if (p.T > 0) check_positions(p);  // before the cache's value rules, as the Python kernels check
   CachePlan c{};
   c.layout = cache_mode & kLayoutMask;
@@ -913,6 +921,28 @@ void split_qkv_rmsnorm_rope_cache(const Tensor& qkv, const Tensor& positions, co
     case at::kBFloat16: return run_split<c10::BFloat16>(p);
     default: return run_split<c10::Half>(p);
   }
+}
+
+// The dispatcher's kernels of the two cache-writing forms.
+void split_qkv_rmsnorm_rope_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                                  const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                                  const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
+                                  const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
+                                  int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale) {
+  split_cache(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, eps, rope, key_cache, value_cache,
+              slot_mapping, cache_mode, k_scale, v_scale, nullptr);
+}
+
+void split_qkv_rmsnorm_rope_cache_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache,
+                                      const OptTensor& q_weight, const OptTensor& k_weight, const OptTensor& q_bias,
+                                      const OptTensor& k_bias, int64_t hq, int64_t hkv, double eps, int64_t rope,
+                                      const Tensor& key_cache, const Tensor& value_cache, const Tensor& slot_mapping,
+                                      int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
+                                      const Tensor& q_out, const Tensor& k_out, const Tensor& v_out,
+                                      const OptTensor& gate_out) {
+  const Tensor* const outs[4] = {&q_out, &k_out, &v_out, gate_out.has_value() ? &*gate_out : nullptr};
+  split_cache(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, eps, rope, key_cache, value_cache,
+              slot_mapping, cache_mode, k_scale, v_scale, outs);
 }
 
 // The out= kernel with the specialised heads off: tests compare the two paths bit for bit.
@@ -992,6 +1022,7 @@ TORCH_LIBRARY_IMPL(qkvfuse, CPU, m) {
   m.impl("split_qkv_rmsnorm_rope_out", &qkvfuse_cpu::split_qkv_rmsnorm_rope_out);
   m.impl("split_qkv_rmsnorm_rope_inplace", &qkvfuse_cpu::split_qkv_rmsnorm_rope_inplace);
   m.impl("split_qkv_rmsnorm_rope_cache", &qkvfuse_cpu::split_qkv_rmsnorm_rope_cache);
+  m.impl("split_qkv_rmsnorm_rope_cache_out", &qkvfuse_cpu::split_qkv_rmsnorm_rope_cache_out);
 }
 
 // Introspection for tests: the kernel's copy of the mRoPE axis rule, its parallel grain, its bf16 rounding.

@@ -768,7 +768,8 @@ extern "C" __attribute__((visibility("default"))) int qkvfuse_set_triton_launche
     }
     torch::Library& versions = library("qkvfuse_triton", c10::DispatchKey::ADInplaceOrView);
     for (const char* name : {"split_qkv_rmsnorm_rope_out", "split_qkv_rmsnorm_rope_inplace", "add_rmsnorm_out",
-                             "add_rmsnorm_inplace", "split_qkv_rmsnorm_rope_cache"}) {
+                             "add_rmsnorm_inplace", "split_qkv_rmsnorm_rope_cache",
+                           "split_qkv_rmsnorm_rope_cache_out"}) {
       versions.impl(name,
                     torch::CppFunction::makeFromBoxedFunction<&qkvfuse_cpu::bump_written_then_redispatch>());
     }

@@ -1,5 +1,6 @@
 """The cache-writing split's launcher on the Triton backend: one launch of
-:func:`.cache_kernels.split_qkv_rmsnorm_rope_cache_kernel` (the in-place split and the cache stores together).
+:func:`.cache_kernels.split_qkv_rmsnorm_rope_cache_kernel` (the split, in place or out=, and the cache stores
+together).
 
 Like :mod:`.launch`: checked input (the op's kernel ran :func:`qkvfuse._checks.check_split`,
 :func:`qkvfuse._checks.check_cache` and the host value rules where they apply), host arithmetic on shapes and
@@ -45,20 +46,28 @@ def split_qkv_rmsnorm_rope_cache(
     gate_out: Optional[torch.Tensor],
     target: CacheTarget,
 ) -> None:
-    """Triton ``split_qkv_rmsnorm_rope_cache``: the in-place split of ``qkv`` (``q_out .. gate_out`` are
-    :func:`qkvfuse._library.inplace_views`; K and V are always ``qkv``'s own columns) and each token's K and V in
-    the cache ``target`` (a :class:`qkvfuse._library.CacheTarget`), one kernel launch (:mod:`.cache_kernels`)."""
+    """Triton ``split_qkv_rmsnorm_rope_cache`` and ``..._cache_out``: the split of ``qkv`` in place
+    (``config.inplace``: ``q_out .. gate_out`` are :func:`qkvfuse._library.inplace_views`) or into the out= form's
+    outputs, and each token's K and V in the cache ``target`` (a :class:`qkvfuse._library.CacheTarget`), one kernel
+    launch (:mod:`.cache_kernels`)."""
     num_q_heads, num_kv_heads, head_dim, eps = config.num_q_heads, config.num_kv_heads, config.head_dim, config.eps
     is_neox, mrope_section, mrope_interleaved, q_gate, gemma = config.mode
     cos_sin_cache = config.cos_sin_cache
     T = qkv.shape[0]
     if T == 0:
         return
-    q_width = num_q_heads * head_dim
-    cfg = split_config(T, num_q_heads, num_kv_heads, head_dim, whole_q_region=bool(q_gate))
+    q_width, kv_width = num_q_heads * head_dim, num_kv_heads * head_dim
+    k_col = (2 if q_gate else 1) * q_width
+    gate_in_place = bool(q_gate) and config.inplace
+    cfg = split_config(T, num_q_heads, num_kv_heads, head_dim, whole_q_region=gate_in_place)
+    # As in the split's launch: a program writes what it reads in place, and out= where q_out / k_out is exactly
+    # its own slice of qkv (the checks accept that alias).
+    in_place = (config.inplace or q_out.data_ptr() == qkv.data_ptr()
+                or k_out.data_ptr() == qkv.data_ptr() + k_col * qkv.element_size())
+    copy_v = not _is_column_view(v_out, qkv, k_col + kv_width)
     scratch = None
-    if q_gate and not (cfg["Q_HEADS"] >= num_q_heads and _is_column_view(q_out, qkv, 0)
-                       and _is_column_view(gate_out, qkv, q_width)):
+    if gate_in_place and not (cfg["Q_HEADS"] >= num_q_heads and _is_column_view(q_out, qkv, 0)
+                              and _is_column_view(gate_out, qkv, q_width)):
         # The split launcher's scheme for a gated Q/gate region too wide for one program: Q and gate go to a
         # stream-ordered scratch buffer (captured with the launch under graph capture), moved into place after.
         scratch = qkv.new_empty((T, 2 * q_width))
@@ -86,17 +95,17 @@ def split_qkv_rmsnorm_rope_cache(
     grid = (_cdiv(T, cfg["BLOCK_T"]), _cdiv(num_q_heads, cfg["Q_HEADS"]) + _cdiv(num_kv_heads, cfg["KV_HEADS"]))
     with _on_device(qkv):
         split_qkv_rmsnorm_rope_cache_kernel[grid](
-            qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, gate, key_cache, value_cache, slots,
-            k_scale, v_scale,
+            qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out, gate, key_cache, value_cache,
+            slots, k_scale, v_scale,
             T, slots.shape[0], num_q_heads, num_kv_heads, float(eps), cos_sin_cache.shape[0], s_t, s_h, s_w,
             qkv.stride(0), pos_stride_axis, pos_stride_tok, cos_sin_cache.stride(0), q_out.stride(0),
-            gate.stride(0), slots.stride(0), blocks * block_size, block_size,
+            k_out.stride(0), v_out.stride(0), gate.stride(0), slots.stride(0), blocks * block_size, block_size,
             *_strides(layout, key_cache, True), *_strides(layout, value_cache, False),
             HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
             K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm, IS_NEOX=bool(is_neox), MROPE=mrope,
             MROPE_INTERLEAVED=bool(mrope_interleaved), Q_GATE=bool(q_gate), AMX=layout == AMX, FP8=fp8,
-            TRUNCATE=target.truncate, BLOCK_D=cfg["BLOCK_D"], BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"],
-            KV_HEADS=cfg["KV_HEADS"], num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
+            TRUNCATE=target.truncate, IN_PLACE=in_place, COPY_V=copy_v, BLOCK_D=cfg["BLOCK_D"],
+            BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"], KV_HEADS=cfg["KV_HEADS"], num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
         )
         if scratch is not None:  # every program has read qkv: the Q/gate region may now be overwritten
             final_q.copy_(q_out)

@@ -1,12 +1,12 @@
-"""The Triton kernel of the cache-writing split: the in-place split of :mod:`.kernels`, with each token's K and V
-also stored in a paged KV cache, in the same program that computes them.
+"""The Triton kernel of the cache-writing split: the split of :mod:`.kernels` (in place, or into out= outputs), with
+each token's K and V also stored in a paged KV cache, in the same program that computes them.
 
 One program: ``BLOCK_T`` tokens x a block of ``Q_HEADS`` Q heads, or x a block of ``KV_HEADS`` KV heads. A Q
 program is the split kernel's (``kernels._norm_rope_heads``, gated de-interleave included). A KV program norms
-and rotates its K heads once, in fp32, stores them rounded into ``qkv`` and, from the same fp32 tile, into the
-cache (rounded to the cache's dtype, or quantised to FP8); then it copies its V heads (already in place in
-``qkv``) into the value cache. So K is computed once and ``qkv`` is read in one pass (each element by one program):
-no second pass over ``qkv`` or the cache.
+and rotates its K heads once, in fp32, stores them rounded into ``k_out`` (in place: ``qkv``'s own K columns) and,
+from the same fp32 tile, into the cache (rounded to the cache's dtype, or quantised to FP8); then it copies its V
+heads into the value cache (and, ``COPY_V``, into ``v_out``). So K is computed once and ``qkv`` is read in one
+pass (each element by one program): no second pass over ``qkv`` or the cache.
 
 Cache addressing (:mod:`qkvfuse._cache_mode`): element ``(token t, head h, dim d)`` goes to ``block * sb + h * sh
 + f(offset) + g(d)`` with ``block, offset = divmod(slot_mapping[t], block_size)``, all in int64. For NHD, HND and
@@ -114,24 +114,28 @@ def _store_cache(cache_ptr, offs, x, scale_ptr, mask, FP8: tl.constexpr, TRUNCAT
 
 @triton.jit(do_not_specialize=["T", "num_slots", "max_position", "s_t", "s_h", "s_w"])
 def split_qkv_rmsnorm_rope_cache_kernel(
-    qkv_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, q_b_ptr, k_b_ptr, q_out_ptr, gate_out_ptr,
+    qkv_ptr, pos_ptr, cos_sin_ptr, q_w_ptr, k_w_ptr, q_b_ptr, k_b_ptr, q_out_ptr, k_out_ptr, v_out_ptr, gate_out_ptr,
     key_cache_ptr, value_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     T, num_slots, num_q_heads, num_kv_heads, eps, max_position, s_t, s_h, s_w,
-    qkv_stride, pos_stride_axis, pos_stride_tok, cos_sin_stride, q_out_stride, gate_out_stride, slot_stride,
+    qkv_stride, pos_stride_axis, pos_stride_tok, cos_sin_stride, q_out_stride, k_out_stride, v_out_stride,
+    gate_out_stride, slot_stride,
     capacity, block_size,
     kc_block_stride, kc_off_stride, kc_head_stride, kc_dim_stride,
     vc_block_stride, vc_off_stride, vc_head_stride, vc_dim_stride,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, NORM: tl.constexpr, Q_BIAS: tl.constexpr, K_BIAS: tl.constexpr,
     GEMMA: tl.constexpr, IS_NEOX: tl.constexpr, MROPE: tl.constexpr, MROPE_INTERLEAVED: tl.constexpr,
-    Q_GATE: tl.constexpr, AMX: tl.constexpr, FP8: tl.constexpr, TRUNCATE: tl.constexpr,
+    Q_GATE: tl.constexpr, AMX: tl.constexpr, FP8: tl.constexpr, TRUNCATE: tl.constexpr, IN_PLACE: tl.constexpr,
+    COPY_V: tl.constexpr,
 ):
     """Grid: ``(cdiv(T, BLOCK_T), cdiv(Hq, Q_HEADS) + cdiv(Hkv, KV_HEADS))``; see the module docstring.
 
-    ``q_out`` / ``gate_out``: ``qkv``'s own Q (and gate) columns (the in-place views) or a scratch buffer
-    (:func:`qkvfuse.backends.triton.launch.split_qkv_rmsnorm_rope_out`'s rule for wide gated regions); K is
-    always written back into ``qkv``. FP8 caches come as uint8 views, ``FP8`` naming the format
-    (:data:`E4M3`, :data:`E5M2`); the scales are read here, never on the host.
+    In place, ``q_out`` / ``gate_out`` are ``qkv``'s own Q (and gate) columns (the in-place views) or a scratch
+    buffer (:func:`qkvfuse.backends.triton.launch.split_qkv_rmsnorm_rope_out`'s rule for wide gated regions) and
+    ``k_out`` ``qkv``'s own K columns; out=, the caller's outputs. ``IN_PLACE``: some program writes what it reads
+    (the barrier of ``kernels._norm_rope_heads``). ``COPY_V``: ``v_out`` is not ``qkv``'s own V columns, so the KV
+    programs copy V there too. FP8 caches come as uint8 views, ``FP8`` naming the format (:data:`E4M3`,
+    :data:`E5M2`); the scales are read here, never on the host.
     """
     tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_mask = tok < T
@@ -143,12 +147,12 @@ def split_qkv_rmsnorm_rope_cache_kernel(
     if block < q_blocks:
         _norm_rope_heads(qkv_ptr, qkv_stride, q_out_ptr, q_out_stride, q_w_ptr, q_b_ptr, gate_out_ptr,
                          gate_out_stride, tok, tok_mask, block * Q_HEADS, num_q_heads, cos, sin, eps, HEAD_DIM,
-                         ROT_DIM, BLOCK_D, Q_HEADS, NORM, Q_BIAS, GEMMA, IS_NEOX, Q_GATE, True)
+                         ROT_DIM, BLOCK_D, Q_HEADS, NORM, Q_BIAS, GEMMA, IS_NEOX, Q_GATE, IN_PLACE)
     else:
         head0 = (block - q_blocks) * KV_HEADS
-        k = _norm_rope_heads(qkv_ptr + k_col, qkv_stride, qkv_ptr + k_col, qkv_stride, k_w_ptr, k_b_ptr,
-                             qkv_ptr, qkv_stride, tok, tok_mask, head0, num_kv_heads, cos, sin, eps, HEAD_DIM,
-                             ROT_DIM, BLOCK_D, KV_HEADS, NORM, K_BIAS, GEMMA, IS_NEOX, False, True)
+        k = _norm_rope_heads(qkv_ptr + k_col, qkv_stride, k_out_ptr, k_out_stride, k_w_ptr, k_b_ptr,
+                             k_out_ptr, k_out_stride, tok, tok_mask, head0, num_kv_heads, cos, sin, eps, HEAD_DIM,
+                             ROT_DIM, BLOCK_D, KV_HEADS, NORM, K_BIAS, GEMMA, IS_NEOX, False, IN_PLACE)
         # Slots: tokens past slot_mapping's end, negative or too large ones are not written (no host check on
         # a device, none under graph capture).
         has_slot = tok_mask & (tok < num_slots)
@@ -159,13 +163,19 @@ def split_qkv_rmsnorm_rope_cache_kernel(
         off = slot % block_size
         d = tl.arange(0, BLOCK_D)
         h = head0 + tl.arange(0, KV_HEADS)
-        mask = has_slot[:, None, None] & (h < num_kv_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+        head_mask = (h < num_kv_heads)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+        mask = has_slot[:, None, None] & head_mask
         k_offs = _cache_offsets(blk, off, h, d, kc_block_stride, kc_off_stride, kc_head_stride, kc_dim_stride,
                                 block_size, HEAD_DIM, AMX, True)
         _store_cache(key_cache_ptr, k_offs, k, k_scale_ptr, mask, FP8, TRUNCATE)
-        v_src = (qkv_ptr + k_col + num_kv_heads * HEAD_DIM + tok[:, None, None] * qkv_stride
-                 + h[None, :, None] * HEAD_DIM + d[None, None, :])
-        v = tl.load(v_src, mask=mask)
+        head_offs = h[None, :, None] * HEAD_DIM + d[None, None, :]
+        v_src = qkv_ptr + k_col + num_kv_heads * HEAD_DIM + tok[:, None, None] * qkv_stride + head_offs
+        if COPY_V:  # every token's V to v_out, the cache's rows below
+            tok_heads = tok_mask[:, None, None] & head_mask
+            v = tl.load(v_src, mask=tok_heads)
+            tl.store(v_out_ptr + tok[:, None, None] * v_out_stride + head_offs, v, mask=tok_heads)
+        else:
+            v = tl.load(v_src, mask=mask)
         v_offs = _cache_offsets(blk, off, h, d, vc_block_stride, vc_off_stride, vc_head_stride, vc_dim_stride,
                                 block_size, HEAD_DIM, AMX, False)
         _store_cache(value_cache_ptr, v_offs, v, v_scale_ptr, mask, FP8, TRUNCATE)
