@@ -7,9 +7,10 @@ and :func:`~qkvfuse.split_qkv_rmsnorm_rope_`, the cache-writing :func:`~qkvfuse.
 :func:`~qkvfuse.split_qkv_rmsnorm_rope_cache` (fresh outputs, an HND cache) and ``QKNormRope.with_cache`` (``out=``
 into a packed buffer, an FP8 NHD cache), :class:`qkvfuse.AddRMSNorm` (call, in-place ``out=(x, residual)``,
 ``.inplace``), :func:`~qkvfuse.add_rmsnorm` (with and without a residual) and :func:`~qkvfuse.add_rmsnorm_` -- runs
-in one module, :class:`Prepare`, which each test runs eagerly and then under one mode: ``torch.jit.trace``, ``torch.export`` (strict / non-strict, saved and
-loaded in a fresh process), ``torch.compile`` (static, dynamic over T), ``FakeTensorMode`` and meta tensors, a
-``TorchDispatchMode`` / ``TorchFunctionMode``, the profiler, ``inference_mode`` / ``no_grad``. Outputs must be
+in one module, :class:`Prepare`, which each test runs eagerly and then under one mode: ``torch.jit.trace``,
+``torch.export`` (strict / non-strict, saved and loaded in a fresh process), ``torch.compile`` (static, dynamic over
+T), ``FakeTensorMode`` and meta tensors, a ``TorchDispatchMode`` / ``TorchFunctionMode``, the profiler,
+``inference_mode`` / ``no_grad``. Outputs must be
 **bitwise** equal to eager (compared as integers, so NaN and -0.0 count too), and where the mode records a graph
 or a trace, it must contain the qkvfuse ops.
 
@@ -18,8 +19,9 @@ Also here: the inference-only rule (inputs requiring grad under grad mode), vers
 
 Shapes are small (T <= 8 except the dynamic-shape sweep, head_dim 64, partial rotary; one RoPE bf16 case, one
 mRoPE fp32 case and one gated + Gemma bf16 case -- Qwen3.5's layout: ``q_gate``, ``gemma_norm``, interleaved mRoPE
--- whose entry points return ``(q, k, v, gate)`` and take four ``out=`` tensors). Triton runs CPU tensors under ``TRITON_INTERPRET=1`` (set by conftest) in every mode here,
-also inside compiled and exported graphs: the graphs call the op, whose kernel runs eagerly at run time.
+-- whose entry points return ``(q, k, v, gate)`` and take four ``out=`` tensors). Triton runs CPU tensors under
+``TRITON_INTERPRET=1`` (set by conftest) in every mode here, also inside compiled and exported graphs: the graphs
+call the op, whose kernel runs eagerly at run time.
 """
 
 import contextlib

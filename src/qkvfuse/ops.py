@@ -355,11 +355,13 @@ class QKNormRope:
     The tensors are held by reference and checked by the kernel on every call: in-place updates of the weights, and
     ``.data =`` swaps, are seen (and checked) at the next call. Calls: ``q, k, v = prep(qkv, positions)`` (fresh
     outputs), ``prep(qkv, positions, out=(q, k, v))`` and ``prep.inplace(qkv, positions)``, with the semantics of
-    :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each).
+    :func:`split_qkv_rmsnorm_rope` and :func:`split_qkv_rmsnorm_rope_` (gated: four tensors each); with a paged KV
+    cache, ``prep.inplace_cache(...)`` and ``prep.with_cache(...)``, those of
+    :func:`split_qkv_rmsnorm_rope_cache_` and :func:`split_qkv_rmsnorm_rope_cache`.
     """
 
-    __slots__ = ("config", "_width", "_widths", "_split", "_out", "_inplace", "_cache", "_cache_out", "_args", "_outs",
-                 "_n_outs")
+    __slots__ = ("config", "_width", "_widths", "_out_widths", "_split", "_out", "_inplace", "_cache", "_cache_out",
+                 "_args", "_outs", "_n_outs")
 
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor, *,
                  q_weight: Optional[torch.Tensor] = None, k_weight: Optional[torch.Tensor] = None,
@@ -372,6 +374,7 @@ class QKNormRope:
         # What a call reads, in slots: the checks of every tensor are the kernel's.
         self._width, self._args = c.width, c.schema_args()
         self._widths = _view_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
+        self._out_widths = _out_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate)
         ops = _ops_for(backend, c.device)
         self._split, self._out, self._inplace = ops.split, ops.split_out, ops.split_inplace
         self._cache, self._cache_out = ops.split_cache, ops.split_cache_out
@@ -449,8 +452,7 @@ class QKNormRope:
         try:
             if qkv.shape[1] == self._width:
                 if out is None:
-                    c = self.config
-                    out = _fresh_outputs(qkv, _out_widths(c.num_q_heads, c.num_kv_heads, c.head_dim, c.q_gate))
+                    out = _fresh_outputs(qkv, self._out_widths)
                 elif type(out) is not tuple or len(out) != self._n_outs:
                     _check_outs(out, self._outs)
                     out = tuple(out)

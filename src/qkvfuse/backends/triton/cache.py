@@ -105,7 +105,8 @@ def split_qkv_rmsnorm_rope_cache(
             K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm, IS_NEOX=bool(is_neox), MROPE=mrope,
             MROPE_INTERLEAVED=bool(mrope_interleaved), Q_GATE=bool(q_gate), AMX=layout == AMX, FP8=fp8,
             TRUNCATE=target.truncate, IN_PLACE=in_place, COPY_V=copy_v, BLOCK_D=cfg["BLOCK_D"],
-            BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"], KV_HEADS=cfg["KV_HEADS"], num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
+            BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"], KV_HEADS=cfg["KV_HEADS"],
+            num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
         )
         if scratch is not None:  # every program has read qkv: the Q/gate region may now be overwritten
             final_q.copy_(q_out)
