@@ -13,8 +13,8 @@ e5m2), side by side in interleaved rounds (:func:`qkvfuse.benchmarks.timing.meas
   ``qkvfuse_bench.vllm``'s split part), then its writer;
 * ``qkvfuse QKNormRope.inplace (no cache write)`` -- the split alone, which writes no cache: the two-step path's
   first step, so two-step / split-alone is the most any fused call can gain over the two-step path;
-* the out-of-place pair, into preallocated ``out=`` buffers (fresh outputs of T = 4096 are tens of MB each call:
-  the allocator maps and faults them in anew, which costs more than the op): ``qkvfuse QKNormRope.with_cache`` (``qkv``
+* the out-of-place pair, into preallocated ``out=`` buffers (fresh outputs of T = 4096 are tens of MB each call,
+  which glibc gives back to the system when freed: faulting them in anew costs more than the op): ``qkvfuse QKNormRope.with_cache`` (``qkv``
   only read) against its own two-step path, ``qkvfuse QKNormRope (out=) + vLLM writer`` (``vs out two-step``);
   ``vs fused`` on its row is what leaving ``qkv`` intact costs against the in-place fused call.
 
