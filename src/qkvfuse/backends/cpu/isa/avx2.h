@@ -245,7 +245,9 @@ QKVFUSE_FLATTEN int fast_heads(const c10::BFloat16* src, int64_t src_stride, c10
   alignas(32) float inv_k[kFastBatch];
   _mm256_store_ps(inv_k, inv);
   for (int k = 0; k < n; ++k) {
-    request_next_batch(src + k * src_stride, n, src_stride * 2, kD * 2);
+    // Two batches on (16 heads: the AVX-512 heads' one batch): a batch of 8 computes for less time than its
+    // requests take to arrive -- one batch on measured 3-7 % slower at T = 256 and 4096 (bench/log/zen3-avx2.md).
+    request_next_batch(src + k * src_stride, 2 * n, src_stride * 2, kD * 2);
     if (bad >> k & 1) continue;
     fast_body<kD, kHalf, kNeox, kStream, true>(src + k * src_stride, dst + k * kD, t, inv_k[k]);
   }
