@@ -5,8 +5,9 @@ by an inaccessible (``PROT_NONE``) page (``align="end"``) or its first byte dire
 (``align="start"``). :func:`guarded_copy` does the same for a copy of an existing tensor, keeping its strides.
 The mappings are never unmapped (a tensor may outlive any handle we could keep): use this in short-lived
 processes, as ``tests/test_memory_safety.py`` does through ``python -m qkvfuse._verify.guarded BACKEND``,
-which runs :data:`SPLIT_CASES` and :data:`NORM_CASES` with every input and output guarded and prints one JSON
-line per case (a ``start`` line first, so a crash names the case it happened in).
+which runs :data:`SPLIT_CASES`, :data:`NORM_CASES` and :data:`CACHE_CASES` (the cache-writing split, every KV-cache
+layout with the first and last slot written) with every input, output and cache guarded and prints one JSON line
+per case (a ``start`` line first, so a crash names the case it happened in).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["guarded_empty", "guarded_copy", "PAGE", "SPLIT_CASES", "NORM_CASES", "run_cases"]
+__all__ = ["guarded_empty", "guarded_copy", "PAGE", "SPLIT_CASES", "NORM_CASES", "CACHE_CASES", "run_cases",
+           "skip_reason"]
 
 PAGE = mmap.PAGESIZE
 _PROT_NONE, _PROT_RW = 0, mmap.PROT_READ | mmap.PROT_WRITE
@@ -173,6 +175,50 @@ NORM_CASES: Tuple[GuardedNorm, ...] = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class GuardedCache:
+    """One call of the cache-writing split whose caches start (or end) at a guard page and whose slots include the
+    cache's first and last: slot 0 writes each cache's first element, the last slot its last, in every layout."""
+
+    name: str
+    T: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layout: str = "NHD"
+    dtype: torch.dtype = torch.bfloat16
+    cache_dtype: Optional[torch.dtype] = None  # None: qkv's dtype; FP8 with 0-d scales (guarded too)
+    block_size: int = 16
+    num_blocks: int = 3
+    slots: str = "ends"  # "ends": slot 0, the last slot, the rest shuffled, one skip; "runs": the last T slots in
+    #                      order (whole blocks: the tiled layouts' transposes), slot 0 for the first token
+    slot_dtype: torch.dtype = torch.int64
+    interleaved: bool = False  # K and V the halves of one buffer (vLLM-CPU's cache); else two mappings
+    out: bool = False  # the out-of-place form: its outputs guarded too
+    native_only: bool = False  # a size only the native CPU kernels run in a test's time (its streamed stores)
+
+
+CACHE_CASES: Tuple[GuardedCache, ...] = (
+    GuardedCache("NHD bf16, 2 KV heads x 128", 6, 2, 2, 128),
+    GuardedCache("HND fp16, D=80, int32 slots", 5, 3, 1, 80, "HND", torch.float16, slot_dtype=torch.int32),
+    GuardedCache("NHD fp32, D=52, block_size 1 (SGLang's pool)", 4, 2, 1, 52, dtype=torch.float32, block_size=1,
+                 num_blocks=9),
+    GuardedCache("vec bf16 interleaved (vLLM-CPU), runs", 40, 2, 2, 128, "vec", block_size=32, slots="runs",
+                 interleaved=True),
+    GuardedCache("vec fp16, D=52, runs", 21, 1, 1, 52, "vec", torch.float16, slots="runs"),
+    GuardedCache("amx bf16 interleaved, runs", 40, 2, 2, 128, "amx", block_size=32, slots="runs", interleaved=True),
+    GuardedCache("amx fp16, D=80", 7, 2, 1, 80, "amx", torch.float16),
+    GuardedCache("vec FP8 e4m3, D=64", 9, 2, 2, 64, "vec", cache_dtype=torch.float8_e4m3fn, slots="runs"),
+    GuardedCache("HND FP8 e5m2 interleaved", 5, 2, 1, 128, "HND", cache_dtype=torch.float8_e5m2, interleaved=True),
+    GuardedCache("NHD bf16 out of place", 6, 3, 1, 128, out=True),
+    GuardedCache("vec bf16 out of place, runs", 33, 2, 1, 128, "vec", block_size=32, slots="runs", out=True),
+    GuardedCache("vec bf16 interleaved, 16 MiB written (streamed stores)", 4096, 1, 8, 128, "vec", block_size=32,
+                 num_blocks=129, slots="runs", interleaved=True, native_only=True),
+    GuardedCache("NHD bf16, 16 MiB written (streamed stores)", 4096, 1, 8, 128, block_size=16, num_blocks=257,
+                 native_only=True),
+)
+
+
 def _split_inputs(case: GuardedSplit):
     """Plain inputs with positions at both ends of the table (rows 0 and max_position - 1)."""
     from .inputs import SplitCase, make_split_inputs
@@ -252,19 +298,114 @@ def _run_norm(case: GuardedNorm, backend: str, align: str) -> None:
         assert torch.equal(r, expected[1]), "residual_out: guarded result differs from ordinary memory"
 
 
+def _cache_inputs(case: GuardedCache) -> Tuple[Dict[str, object], Dict[str, object]]:
+    """``(split keyword arguments, cache keyword arguments)`` on ordinary memory; the caches poisoned."""
+    from .inputs import SplitCase, make_split_inputs
+
+    sc = SplitCase(T=case.T, num_q_heads=case.num_q_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                   rotary_dim=case.head_dim // 2, dtype=case.dtype, max_position=64)
+    kw = make_split_inputs(sc, seed=case.T)
+    nb, bs, H, D = case.num_blocks, case.block_size, case.num_kv_heads, case.head_dim
+    dtype = case.cache_dtype or case.dtype
+    cap = nb * bs
+    g = torch.Generator().manual_seed(case.T)
+    if case.slots == "runs":
+        slots = torch.arange(cap - case.T, cap)
+        slots[0] = 0
+    else:
+        slots = torch.randperm(cap - 2, generator=g)[: case.T] + 1
+        slots[0], slots[-1] = 0, cap - 1
+        slots[case.T // 2] = -1
+    nhd = case.layout == "NHD"
+    if case.interleaved:  # K and V the halves of one buffer along the token (NHD: head) dim
+        whole = torch.empty((nb, bs, 2 * H, D) if nhd else (nb, H, 2 * bs, D), dtype=dtype)
+        whole.view(torch.uint8).fill_(0xA5)
+        key, value = whole.chunk(2, dim=2)
+    else:
+        shape = (nb, bs, H, D) if nhd else (nb, H, bs, D)  # HND, vec, amx: one contiguous region per block, head
+        key, value = (torch.empty(shape, dtype=dtype) for _ in range(2))
+        for c in (key, value):
+            c.view(torch.uint8).fill_(0xA5)
+    cache_kw: Dict[str, object] = dict(key_cache=key, value_cache=value, slot_mapping=slots.to(case.slot_dtype),
+                                       layout=case.layout)
+    if dtype.itemsize == 1:
+        cache_kw.update(k_scale=torch.tensor(0.05), v_scale=torch.tensor(0.07))
+    return kw, cache_kw
+
+
+def _guard_caches(cache_kw: Dict[str, object], align: str) -> Dict[str, object]:
+    """The caches in guarded memory (an interleaved pair as one guarded buffer, K and V its halves again)."""
+    out = dict(cache_kw)
+    key, value = cache_kw["key_cache"], cache_kw["value_cache"]
+    if key.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
+        base = key._base if key._base is not None else key
+        whole = guarded_empty(base.shape, base.dtype, align=align)
+        whole.view(torch.uint8).copy_(base.view(torch.uint8))
+        out["key_cache"] = whole.as_strided(key.shape, key.stride(), key.storage_offset())
+        out["value_cache"] = whole.as_strided(value.shape, value.stride(), value.storage_offset())
+    else:
+        for name in ("key_cache", "value_cache"):
+            c = cache_kw[name]
+            out[name] = guarded_empty(c.shape, c.dtype, align=align)
+            out[name].view(torch.uint8).copy_(c.view(torch.uint8))
+    for name in ("slot_mapping", "k_scale", "v_scale"):
+        if name in cache_kw:
+            out[name] = guarded_copy(cache_kw[name], align)
+    return out
+
+
+def _cache_bytes(cache_kw: Dict[str, object]) -> List[torch.Tensor]:
+    return [cache_kw[n].view(torch.uint8) for n in ("key_cache", "value_cache")]
+
+
+def _run_cache(case: GuardedCache, backend: str, align: str) -> None:
+    import qkvfuse
+
+    kw, cache_kw = _cache_inputs(case)
+    guarded = _guard_split(kw, align, 0)
+    guarded_caches = _guard_caches(cache_kw, align)
+    if case.out:
+        expected = qkvfuse.split_qkv_rmsnorm_rope_cache(**kw, **cache_kw, backend=backend)
+        heads = (case.num_q_heads, case.num_kv_heads, case.num_kv_heads)
+        outs = tuple(guarded_empty((case.T, n * case.head_dim), case.dtype, align=align).fill_(float("nan"))
+                     for n in heads)
+        got = qkvfuse.split_qkv_rmsnorm_rope_cache(**guarded, **guarded_caches, out=outs, backend=backend)
+    else:
+        qkv = kw.pop("qkv")
+        expected = qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kw, **cache_kw, backend=backend)
+        gqkv = guarded.pop("qkv")
+        got = qkvfuse.split_qkv_rmsnorm_rope_cache_(gqkv, **guarded, **guarded_caches, backend=backend)
+    for name, a, b in zip(("q", "k", "v"), got, expected):
+        assert torch.equal(a, b), f"{name}: guarded result differs from the same call on ordinary memory"
+    for name, a, b in zip(("key_cache", "value_cache"), _cache_bytes(guarded_caches), _cache_bytes(cache_kw)):
+        assert torch.equal(a, b), f"{name}: guarded cache bytes differ from the same call on ordinary memory"
+
+
+def skip_reason(case_id: str, backend: str) -> Optional[str]:
+    """Why :func:`run_cases` does not run this case for ``backend`` (None: it does)."""
+    op, _, name = case_id.split("/", 2)
+    if op == "cache" and backend != "cpu" and any(c.native_only and c.name == name for c in CACHE_CASES):
+        return "a size for the native CPU kernels' streamed stores (the Triton interpreter would take minutes)"
+    return None
+
+
 def case_ids() -> List[str]:
     """Names of every (op, alignment, case) run by :func:`run_cases`, in order."""
     return [f"{op}/{align}/{c.name}" for align in ("end", "start")
-            for op, cases in (("split", SPLIT_CASES), ("add_rmsnorm", NORM_CASES)) for c in cases]
+            for op, cases in (("split", SPLIT_CASES), ("add_rmsnorm", NORM_CASES), ("cache", CACHE_CASES))
+            for c in cases]
 
 
 def run_cases(backend: str) -> Dict[str, Tuple[bool, str]]:
     """Run every guarded case for ``backend``, printing a JSON ``start`` line before and a result line after each."""
     results = {}
     for align in ("end", "start"):
-        for op, cases, runner in (("split", SPLIT_CASES, _run_split), ("add_rmsnorm", NORM_CASES, _run_norm)):
+        for op, cases, runner in (("split", SPLIT_CASES, _run_split), ("add_rmsnorm", NORM_CASES, _run_norm),
+                                  ("cache", CACHE_CASES, _run_cache)):
             for case in cases:
                 name = f"{op}/{align}/{case.name}"
+                if skip_reason(name, backend):
+                    continue
                 print(json.dumps({"start": name}), flush=True)
                 try:
                     runner(case, backend, align)
