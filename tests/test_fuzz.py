@@ -5,7 +5,9 @@ with the verify section's fuzz-lite rows): T (0 included), head_dim 2..512, rota
 head counts, QK-norm and bias on/off, NeoX/GPT-J, RoPE and both mRoPE layouts with arbitrary sections,
 image/decode rows, all dtypes of qkv, cache, weights and positions, strided rows, tiny tables, out= /
 functional / in-place, the gated layout (``q_gate``) and Gemma norm weights (``gemma_norm``, split and add+norm).
-Each example is checked under the accuracy rule with NaN-poisoned outputs.
+Each example is checked under the accuracy rule with NaN-poisoned outputs. The cache-writing split draws any such
+split with a KV cache (``draw_cache_case``: every layout, same-dtype and FP8 caches, block sizes, slot patterns,
+interleaved and padded caches, in-place / out-of-place / bound forms), checked by ``qkvfuse._verify.cache``.
 Hypothesis shrinks a failure to the plainest configuration (the first option of every choice).
 
 CI runs 100 derandomized examples per backend, device and op (reproducible); ``-m slow`` runs 1 000 with a fresh
@@ -52,6 +54,13 @@ def _norm_example(pair, data):
     COUNTS[("norm", pair)] = COUNTS.get(("norm", pair), 0) + 1
 
 
+def _cache_example(pair, data):
+    drawn = fm.draw_cache_case(_chooser(data), small=pair.interpreted)
+    note(f"case={drawn[0]}, seed={drawn[1]}, form={drawn[2]}")
+    fm.check_cache_fuzz_case(pair.backend, drawn, device=pair.device)
+    COUNTS[("cache", pair)] = COUNTS.get(("cache", pair), 0) + 1
+
+
 @CI
 @given(data=st.data())
 def test_fuzz_split(backend_device, data):
@@ -62,6 +71,19 @@ def test_fuzz_split(backend_device, data):
 @given(data=st.data())
 def test_fuzz_add_rmsnorm(backend_device, data):
     _norm_example(backend_device, data)
+
+
+@CI
+@given(data=st.data())
+def test_fuzz_split_cache(backend_device, data):
+    _cache_example(backend_device, data)
+
+
+@pytest.mark.slow
+@SLOW
+@given(data=st.data())
+def test_fuzz_split_cache_slow(backend_device, data):
+    _cache_example(backend_device, data)
 
 
 @pytest.mark.slow

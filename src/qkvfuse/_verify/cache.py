@@ -11,8 +11,9 @@ before the call -- and raises ``AssertionError`` with a readable detail when the
   plain indexed copy, computed here by per-token index arithmetic written independently of the backends' (the
   layouts of :mod:`qkvfuse._cache_mode`);
 * an FP8 cache holds K and V judged against the float64 oracle divided by the scale: within half an FP8 ulp
-  (``"nearest"``) or below it in magnitude by less than one ulp (``"truncate"``), saturation to the format's
-  largest finite value exact, never inf or NaN from a finite input;
+  (``"nearest"``) or below it in magnitude by less than one ulp (``"truncate"``), plus the accuracy rule's fp32
+  allowance over the head, saturation to the format's largest finite value exact, never inf or NaN from a finite
+  input;
 * every other byte of the caches' storage -- other slots, skipped tokens (negative slot, past the end of
   ``slot_mapping``), padding, the other half of an interleaved K/V buffer -- is unchanged.
 
@@ -29,15 +30,12 @@ import torch
 import qkvfuse
 
 from .._cache_mode import AMX, FP8_MAX, HND, LAYOUTS, NHD, VEC, is_fp8
-from ..testing.accuracy import ulp
+from ..testing.accuracy import FP32_ALLOWANCE, ulp
 from ..testing.oracle import oracle_split
 from .inputs import SplitCase, make_split_inputs
 
 __all__ = ["CacheCase", "make_cache_inputs", "check_cache_case", "slot_offsets", "VERIFY_CASES"]
 
-# A cache element's fp32 result may differ from the float64 oracle by the split's own fp32 error; relative to the
-# value, this much is allowed on top of the FP8 rounding rule (far below an FP8 ulp, 2**-3 .. 2**-2 relative).
-FP8_FP32_SLACK = 2.0 ** -18
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,8 +138,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _fp8_errors(name: str, stored: torch.Tensor, oracle: torch.Tensor, dtype: torch.dtype, truncate: bool) -> str:
-    """'' when FP8 ``stored`` (as float64) is ``oracle`` (float64, already divided by the scale) rounded by the
-    rule; else a detail."""
+    """'' when FP8 ``stored`` (as float64, ``[H, D]``) is ``oracle`` (float64, already divided by the scale) rounded
+    by the rule; else a detail.
+
+    On top of the rounding rule each element may be off by the split's own fp32 error, which the accuracy rule
+    bounds relative to the head's largest magnitude (``FP32_ALLOWANCE``), not to the element: a rotated value that
+    nearly cancels carries the absolute error of its terms, and a small scale magnifies it past an FP8 rounding
+    boundary (the fuzz suite found one: an e5m2 K element of 7.4e-6 at scale 1e-3, 0.09 ulp from a boundary)."""
     bound = FP8_MAX[dtype]
     if not torch.isfinite(stored).all():
         return f"{name}: inf or NaN stored from finite input"
@@ -149,7 +152,7 @@ def _fp8_errors(name: str, stored: torch.Tensor, oracle: torch.Tensor, dtype: to
     saturated = oracle.abs() >= bound
     if not torch.equal(stored[saturated], target[saturated]):
         return f"{name}: saturation not exact ({int(saturated.sum())} saturated values)"
-    slack = FP8_FP32_SLACK * oracle.abs()
+    slack = FP32_ALLOWANCE * oracle.abs().amax(dim=-1, keepdim=True)
     spacing = ulp(target, dtype)
     err = stored - target
     if truncate:

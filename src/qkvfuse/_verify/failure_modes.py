@@ -41,6 +41,7 @@ from ..presets import get_preset
 from ..rope import build_cos_sin_cache
 from ..testing.accuracy import INTERPRETER_BF16_ULPS, check_norm_outputs, check_split_outputs
 from ..testing.oracle import oracle_add_rmsnorm, oracle_split, unfused_add_rmsnorm, unfused_split
+from .cache import FORMS, CacheCase, check_cache_case
 from .inputs import SplitCase, make_norm_inputs, make_split_inputs, poisoned_like, poisoned_split_outputs
 from .sections import Options, Section, advance, planned, triton_interpreter
 
@@ -1050,6 +1051,31 @@ def draw_norm_case(choose: Choose, small: bool = False) -> Tuple[NormCase, int]:
     return case, choose(range(0, 1000))
 
 
+def draw_cache_case(choose: Choose, small: bool = False) -> Tuple[CacheCase, int, str]:
+    """A random valid ``(CacheCase, seed, form)`` for the cache-writing split: any :func:`draw_split_case`
+    configuration, each KV-cache layout it may use, same-dtype and FP8 caches with either rounding, block sizes,
+    slot patterns, K and V interleaved in one buffer or padded, and each of :data:`qkvfuse._verify.cache.FORMS`."""
+    split, seed, _, _ = draw_split_case(choose, small)
+    amx_ok = split.dtype != torch.float32 and split.head_dim % 16 == 0
+    layout = choose(("NHD", "HND", "vec", "amx") if amx_ok else ("NHD", "HND", "vec"))
+    cache_dtype = None if layout == "amx" else choose((None, torch.float8_e4m3fn, torch.float8_e5m2))
+    block_size = 16 if layout == "amx" else choose((16, 1, 3, 32))
+    interleaved = choose((False, True))
+    case = CacheCase(
+        split, layout=layout, cache_dtype=cache_dtype,
+        rounding=choose(("nearest", "truncate")) if cache_dtype is not None else "nearest",
+        num_blocks=-(-split.T // block_size) + choose((1, 0, 2)) or 1, block_size=block_size,
+        slots=choose(("shuffled", "short", "skips", "saturate")), interleaved=interleaved,
+        padded=layout in ("NHD", "HND") and not interleaved and choose((False, True)))
+    return case, seed, choose(FORMS)
+
+
+def check_cache_fuzz_case(backend: str, drawn, device="cpu") -> None:
+    """Run and check one :func:`draw_cache_case` result on ``device``."""
+    case, seed, form = drawn
+    check_cache_case(backend, case, seed=seed, device=device, form=form)
+
+
 def check_split_case(backend: str, drawn, device="cpu") -> None:
     """Run and check one :func:`draw_split_case` result on ``device``."""
     case, seed, mode, out_row_pad = drawn
@@ -1199,6 +1225,8 @@ def section(opts: Options) -> Section:
             "fuzz-lite": [(f"split #{i}", (lambda d=draw_split_case(choose, interp): check_split_case(backend, d)))
                           for i in range(fuzz_n)]
             + [(f"add_rmsnorm #{i}", (lambda d=draw_norm_case(choose, interp): check_norm_case(backend, d)))
+               for i in range(fuzz_n)]
+            + [(f"split + KV cache #{i}", (lambda d=draw_cache_case(choose, interp): check_cache_fuzz_case(backend, d)))
                for i in range(fuzz_n)],
             "determinism": [("repeated calls", lambda: check_repeatable(backend, 2 if quick else 5)),
                             ("4 concurrent threads vs serial", lambda: check_concurrent_threads(backend)),
