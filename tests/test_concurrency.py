@@ -1,6 +1,7 @@
 """Concurrency and determinism: identical bits whatever the threading.
 
-* 4 Python threads calling both ops on different inputs at the same time give the bits of serial calls;
+* 4 Python threads calling the ops (the split, add_rmsnorm, the cache-writing split into its own KV cache) on
+  different inputs at the same time give the bits of serial calls;
 * repeated calls on the same inputs give identical bits;
 * 1 vs 2 intra-op threads (``torch.set_num_threads``) give identical bits, at a T large enough to be split.
 

@@ -1107,9 +1107,33 @@ def _determinism_inputs(backend: str, count: int, T: int):
     return split, norm
 
 
-def _call_both(backend: str, split_kw, norm_kw):
+# The KV cache each determinism input set also writes (the out-of-place cache-writing split into fresh caches):
+# a layout per set, the second set's cache FP8. Slots: a permutation with skips (duplicate slots keep one token's
+# row, which only the native CPU kernel fixes: tests/backends/test_cpu_cache.py checks its thread splits).
+_CACHE_LAYOUTS = ("vec", "NHD", "amx", "HND")
+
+
+def _call_cache(backend: str, i: int, split_kw):
+    qkv, H, D = split_kw["qkv"], split_kw["num_kv_heads"], split_kw["head_dim"]
+    T, bs, layout = qkv.shape[0], 16, _CACHE_LAYOUTS[i]
+    blocks = -(-T // bs) + 1
+    dtype, scales = qkv.dtype, {}
+    if i == 1:
+        dtype, scales = torch.float8_e4m3fn, dict(k_scale=torch.tensor(0.05), v_scale=torch.tensor(0.07))
+    shape = (blocks, bs, H, D) if layout == "NHD" else (blocks, H, bs, D)
+    key, value = (torch.zeros(shape, dtype=torch.uint8 if dtype.itemsize == 1 else dtype).view(dtype)
+                  for _ in range(2))
+    slots = torch.randperm(blocks * bs, generator=torch.Generator().manual_seed(i))[:T]
+    slots[::5] = -1
+    qkvfuse.split_qkv_rmsnorm_rope_cache(**split_kw, key_cache=key, value_cache=value, slot_mapping=slots,
+                                         layout=layout, **scales, backend=backend)
+    return key, value
+
+
+def _call_all(backend: str, i: int, split_kw, norm_kw):
+    """Input set ``i`` through the split, add_rmsnorm and the cache-writing split (its caches)."""
     return (qkvfuse.split_qkv_rmsnorm_rope(**split_kw, backend=backend),
-            qkvfuse.add_rmsnorm(**norm_kw, backend=backend))
+            qkvfuse.add_rmsnorm(**norm_kw, backend=backend), _call_cache(backend, i, split_kw))
 
 
 def _same_bits(a, b) -> bool:
@@ -1121,10 +1145,10 @@ def _same_bits(a, b) -> bool:
 def check_repeatable(backend: str, repeats: int = 5) -> None:
     """Repeated calls on the same inputs give identical bits (NaN payloads included)."""
     split, norm = _determinism_inputs(backend, 4, 3 if backend == "triton" else 64)
-    for s, n in zip(split, norm):
-        first = _call_both(backend, s, n)
+    for i, (s, n) in enumerate(zip(split, norm)):
+        first = _call_all(backend, i, s, n)
         for _ in range(repeats - 1):
-            assert _same_bits(first, _call_both(backend, s, n)), "a repeated call gave different bits"
+            assert _same_bits(first, _call_all(backend, i, s, n)), "a repeated call gave different bits"
 
 
 def concurrency_unsupported(backend: str) -> Optional[str]:
@@ -1137,9 +1161,9 @@ def concurrency_unsupported(backend: str) -> Optional[str]:
 
 
 def check_concurrent_threads(backend: str, threads: int = 4, iterations: int = 4) -> None:
-    """``threads`` Python threads calling both ops on different inputs at once give the serial bits."""
+    """``threads`` Python threads calling the ops on different inputs at once give the serial bits."""
     split, norm = _determinism_inputs(backend, threads, 3 if backend == "triton" else 64)
-    serial = [_call_both(backend, s, n) for s, n in zip(split, norm)]
+    serial = [_call_all(backend, i, s, n) for i, (s, n) in enumerate(zip(split, norm))]
     barrier = threading.Barrier(threads)
     results: List[List[object]] = [[] for _ in range(threads)]
     errors: List[BaseException] = []
@@ -1148,7 +1172,7 @@ def check_concurrent_threads(backend: str, threads: int = 4, iterations: int = 4
         try:
             barrier.wait()
             for _ in range(iterations):
-                results[i].append(_call_both(backend, split[i], norm[i]))
+                results[i].append(_call_all(backend, i, split[i], norm[i]))
         except BaseException as exc:  # noqa: BLE001 -- re-raised in the calling thread below
             errors.append(exc)
 
@@ -1171,9 +1195,9 @@ def check_intra_op_threads(backend: str, T: int = 512) -> None:
     saved = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = [_call_both(backend, s, n) for s, n in zip(split, norm)]
+        one = [_call_all(backend, i, s, n) for i, (s, n) in enumerate(zip(split, norm))]
         torch.set_num_threads(2)
-        two = [_call_both(backend, s, n) for s, n in zip(split, norm)]
+        two = [_call_all(backend, i, s, n) for i, (s, n) in enumerate(zip(split, norm))]
     finally:
         torch.set_num_threads(saved)
     for i, (a, b) in enumerate(zip(one, two)):
