@@ -3,7 +3,10 @@
 Every mutation reproduces one public bug of a fused kernel inside :mod:`qkvfuse.reference` (or, for the
 layout checks, inside the public op), is applied with ``unittest.mock.patch`` and the check of
 :mod:`qkvfuse._verify.failure_modes` that ``tests/test_failure_modes.py`` runs for it (the test's comment names
-the mutation) is run on the reference backend, with the test's parametrisations. A mutation is caught only
+the mutation) is run on the reference backend, with the test's parametrisations. The KV-cache write's mutations
+(slot -1 wrapping to the last slot, a short slot mapping padded with slot 0, FP8 without saturation, the scale
+taken as its inverse, truncation ignored, K cached before QK-norm and RoPE, the tiled layouts' K not transposed or
+packed) are judged by :func:`qkvfuse._verify.cache.check_cache_case` on the cases ``verify`` runs. A mutation is caught only
 when at least one of them fails an assertion (``AssertionError`` or ``pytest.fail``); a check that crashes with
 any other exception has not caught it, it has broken. ``python tests/test_mutations.py`` prints the table
 (mutation, check, caught cases, crashes).
@@ -22,6 +25,8 @@ import qkvfuse
 import qkvfuse._verify.failure_modes as fm
 import qkvfuse.reference as ref
 from qkvfuse import _library
+from qkvfuse._cache_mode import AMX, HND, VEC, is_fp8
+from qkvfuse._verify.cache import VERIFY_CASES, check_cache_case
 from qkvfuse._verify.failure_modes import GATED_TP_HEADS, KNORM_RATIOS, NON_POW2_HEAD_DIMS, PARTIAL_ROTARY_THRESHOLD
 
 _split = ref.split_qkv_rmsnorm_rope_out
@@ -30,6 +35,65 @@ _cos_sin = ref._cos_sin
 _rotate = ref._rotate
 _rms = ref._rms_norm_fp32
 _public_split = qkvfuse.split_qkv_rmsnorm_rope
+_write_cache = ref.write_cache
+_quantize = ref.quantize
+_store = ref._store
+
+
+# The KV-cache write: ref.write_cache(k, v, target) with target a qkvfuse._library.CacheTarget (a NamedTuple).
+def _negative_slot_wraps(k, v, target):
+    """Padding tokens (slot -1) written: -1 // block_size and -1 % block_size index the last block's last slot."""
+    slots = target.slot_mapping.long()
+    wrapped = torch.where(slots < 0, slots + target.capacity, slots)
+    _write_cache(k, v, target._replace(slot_mapping=wrapped))
+
+
+def _short_slots_write_slot_0(k, v, target):
+    """Tokens past the end of a short slot_mapping written to slot 0 (the mapping padded with zeros)."""
+    slots = target.slot_mapping
+    pad = torch.zeros(max(0, k.shape[0] - slots.shape[0]), dtype=slots.dtype)
+    _write_cache(k, v, target._replace(slot_mapping=torch.cat([slots, pad])))
+
+
+def _fp8_unsaturated(x, dtype, scale, truncate):
+    """FP8 without the clamp: values past the format's largest become inf (e5m2) or NaN (e4m3fn)."""
+    if not is_fp8(dtype):
+        return _quantize(x, dtype, scale, truncate)
+    return (x / scale.reshape(()).float()).to(dtype)
+
+
+def _fp8_scale_multiplied(x, dtype, scale, truncate):
+    """The scale applied as a multiplier (x * scale): the scale and its inverse confused."""
+    return _quantize(x, dtype, None if scale is None else 1.0 / scale, truncate)
+
+
+def _fp8_truncate_ignored(x, dtype, scale, truncate):
+    """Rounded to nearest where the engine's reader expects truncation toward zero."""
+    return _quantize(x, dtype, scale, False)
+
+
+def _k_before_rope(qkv, positions, config, q_out, k_out, v_out, gate_out, target):
+    """The cache gets K as projected: the cache write placed before QK-norm and RoPE."""
+    q_cols = (2 if config.q_gate else 1) * config.num_q_heads * config.head_dim
+    raw_k = qkv[:, q_cols: q_cols + config.num_kv_heads * config.head_dim].float()
+    raw_k = raw_k.reshape(qkv.shape[0], config.num_kv_heads, config.head_dim).clone()
+    q, k, v, gate = ref._split_fp32(qkv, positions, config)
+    ref._write_split(q, k, v, gate, q_out, k_out, v_out, gate_out)
+    ref.write_cache(raw_k, v.reshape(k.shape), target)
+
+
+def _tiled_k_untransposed(cache, layout, is_key, blocks, offsets, rows):
+    """vLLM-CPU's vec K stored like its V ([block_size, D]); amx K stored unpacked, as HND rows."""
+    if is_key and layout == VEC:
+        return _store(cache, layout, False, blocks, offsets, rows)
+    if is_key and layout == AMX:
+        return _store(cache, HND, True, blocks, offsets, rows)
+    return _store(cache, layout, is_key, blocks, offsets, rows)
+
+
+def check_verify_cache_case(backend, name):
+    """One of the cache cases ``verify`` runs (qkvfuse._verify.cache.VERIFY_CASES), in place."""
+    check_cache_case(backend, dict(VERIFY_CASES)[name])
 
 
 # The reference kernel's signature: (qkv, positions, config, q_out, k_out, v_out, gate_out), config a
@@ -231,6 +295,20 @@ MUTATIONS = {
     "gemma_weight_as_stored": ([(ref, "split_qkv_rmsnorm_rope_out", _gemma_weight_as_stored)],
                                fm.check_gated_tp_heads,
                                [dict(num_q_heads=hq, num_kv_heads=hkv) for hq, hkv in GATED_TP_HEADS]),
+    "negative_slot_wraps": ([(ref, "write_cache", _negative_slot_wraps)], check_verify_cache_case,
+                            [dict(name="NHD e4m3 nearest")]),
+    "short_slots_write_slot_0": ([(ref, "write_cache", _short_slots_write_slot_0)], check_verify_cache_case,
+                                 [dict(name="NHD fp32 short slots")]),
+    "fp8_unsaturated": ([(ref, "quantize", _fp8_unsaturated)], check_verify_cache_case,
+                        [dict(name="HND e5m2 saturated")]),
+    "fp8_scale_multiplied": ([(ref, "quantize", _fp8_scale_multiplied)], check_verify_cache_case,
+                             [dict(name="NHD e4m3 nearest"), dict(name="vec e4m3 truncate")]),
+    "fp8_truncate_ignored": ([(ref, "quantize", _fp8_truncate_ignored)], check_verify_cache_case,
+                             [dict(name="vec e4m3 truncate")]),
+    "k_cached_before_rope": ([(ref, "split_qkv_rmsnorm_rope_cache", _k_before_rope)], check_verify_cache_case,
+                             [dict(name="NHD bf16"), dict(name="NHD gated mRoPE")]),
+    "tiled_k_untransposed": ([(ref, "_store", _tiled_k_untransposed)], check_verify_cache_case,
+                             [dict(name="vec bf16 interleaved"), dict(name="amx bf16 interleaved")]),
 }
 
 # What counts as a check catching a mutation: a failed assertion, nothing else.

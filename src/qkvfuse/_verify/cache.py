@@ -100,8 +100,10 @@ def make_cache_inputs(case: CacheCase, seed: int = 0, device="cpu") -> Dict[str,
     kw.update(key_cache=key, value_cache=value, slot_mapping=_slots(case, g).to(device), layout=case.layout,
               fp8_rounding=case.rounding, storage=storage)
     if is_fp8(case.dtype):
-        # Scales that put the values well inside the format; "saturate" pushes most of them past its largest.
-        k_scale, v_scale = (1e-3, 2e-3) if case.slots == "saturate" else (0.05, 0.07)
+        # Scales that put the values well inside the format; "saturate" pushes most of them past its largest (K
+        # values past 1/2, V past 1, whatever the format's range).
+        bound = FP8_MAX[case.dtype]
+        k_scale, v_scale = (0.5 / bound, 1.0 / bound) if case.slots == "saturate" else (0.05, 0.07)
         kw.update(k_scale=torch.tensor(k_scale, device=device), v_scale=torch.tensor(v_scale, device=device))
     return kw
 
