@@ -8,7 +8,9 @@ import qkvfuse
 from qkvfuse._library import decode_flags, decode_rope, encode_rope
 from qkvfuse._library import NAMESPACES, split_config
 from qkvfuse.backends import get_backend, select_ops
+from qkvfuse._cache_mode import encode_cache
 from qkvfuse._verify import SplitCase, make_split_inputs
+from qkvfuse._verify.cache import CacheCase, make_cache_inputs
 
 CASE = SplitCase(T=5, num_q_heads=4, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.float32, bias=True)
 MROPE = SplitCase(T=5, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64, dtype=torch.bfloat16,
@@ -40,6 +42,28 @@ def test_opcheck_split_ops(case, backend):
     outs = (qkv.new_empty(case.T, hq * d), qkv.new_empty(case.T, hkv * d), qkv.new_empty(case.T, hkv * d))
     opcheck(_overload("split_qkv_rmsnorm_rope_out", backend), args + outs, test_utils=utils)
     opcheck(_overload("split_qkv_rmsnorm_rope_inplace", backend), (qkv.clone(),) + args[1:], test_utils=utils)
+
+
+@pytest.mark.parametrize("layout, cache_dtype", [("NHD", None), ("vec", None), ("amx", None),
+                                                 ("HND", torch.float8_e4m3fn)])
+def test_opcheck_cache_ops(layout, cache_dtype, backend):
+    """opcheck of both cache-writing forms: the caches (and the out= outputs) declared written, qkv written only in
+    place, the fake kernels' results and aliasing those of the kernels."""
+    case = CacheCase(SplitCase(T=5, num_q_heads=2, num_kv_heads=2, head_dim=64, rotary_dim=32, dtype=torch.bfloat16),
+                     layout=layout, cache_dtype=cache_dtype, slots="skips")
+    kw = make_cache_inputs(case)
+    split = _op_args(case.split)
+    cache = (kw["key_cache"], kw["value_cache"], kw["slot_mapping"], encode_cache(layout), kw.get("k_scale"),
+             kw.get("v_scale"))
+    utils = ("test_schema", "test_faketensor") if backend == "triton" else (
+        "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if cache_dtype is not None:  # opcheck's schema test compares tensors with arithmetic FP8 lacks on CPU
+        utils = tuple(u for u in utils if u != "test_schema")
+    opcheck(_overload("split_qkv_rmsnorm_rope_cache", backend), (split[0].clone(),) + split[1:] + cache,
+            test_utils=utils)
+    qkv, d = split[0], case.split.head_dim
+    outs = tuple(qkv.new_empty(case.split.T, n * d) for n in (2, 2, 2))
+    opcheck(_overload("split_qkv_rmsnorm_rope_cache_out", backend), split + cache + outs, test_utils=utils)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
