@@ -187,3 +187,34 @@ def test_plugins_write_without_views_as_inplace_cache(backend):
     with pytest.raises(ValueError, match=r"^slot_mapping: expected values < 96 .* got 96"):
         prep._write_cache(qkv, kw["positions"], kw["key_cache"], kw["value_cache"], slots, "vec", None, None,
                           "nearest")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_offsets_past_2_31_elements(backend, layout):
+    """Caches whose second block starts past 2^31 elements (a block stride of 2^31 + 64 over one allocation whose
+    untouched pages are never backed): an int32 block offset (block x stride) would wrap and write elsewhere.
+    Every token to the far block, against the same call on compact caches."""
+    case = _split(T=3, num_q_heads=2, num_kv_heads=1, head_dim=64, rotary_dim=64)
+    kw = make_cache_inputs(CacheCase(case, layout=layout, num_blocks=2, block_size=4), seed=3)
+    kw.pop("storage")
+    block_size, D, stride = 4, 64, 2**31 + 64
+    shape = (2, block_size, 1, D) if layout == "NHD" else (2, 1, block_size, D)
+    caches = []
+    for _ in range(2):
+        try:
+            buf = torch.empty(stride + block_size * D, dtype=torch.bfloat16)
+        except (RuntimeError, MemoryError) as exc:  # no address space for it
+            pytest.skip(f"cannot reserve {stride + block_size * D} elements: {exc}")
+        caches.append(buf.as_strided(shape, (stride, D, D, 1)).fill_(float("nan")))
+    compact = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(2)]
+    slots = torch.tensor([block_size + 2, block_size, block_size + 3])
+    common = {k: v for k, v in kw.items() if k not in ("qkv", "key_cache", "value_cache", "slot_mapping")}
+    qkv = kw["qkv"]
+    want = qkvfuse.split_qkv_rmsnorm_rope_cache(qkv, **common, key_cache=compact[0], value_cache=compact[1],
+                                                slot_mapping=slots, backend=backend)
+    got = qkvfuse.split_qkv_rmsnorm_rope_cache(qkv, **common, key_cache=caches[0], value_cache=caches[1],
+                                               slot_mapping=slots, backend=backend)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for far, near in zip(caches, compact):
+        assert torch.equal(far.view(torch.int16), near.view(torch.int16)), "the far block's slots differ"
