@@ -203,11 +203,12 @@ def _run_child(script: str, env_changes, timeout=300):
 
 
 @pytest.mark.parametrize("form", ["split_inplace", "split_gated_inplace", "split_out", "split", "norm_inplace",
-                                  "norm_out", "norm"])
+                                  "norm_out", "norm", "cache_inplace", "cache_out"])
 def test_first_call_of_a_process_runs_the_native_kernel_of_its_own_op(form):
     """The first call of a process goes through the building-on-first-call kernel, which then runs the called op's
     own C++ kernel (not another form's): a gated in-place first call must not be refused as an overlapping out=
-    call; its results are bitwise those of the next call, and an in-place write bumps the version counter once."""
+    call; its results (the caches too) are bitwise those of the next call, and an in-place write bumps the version
+    counter once."""
     script = f"""
         import json, torch, qkvfuse
         form = {form!r}
@@ -220,7 +221,17 @@ def test_first_call_of_a_process_runs_the_native_kernel_of_its_own_op(form):
         x, r, nw = torch.randn(T, 64).to(torch.bfloat16), torch.randn(T, 64).to(torch.bfloat16), torch.randn(64)
 
         def call():  # the form under test on fresh copies: (outputs, version bumps of the written tensor)
-            if form.startswith("split"):
+            if form.startswith("cache"):  # the cache-writing split (outputs and both caches compared)
+                target = qkv.clone()
+                before = target._version
+                caches = dict(key_cache=torch.zeros(2, 4, hkv, D, dtype=qkv.dtype),
+                              value_cache=torch.zeros(2, 4, hkv, D, dtype=qkv.dtype),
+                              slot_mapping=torch.tensor([5, -1, 2]))
+                fn = (qkvfuse.split_qkv_rmsnorm_rope_cache_ if form == "cache_inplace"
+                      else qkvfuse.split_qkv_rmsnorm_rope_cache)
+                got = tuple(fn(target, pos, cache, hq, hkv, D, **caches, **kw))
+                got += (caches["key_cache"], caches["value_cache"])
+            elif form.startswith("split"):
                 target = qkv.clone()
                 before = target._version
                 if form == "split":
