@@ -20,8 +20,6 @@ from hypothesis import strategies as st
 
 import qkvfuse._verify.failure_modes as fm
 
-COUNTS = {}
-
 # No "explain" phase: on this space it costs ~30 s per failure and the shrunk case already says enough.
 _COMMON = dict(deadline=None, database=None, print_blob=True,
                phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
@@ -40,64 +38,32 @@ def _chooser(data):
     return choose
 
 
-def _split_example(pair, data):
-    drawn = fm.draw_split_case(_chooser(data), small=pair.interpreted)
-    note(f"case={drawn[0]}, seed={drawn[1]}, mode={drawn[2]}, out_row_pad={drawn[3]}")
-    fm.check_split_case(pair.backend, drawn, device=pair.device)
-    COUNTS[("split", pair)] = COUNTS.get(("split", pair), 0) + 1
+# op -> (draw, check): its configuration space and its check (qkvfuse._verify.failure_modes).
+OPS = {"split": (fm.draw_split_case, fm.check_split_case),
+       "add_rmsnorm": (fm.draw_norm_case, fm.check_norm_case),
+       "split_cache": (fm.draw_cache_case, fm.check_cache_fuzz_case)}
 
 
-def _norm_example(pair, data):
-    drawn = fm.draw_norm_case(_chooser(data), small=pair.interpreted)
-    note(f"case={drawn[0]}, seed={drawn[1]}")
-    fm.check_norm_case(pair.backend, drawn, device=pair.device)
-    COUNTS[("norm", pair)] = COUNTS.get(("norm", pair), 0) + 1
+def _example(op, pair, data):
+    draw, check = OPS[op]
+    drawn = draw(_chooser(data), small=pair.interpreted)
+    note(f"{op}: {drawn}")
+    check(pair.backend, drawn, device=pair.device)
 
 
-def _cache_example(pair, data):
-    drawn = fm.draw_cache_case(_chooser(data), small=pair.interpreted)
-    note(f"case={drawn[0]}, seed={drawn[1]}, form={drawn[2]}")
-    fm.check_cache_fuzz_case(pair.backend, drawn, device=pair.device)
-    COUNTS[("cache", pair)] = COUNTS.get(("cache", pair), 0) + 1
-
-
+@pytest.mark.parametrize("op", list(OPS))
 @CI
 @given(data=st.data())
-def test_fuzz_split(backend_device, data):
-    _split_example(backend_device, data)
-
-
-@CI
-@given(data=st.data())
-def test_fuzz_add_rmsnorm(backend_device, data):
-    _norm_example(backend_device, data)
-
-
-@CI
-@given(data=st.data())
-def test_fuzz_split_cache(backend_device, data):
-    _cache_example(backend_device, data)
+def test_fuzz(op, backend_device, data):
+    _example(op, backend_device, data)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("op", list(OPS))
 @SLOW
 @given(data=st.data())
-def test_fuzz_split_cache_slow(backend_device, data):
-    _cache_example(backend_device, data)
-
-
-@pytest.mark.slow
-@SLOW
-@given(data=st.data())
-def test_fuzz_split_slow(backend_device, data):
-    _split_example(backend_device, data)
-
-
-@pytest.mark.slow
-@SLOW
-@given(data=st.data())
-def test_fuzz_add_rmsnorm_slow(backend_device, data):
-    _norm_example(backend_device, data)
+def test_fuzz_slow(op, backend_device, data):
+    _example(op, backend_device, data)
 
 
 def test_fuzz_shrinks_to_a_minimal_case():
