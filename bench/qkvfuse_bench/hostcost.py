@@ -13,13 +13,17 @@ compiled-kernel lookup (for the split, after its first launch of a key, the host
 launch arguments. CPU tensors stand for device tensors (the position range check,
 which the device path skips, is the C++ one: a few nanoseconds at T = 1).
 
-Rows, for ``split_qkv_rmsnorm_rope`` (Qwen3-8B: 32/8 heads x 128, bf16, bf16 norm weights) and ``add_rmsnorm``
-(hidden 4096, bf16, with a residual), each in torch's default mode and under ``torch.inference_mode()``:
+Rows, for ``split_qkv_rmsnorm_rope`` (Qwen3-8B: 32/8 heads x 128, bf16, bf16 norm weights), the cache-writing split
+(the same, into an NHD bf16 cache) and ``add_rmsnorm`` (hidden 4096, bf16, with a residual), each in torch's default
+mode and under ``torch.inference_mode()``:
 
 * the bound objects' in-place call (``QKNormRope.inplace``, ``AddRMSNorm.inplace``: what an engine calls per layer),
   their functional and ``out=`` calls;
 * the functional ops (``split_qkv_rmsnorm_rope_``, ``add_rmsnorm_``, ...: every argument checked per call);
 * the bare ``torch.ops.qkvfuse_triton.*`` call (the dispatcher and the op's kernel, no public layer);
+* the cache-writing split's bound call and bare op. Its launcher makes Triton's JIT launch on every call (it keeps
+  no compiled kernel, unlike the split's and add_rmsnorm's), and the stand-in JIT launch leaves out Triton's
+  argument binding, a GPU-only cost: these rows are its host time before that binding;
 * yardsticks timed in the same rounds: ``qkv.split_with_sizes`` (the three views an in-place call returns) and
   ``torch.ops.aten.alias`` (about the least a dispatcher op costs from Python), so that a table from a busy host
   can be read against its own scale.
@@ -76,18 +80,21 @@ class _StubJIT:
 def stub_launches() -> Callable[[], None]:
     """Replace the Triton backend's kernels and driver by the stand-ins (device block sizes); returns the undo."""
     from qkvfuse.backends import get_backend
+    from qkvfuse.backends.triton import cache
 
     launch = get_backend("triton").launch
-    saved = (launch.split_qkv_rmsnorm_rope_kernel, launch.add_rmsnorm_kernel, launch.driver, launch.INTERPRET)
+    saved = (launch.split_qkv_rmsnorm_rope_kernel, launch.add_rmsnorm_kernel, launch.driver, launch.INTERPRET,
+             cache.split_qkv_rmsnorm_rope_cache_kernel)
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: 0)
     launch.split_qkv_rmsnorm_rope_kernel = _StubJIT(saved[0])
     launch.add_rmsnorm_kernel = _StubJIT(saved[1])
     launch.driver = types.SimpleNamespace(active=active)
     launch.INTERPRET = False
+    cache.split_qkv_rmsnorm_rope_cache_kernel = _StubJIT(saved[4])
 
     def undo():
         (launch.split_qkv_rmsnorm_rope_kernel, launch.add_rmsnorm_kernel, launch.driver,
-         launch.INTERPRET) = saved
+         launch.INTERPRET, cache.split_qkv_rmsnorm_rope_cache_kernel) = saved
 
     return undo
 
@@ -111,7 +118,10 @@ def _calls(device: str) -> Dict[Tuple[str, str], Callable[[], object]]:
     norm = qkvfuse.AddRMSNorm(nw, eps=1e-6, backend="triton")
     ops = torch.ops.qkvfuse_triton
     raw = (cache, w, w, None, None, hq, hkv, 1e-6, 1)
+    key_cache = torch.zeros(4, 16, hkv, D, dtype=dt, device=device)  # NHD, bf16
+    value_cache, slots = torch.zeros_like(key_cache), torch.tensor([5], device=device)
     S, N, Y = "split_qkv_rmsnorm_rope (Qwen3-8B)", "add_rmsnorm (4096)", "yardsticks (torch's own calls)"
+    C = "split_qkv_rmsnorm_rope_cache (Qwen3-8B, NHD bf16 cache)"
     widths = [hq * D, hkv * D, hkv * D]
     return {
         (S, "QKNormRope.inplace (bound)"): lambda: prep.inplace(qkv, pos),
@@ -122,6 +132,9 @@ def _calls(device: str) -> Dict[Tuple[str, str], Callable[[], object]]:
         (S, "split_qkv_rmsnorm_rope (functional)"): lambda: qkvfuse.split_qkv_rmsnorm_rope(
             qkv, pos, cache, hq, hkv, D, q_weight=w, k_weight=w, eps=1e-6, backend="triton"),
         (S, "torch.ops ..._inplace (bare)"): lambda: ops.split_qkv_rmsnorm_rope_inplace.default(qkv, pos, *raw),
+        (C, "QKNormRope.inplace_cache (bound)"): lambda: prep.inplace_cache(qkv, pos, key_cache, value_cache, slots),
+        (C, "torch.ops ..._cache (bare)"): lambda: ops.split_qkv_rmsnorm_rope_cache.default(
+            qkv, pos, *raw, key_cache, value_cache, slots, 0),
         (N, "AddRMSNorm.inplace (bound)"): lambda: norm.inplace(x, r),
         (N, "AddRMSNorm (bound, functional)"): lambda: norm(x, r),
         (N, "AddRMSNorm out= (bound)"): lambda: norm(x, r, out=(y, r_out)),

@@ -50,13 +50,15 @@ def _needs_native():
 # The host path.
 # ---------------------------------------------------------------------------------------------------------
 def test_native_host_kernels_serve_the_triton_ops():
-    """With the native library the Triton ops' kernels are C++ (the triton ops on every key, their version-counter
-    kernels, the auto ops on the accelerator keys)."""
+    """With the native library the Triton ops' kernels are C++ (the triton ops on every key, the cache-writing forms
+    included, their version-counter kernels, the auto ops on the accelerator keys)."""
     _needs_native()
     assert triton_host_kernels() and native_host.enabled()
     for op, keys in (("qkvfuse_triton::split_qkv_rmsnorm_rope_inplace", ("CPU", "CUDA", "ADInplaceOrView")),
                      ("qkvfuse_triton::add_rmsnorm", ("CPU", "XPU")),
-                     ("qkvfuse::split_qkv_rmsnorm_rope_out", ("CUDA", "PrivateUse1"))):
+                     ("qkvfuse::split_qkv_rmsnorm_rope_out", ("CUDA", "PrivateUse1")),
+                     ("qkvfuse_triton::split_qkv_rmsnorm_rope_cache", ("CPU", "CUDA", "ADInplaceOrView")),
+                     ("qkvfuse::split_qkv_rmsnorm_rope_cache_out", ("CUDA", "XPU"))):
         lines = {line.split(":")[0]: line for line in torch._C._dispatch_dump(op).splitlines()}
         for key in keys:
             assert "triton_host.cpp" in lines.get(key, ""), (op, key, lines.get(key))

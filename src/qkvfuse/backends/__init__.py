@@ -174,14 +174,15 @@ class _LazyTriton:
     """Triton kernels for one set of ops: import the backend on the first call. For ``auto`` a failed
     import falls back to the reference with one warning; for ``triton`` (requested) it raises.
 
-    The first call also switches the Triton ops (but the cache-writing forms) to the native host kernels where the
-    native library has them (:mod:`.native_host`): later calls are checked in C++ and reach the launchers through
-    :meth:`host_split` / :meth:`host_norm`, which point the C++ kernels at the backend's own launchers once it is
+    The first call also switches the Triton ops to the native host kernels where the native library has them
+    (:mod:`.native_host`): later calls are checked in C++ and reach the launchers through :meth:`host_split` /
+    :meth:`host_norm` / :meth:`host_cache`, which point the C++ kernels at the backend's own launchers once it is
     imported."""
 
     def __init__(self, name: str, fallback: bool):
         self.name, self.fallback = name, fallback
-        self.split_out = self.norm_out = self.split_cache = self.split_entry = self.norm_entry = None
+        self.split_out = self.norm_out = self.split_cache = None
+        self.split_entry = self.norm_entry = self.cache_entry = None
 
     def _kernels(self):
         if self.split_out is None:
@@ -197,8 +198,9 @@ class _LazyTriton:
                 self.split_entry, self.norm_entry = module.split_entry, module.add_rmsnorm_out
             self.split_out, self.norm_out = module.split_qkv_rmsnorm_rope_out, module.add_rmsnorm_out
             self.split_cache = module.split_qkv_rmsnorm_rope_cache
+            self.cache_entry = native_host.cache_entry_of(module.split_qkv_rmsnorm_rope_cache)
             triton_host_kernels()
-            native_host.set_launchers(self.name, self.split_entry, self.norm_entry)
+            native_host.set_launchers(self.name, self.split_entry, self.norm_entry, self.cache_entry)
         return self
 
     def split(self, *args):
@@ -216,16 +218,19 @@ class _LazyTriton:
     def host_norm(self, *args):
         self._kernels().norm_entry(*args)
 
+    def host_cache(self, *args):
+        self._kernels().cache_entry(*args)
+
 
 def triton_host_kernels() -> bool:
     """Switch the Triton ops to the native host kernels now (the first Triton launch does it anyway; this loads the
     native library, building it where needed); returns whether they run them (:mod:`.native_host`)."""
-    return native_host.enable(_triton_libs, {lazy.name: (lazy.host_split, lazy.host_norm) for lazy in _lazies})
+    return native_host.enable(_triton_libs, {lazy.name: (lazy.host_split, lazy.host_norm, lazy.host_cache)
+                                             for lazy in _lazies})
 
 
-# The Python kernels of the Triton keys: the ops the native host kernels serve in libraries of their own
-# (native_host.enable destroys them when the C++ kernels take over), the cache-writing forms in _impls.
-_HOST_OPS = tuple(op for op in _library.OPS if op not in _library.CACHE_OPS)
+# The Python kernels of the Triton keys, in libraries of their own: native_host.enable destroys them when the C++
+# kernels take over.
 _triton_libs = []
 _lazies = []
 for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITON_KEYS.values()))):
@@ -233,9 +238,7 @@ for _name, _keys in (("auto", _TRITON_KEYS.values()), ("triton", ("CPU", *_TRITO
     _lazies.append(_lazy)
     _triton_libs.append(_library.impl_library(_name))
     for _key in _keys:
-        _library.register_kernels(_triton_libs[-1], _key, _lazy.split, _lazy.norm, _lazy.cache, ops=_HOST_OPS)
-        _library.register_kernels(_impls[_name], _key, _lazy.split, _lazy.norm, _lazy.cache,
-                                  ops=_library.CACHE_OPS)
+        _library.register_kernels(_triton_libs[-1], _key, _lazy.split, _lazy.norm, _lazy.cache)
 
 from . import cpu as _cpu  # noqa: E402  (registers the lazily built native kernels for CPU tensors)
 

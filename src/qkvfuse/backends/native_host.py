@@ -16,7 +16,9 @@ take the checked arguments and the derived ``head_dim``: ``(qkv, positions, cos_
 q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope, head_dim, form, q_out, k_out, v_out, gate_out)`` with ``form``
 0 (``out=``), 1 (functional: fresh outputs) or 2 (in place: no outputs given), and for add_rmsnorm
 (:func:`norm_entry_of`, :func:`qkvfuse.backends.triton.launch.add_rmsnorm_out`) the reference launcher's ``(x,
-residual, weight, bias, eps, gemma, y_out, residual_out)``; both then ``stage`` (:func:`stage_launch`).
+residual, weight, bias, eps, gemma, y_out, residual_out)``; both then ``stage`` (:func:`stage_launch`). The
+cache-writing split's (:func:`cache_entry_of`) takes the split's arguments and ``head_dim``, the cache's and the
+out= form's outputs (None in place).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch
 
 from .. import _library
 
-__all__ = ["enable", "enabled", "norm_entry_of", "set_launchers", "split_entry_of", "stage_launch"]
+__all__ = ["cache_entry_of", "enable", "enabled", "norm_entry_of", "set_launchers", "split_entry_of",
+           "stage_launch"]
 
 _lock = threading.Lock()
 _state: Optional[bool] = None
@@ -58,6 +61,28 @@ def split_entry_of(split_out: Callable) -> Callable:
     return entry
 
 
+def cache_entry_of(split_cache: Callable) -> Callable:
+    """The host kernels' cache-writing split launcher over a launcher of the reference signature ``split_cache(qkv,
+    positions, config, q_out, k_out, v_out, gate_out, target)``: the schema's arguments, the derived ``head_dim``, the
+    cache arguments, then the out= form's outputs (None in place: ``qkv``'s own columns)."""
+
+    def entry(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, head_dim, key_cache, value_cache,
+              slot_mapping, cache_mode, k_scale, v_scale, q_out=None, k_out=None, v_out=None, gate_out=None):
+        inplace = q_out is None
+        config = _library.config_of((cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), head_dim, inplace)
+        target = _library.CacheTarget(key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale)
+        if positions.device.type != "cpu":  # CPU tensors: checked by the host kernel
+            _library.check_positions(positions, cache.shape[0])
+            _library.check_cache_values(target, qkv.shape[0])
+        if inplace:
+            views = _library.inplace_views(qkv, hq, hkv, config.q_gate)
+            q_out, k_out, v_out = views[:3]
+            gate_out = views[3] if len(views) == 4 else None
+        split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target)
+
+    return entry
+
+
 def norm_entry_of(norm_out: Callable) -> Callable:
     """The host kernels' add_rmsnorm launcher over a launcher of the reference signature ``norm_out(x, residual,
     weight, bias, eps, gemma, y_out, residual_out)`` (the reference's, for the auto ops' fallback): the same
@@ -76,11 +101,11 @@ def _library_path() -> Optional[str]:
     return None
 
 
-def set_launchers(backend: str, split: Callable, norm: Callable) -> None:
+def set_launchers(backend: str, split: Callable, norm: Callable, cache: Callable) -> None:
     """Point the C++ kernels of ``backend``'s ops (``"auto"`` or ``"triton"``) at these launchers (after
     :func:`enable`; a no-op before)."""
     if _setter is not None:
-        if _setter(NAMESPACE_INDEX[backend], split, norm, 0) != 0:
+        if _setter(NAMESPACE_INDEX[backend], split, norm, cache, 0) != 0:
             raise RuntimeError("qkvfuse: the native library refused the Triton launchers")
 
 
@@ -104,7 +129,8 @@ def enable(python_kernels, launchers) -> bool:
     """Switch the Triton ops to the native host kernels, once per process; returns whether they run them.
 
     ``python_kernels``: the ``torch.library.Library`` objects holding the Python kernels of the same keys (destroyed
-    when the switch happens); ``launchers``: ``{"auto": (split, norm), "triton": (split, norm)}``, the callables
+    when the switch happens); ``launchers``: ``{"auto": (split, norm, cache), "triton": (split, norm, cache)}``, the
+    callables
     the C++ kernels call first (lazy ones that import Triton on their first call may re-point them with
     :func:`set_launchers`).
     """
@@ -123,7 +149,7 @@ def enable(python_kernels, launchers) -> bool:
             setter = ctypes.PyDLL(path).qkvfuse_set_triton_launchers
         except (OSError, AttributeError):  # a library built without the host kernels
             return False
-        setter.argtypes = (ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.c_int)
+        setter.argtypes = (ctypes.c_int, ctypes.py_object, ctypes.py_object, ctypes.py_object, ctypes.c_int)
         setter.restype = ctypes.c_int
         try:
             stager = ctypes.PyDLL(path).qkvfuse_stage_launch

@@ -871,13 +871,13 @@ void check_cache_values(const CachePlan& c, int64_t capacity, const OptTensor& k
   }
 }
 
-// The split that also stores each token's K and V in a paged KV cache, in the same pass (cache.h): in place
-// (`outs` nullptr) or into the out= form's outputs (q_out, k_out, v_out, gate_out or nullptr).
-void split_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
-                 const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
-                 double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
-                 const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
-                 const Tensor* const* outs) {
+// The cache-writing split's argument rules without the data: the split's (head_dim above), then the caches'
+// (checks::cache). Returns head_dim. `outs` nullptr: the in-place form.
+int64_t cache_head_dim(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                       const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
+                       int64_t hkv, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale,
+                       const OptTensor& v_scale, const Tensor* const* outs) {
   const int64_t D =
       head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, outs, outs == nullptr);
   auto opt = [](const OptTensor& t) { return t.has_value() ? &*t : nullptr; };
@@ -886,6 +886,18 @@ void split_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache
                 {{"positions", &positions}, {"cos_sin_cache", &cache}, {"q_weight", opt(q_weight)},
                  {"k_weight", opt(k_weight)}, {"q_bias", opt(q_bias)}, {"k_bias", opt(k_bias)}, {"q_out", out(0)},
                  {"k_out", out(1)}, {"v_out", out(2)}, {"gate_out", out(3)}});
+  return D;
+}
+
+// The split that also stores each token's K and V in a paged KV cache, in the same pass (cache.h): in place
+// (`outs` nullptr) or into the out= form's outputs (q_out, k_out, v_out, gate_out or nullptr).
+void split_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                 const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
+                 double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+                 const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
+                 const Tensor* const* outs) {
+  const int64_t D = cache_head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope,
+                                   key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs);
   alignas(64) float weights[4 * kMaxHeadDim];
   SplitPlan p = plan_for(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, D, eps,
                          decode_rope(rope), weights);
@@ -1008,6 +1020,33 @@ int64_t pack_rne_block_size() { return isa::kPackBlock; }
 }  // namespace qkvfuse_cpu
 
 namespace qkvfuse_cpu {
+// The cache-writing split's argument rules (cache_head_dim() above), for the Triton ops' host kernels.
+int64_t check_cache_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cache,
+                         const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,
+                         const std::optional<at::Tensor>& q_bias, const std::optional<at::Tensor>& k_bias, int64_t hq,
+                         int64_t hkv, int64_t rope, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& slot_mapping, int64_t cache_mode, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale, const at::Tensor* const* outs) {
+  return cache_head_dim(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, key_cache,
+                        value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs);
+}
+
+// The cache's value rules (check_cache_values above) for CPU tensors, for the Triton ops' host kernels: the first
+// min(num_tokens, len(slot_mapping)) slots below the capacity, the FP8 scales positive and finite.
+void check_cpu_cache_values(const at::Tensor& key_cache, const at::Tensor& slot_mapping, int64_t cache_mode,
+                            int64_t num_tokens, const std::optional<at::Tensor>& k_scale,
+                            const std::optional<at::Tensor>& v_scale) {
+  if (!slot_mapping.device().is_cpu()) return;
+  CachePlan c{};
+  c.slots = slot_mapping.const_data_ptr();
+  c.slots64 = slot_mapping.scalar_type() == at::kLong;
+  c.slot_stride = slot_mapping.stride(0);
+  c.n_slots = std::min(num_tokens, slot_mapping.size(0));
+  const int64_t block_size = key_cache.size((cache_mode & kLayoutMask) == kNHD ? 1 : 2);
+  std::vector<uint8_t> later;
+  check_cache_values(c, key_cache.size(0) * block_size, k_scale, v_scale, later);
+}
+
 // The split's argument rules (head_dim() above), for the Triton ops' host kernels (triton_host.cpp).
 int64_t check_split_args(const at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cache,
                          const std::optional<at::Tensor>& q_weight, const std::optional<at::Tensor>& k_weight,

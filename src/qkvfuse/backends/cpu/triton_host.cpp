@@ -2,9 +2,10 @@
 // qkvfuse ops' CUDA, XPU and PrivateUse1 keys once this library is loaded (qkvfuse.backends.native_host), and the
 // ADInplaceOrView kernels of the qkvfuse_triton ops' mutating forms.
 //
-// Each kernel checks its arguments with the code the CPU kernels run (check_split_args / check_norm_args: the
-// rules of checks.h, shapes, strides, dtypes, devices and overlaps, never tensor data), checks the position range
-// for CPU tensors (the interpreter; accelerators clamp in the kernel), allocates the functional form's outputs, and
+// Each kernel checks its arguments with the code the CPU kernels run (check_split_args / check_norm_args /
+// check_cache_args: the rules of checks.h, shapes, strides, dtypes, devices and overlaps, never tensor data), checks
+// the position range (and the cache-writing split's slots and scales) for CPU tensors (the interpreter;
+// accelerators clamp positions and skip bad slots in the kernel), allocates the functional form's outputs, and
 // then calls the Triton launcher -- a Python callable registered once (qkvfuse_set_triton_launchers) -- with the
 // checked arguments and the derived head_dim. So a call pays one Python frame (the launcher's) and no Python
 // argument checks; later device launches of a key the launcher has handed over are made here, without the
@@ -43,6 +44,13 @@ int64_t check_split_args(const Tensor& qkv, const Tensor& positions, const Tenso
                          int64_t hkv, int64_t rope, const Tensor* const* outs, bool inplace);
 void check_norm_args(const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
                      const Tensor* y_out, const OptTensor* residual_out, bool inplace);
+int64_t check_cache_args(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                         const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
+                         int64_t hkv, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+                         const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale,
+                         const OptTensor& v_scale, const Tensor* const* outs);
+void check_cpu_cache_values(const Tensor& key_cache, const Tensor& slot_mapping, int64_t cache_mode,
+                            int64_t num_tokens, const OptTensor& k_scale, const OptTensor& v_scale);
 
 namespace {
 
@@ -53,6 +61,7 @@ constexpr int64_t kMRope = 2;  // the rope code's mRoPE bit
 // held, before the kernels are reached; never released (they live as long as the process).
 PyObject* g_split[2] = {nullptr, nullptr};
 PyObject* g_norm[2] = {nullptr, nullptr};
+PyObject* g_cache[2] = {nullptr, nullptr};
 
 // Forms of a call, as the launcher entries take them.
 enum Form : int64_t { kOut = 0, kFunctional = 1, kInplace = 2 };
@@ -688,6 +697,51 @@ std::tuple<Tensor, Tensor> norm(const Tensor& x, const OptTensor& residual, cons
   return {y, r_out};
 }
 
+// ------------------------------------------------------------------------------------------------------------
+// The cache-writing split: launcher(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
+// num_kv_heads, eps, rope, head_dim, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, q_out,
+// k_out, v_out, gate_out), the outputs None in place. The CPU kernel's rules first, in its order: the split's and
+// the caches' (check_cache_args), then for CPU tensors the position range and the cache's value rules (slots, FP8
+// scales) -- on accelerators the launcher applies those where QKVFUSE_CHECK_POSITIONS asks for them.
+void launch_cache(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                  const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
+                  double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+                  const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
+                  const Tensor* const* outs) {
+  const int64_t D = check_cache_args(qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope,
+                                     key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs);
+  check_cpu_positions(positions, cache.size(0));
+  check_cpu_cache_values(key_cache, slot_mapping, cache_mode, qkv.size(0), k_scale, v_scale);
+  auto out = [&](int i) { return outs != nullptr ? outs[i] : nullptr; };
+  Gil gil;
+  PyObject* argv[] = {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias),
+                      wrap(k_bias), PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps),
+                      PyLong_FromLongLong(rope), PyLong_FromLongLong(D), wrap(key_cache), wrap(value_cache),
+                      wrap(slot_mapping), PyLong_FromLongLong(cache_mode), wrap(k_scale), wrap(v_scale), wrap(out(0)),
+                      wrap(out(1)), wrap(out(2)), wrap(out(3))};
+  call(launcher(g_cache, ns), argv, sizeof(argv) / sizeof(argv[0]));
+}
+
+template <int NS>
+void cache_inplace(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+                   const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq,
+                   int64_t hkv, double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+                   const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale) {
+  launch_cache(NS, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, eps, rope, key_cache,
+               value_cache, slot_mapping, cache_mode, k_scale, v_scale, nullptr);
+}
+
+template <int NS>
+void cache_out(const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+               const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
+               double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
+               const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
+               const Tensor& q_out, const Tensor& k_out, const Tensor& v_out, const OptTensor& gate_out) {
+  const Tensor* const outs[4] = {&q_out, &k_out, &v_out, gate_out.has_value() ? &*gate_out : nullptr};
+  launch_cache(NS, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, eps, rope, key_cache,
+               value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs);
+}
+
 // The version counters of the written arguments (inplace_versions.cpp's rule), then the kernel below.
 void bump_written_then_redispatch(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
@@ -710,6 +764,8 @@ void register_kernels(torch::Library& m) {
   m.impl("add_rmsnorm", &norm<NS>);
   m.impl("add_rmsnorm_out", &norm_out<NS>);
   m.impl("add_rmsnorm_inplace", &norm_inplace<NS>);
+  m.impl("split_qkv_rmsnorm_rope_cache", &cache_inplace<NS>);
+  m.impl("split_qkv_rmsnorm_rope_cache_out", &cache_out<NS>);
 }
 
 }  // namespace
@@ -744,15 +800,17 @@ extern "C" __attribute__((visibility("default"))) int qkvfuse_stage_launch(
 // the life of the process, then (register != 0, once) the C++ kernels: the triton ops on every device key and their
 // ADInplaceOrView kernels, the auto ops on the accelerator keys. Loading the library registers none of them, so a
 // process that loads it for the CPU kernels keeps the Python kernels until this call. The version-counter kernels
-// cover every mutating form of the triton ops (their Python ones go with the switch); the cache-writing split keeps
-// its Python kernel. Returns 0 on success.
+// cover every mutating form of the triton ops (their Python ones go with the switch). Returns 0 on success.
 extern "C" __attribute__((visibility("default"))) int qkvfuse_set_triton_launchers(int ns, PyObject* split,
-                                                                                   PyObject* norm, int do_register) {
+                                                                                   PyObject* norm, PyObject* cache,
+                                                                                   int do_register) {
   if (ns < 0 || ns > 1) return 1;
   Py_XINCREF(split);
   Py_XINCREF(norm);
+  Py_XINCREF(cache);
   qkvfuse_cpu::g_split[ns] = split;
   qkvfuse_cpu::g_norm[ns] = norm;
+  qkvfuse_cpu::g_cache[ns] = cache;
   if (!do_register) return 0;
   static std::vector<std::unique_ptr<torch::Library>> libraries;
   if (!libraries.empty()) return 0;
