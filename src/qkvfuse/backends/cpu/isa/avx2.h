@@ -563,12 +563,57 @@ inline int64_t cache_transpose(int64_t elem, bool pair, void* dst, int64_t strid
   return 0;
 }
 
-// The amx V stores and the FP8 rows (isa.h): none here, cache.h's portable loops write them.
+// The amx V stores (isa.h): none here, cache.h's portable loops write them.
 inline bool cache_amx_v_pair(int64_t, void*, const void*, const void*, int64_t, int64_t, bool) { return false; }
 inline bool cache_amx_v_row(int64_t, void*, const void*, int64_t, int64_t, bool) { return false; }
+
+// An FP8 cache row's bits (cache.h quantize_row_as), 8 lanes at a time: fp8_bits' sequence, lane by lane (the
+// AVX-512 build's, with AVX2's signed compares: `a` has its sign cleared, so it compares as a non-negative int32;
+// min/max keep a NaN operand, as the scalar clamp does). Returns how many values it wrote (a multiple of 8); the
+// caller quantises the rest.
 template <int kMant, int kBias, bool kTrunc, bool kMul>
-inline int64_t quantize_fp8(const float*, int64_t, float, float, uint8_t*) {
-  return 0;
+inline int64_t quantize_fp8(const float* x, int64_t n, float scale, float bound, uint8_t* out) {
+  constexpr int kShift = 23 - kMant;
+  constexpr uint32_t kMinNormal = uint32_t(127 - kBias + 1) << 23;
+  constexpr uint32_t kRebias = uint32_t(127 - kBias) << 23;
+  const __m256 vs = _mm256_set1_ps(scale), hi = _mm256_set1_ps(bound), lo = _mm256_set1_ps(-bound);
+  const __m256i sign_bit = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m256i min_normal = _mm256_set1_epi32(static_cast<int>(kMinNormal));
+  const __m256i rebias = _mm256_set1_epi32(static_cast<int>(kRebias));
+  const __m256i inf = _mm256_set1_epi32(0x7f800000), nan = _mm256_set1_epi32(0x7f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 y = _mm256_loadu_ps(x + i);
+    y = kMul ? _mm256_mul_ps(y, vs) : _mm256_div_ps(y, vs);
+    y = _mm256_max_ps(lo, _mm256_min_ps(hi, y));  // the second operand where either is NaN: y
+    const __m256i bits = _mm256_castps_si256(y);
+    const __m256i sign = _mm256_and_si256(bits, sign_bit);
+    const __m256i a = _mm256_xor_si256(bits, sign);
+    const __m256i small = _mm256_cmpgt_epi32(min_normal, a);
+    __m256i r;
+    if constexpr (kTrunc) {
+      constexpr float kSteps = float(1 << (kBias - 1 + kMant));
+      const __m256 scaled = _mm256_and_ps(_mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(kSteps)),
+                                          _mm256_castsi256_ps(small));
+      r = _mm256_blendv_epi8(_mm256_srli_epi32(_mm256_sub_epi32(a, rebias), kShift), _mm256_cvttps_epi32(scaled),
+                             small);
+    } else {
+      const __m256i magic = _mm256_set1_epi32(static_cast<int>(uint32_t(127 - kBias + kShift + 1) << 23));
+      const __m256i denorm = _mm256_sub_epi32(
+          _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(magic))), magic);
+      const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
+      const __m256i normal = _mm256_srli_epi32(
+          _mm256_add_epi32(_mm256_sub_epi32(a, rebias),
+                           _mm256_add_epi32(_mm256_set1_epi32((1u << (kShift - 1)) - 1), odd)),
+          kShift);
+      r = _mm256_blendv_epi8(normal, denorm, small);
+    }
+    r = _mm256_blendv_epi8(r, nan, _mm256_cmpgt_epi32(a, inf));
+    r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));  // every lane 0 .. 255: the packs below keep it
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), _mm_packus_epi16(words, words));
+  }
+  return i;
 }
 
 }  // namespace isa
