@@ -6,9 +6,9 @@ layout checks, inside the public op), is applied with ``unittest.mock.patch`` an
 the mutation) is run on the reference backend, with the test's parametrisations. The KV-cache write's mutations
 (slot -1 wrapping to the last slot, a short slot mapping padded with slot 0, FP8 without saturation, the scale
 taken as its inverse, truncation ignored, K cached before QK-norm and RoPE, the tiled layouts' K not transposed or
-packed) are judged by :func:`qkvfuse._verify.cache.check_cache_case` on the cases ``verify`` runs. A mutation is caught only
-when at least one of them fails an assertion (``AssertionError`` or ``pytest.fail``); a check that crashes with
-any other exception has not caught it, it has broken. ``python tests/test_mutations.py`` prints the table
+packed) are judged by :func:`qkvfuse._verify.cache.check_cache_case` on the cases ``verify`` runs. A mutation is
+caught only when at least one of them fails an assertion (``AssertionError`` or ``pytest.fail``); a check that
+crashes with any other exception has not caught it, it has broken. ``python tests/test_mutations.py`` prints the table
 (mutation, check, caught cases, crashes).
 """
 

@@ -1,4 +1,5 @@
-// The AVX2 build's specialised bf16 heads (split) and rows (add_rmsnorm), behind the interface of isa.h.
+// The AVX2 build's specialised bf16 heads (split), rows (add_rmsnorm), and the cache-writing split's K transposes
+// and FP8 rows, behind the interface of isa.h.
 #pragma once
 
 #include "../optional_ref.h"
