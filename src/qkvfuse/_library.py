@@ -266,6 +266,13 @@ def inplace_views(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_gate
     return tuple(qkv.split_with_sizes([q, kv, kv], dim=1))
 
 
+def inplace_outputs(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, q_gate: bool = False):
+    """:func:`inplace_views` in a launcher's output order: ``(q_out, k_out, v_out, gate_out)``, ``gate_out`` None
+    unless ``q_gate``."""
+    views = inplace_views(qkv, num_q_heads, num_kv_heads, q_gate)
+    return (*views[:3], views[3] if len(views) == 4 else None)
+
+
 def norm_outputs(x: torch.Tensor, residual: Optional[torch.Tensor]):
     return torch.empty_like(x), (torch.empty_like(x) if residual is not None else x.new_empty((0,)))
 
@@ -384,22 +391,21 @@ def schema_kernels(split_out: SplitOut, norm_out: NormOut, split_cache: SplitCac
     def inplace(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope):
         static = (cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope)
         config = config_of(static, _checks.check_split(qkv, positions, *static, inplace=True), inplace=True)
-        views = inplace_views(qkv, hq, hkv, config.q_gate)
-        run(qkv, positions, config, *views[:3], views[3] if len(views) == 4 else None)
+        run(qkv, positions, config, *inplace_outputs(qkv, hq, hkv, config.q_gate))
 
     def cache_run(qkv, positions, static, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs):
         # outs None: the in-place form (its views are the outputs)
+        cs, hq, hkv = static[0], static[5], static[6]
         head_dim = _checks.check_split(qkv, positions, *static, inplace=outs is None, outs=outs)
         named_outs = () if outs is None else tuple(zip(("q_out", "k_out", "v_out", "gate_out"), outs))
-        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, static[6],
-                            head_dim, inputs=(("positions", positions), *zip(_CACHE_INPUTS, static[:5]), *named_outs))
+        _checks.check_cache(qkv, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, hkv, head_dim,
+                            inputs=(("positions", positions), *zip(_CACHE_INPUTS, static[:5]), *named_outs))
         config = config_of(static, head_dim, inplace=outs is None)
         target = CacheTarget(key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale)
-        check_positions(positions, static[0].shape[0])  # before anything is written
+        check_positions(positions, cs.shape[0])  # before anything is written
         check_cache_values(target, qkv.shape[0])
         if outs is None:
-            views = inplace_views(qkv, static[5], static[6], config.q_gate)
-            outs = (*views[:3], views[3] if len(views) == 4 else None)
+            outs = inplace_outputs(qkv, hq, hkv, config.q_gate)
         split_cache(qkv, positions, config, *outs, target)
 
     def cache(qkv, positions, cs, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, key_cache, value_cache, slot_mapping,

@@ -51,9 +51,7 @@ def split_entry_of(split_out: Callable) -> Callable:
         inplace = form == 2
         config = _library.config_of((cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), head_dim, inplace)
         if inplace:
-            views = _library.inplace_views(qkv, hq, hkv, config.q_gate)
-            q_out, k_out, v_out = views[:3]
-            gate_out = views[3] if len(views) == 4 else None
+            q_out, k_out, v_out, gate_out = _library.inplace_outputs(qkv, hq, hkv, config.q_gate)
         if positions.device.type != "cpu":  # CPU positions: checked by the host kernel
             _library.check_positions(positions, cache.shape[0])
         split_out(qkv, positions, config, q_out, k_out, v_out, gate_out)
@@ -75,9 +73,7 @@ def cache_entry_of(split_cache: Callable) -> Callable:
             _library.check_positions(positions, cache.shape[0])
             _library.check_cache_values(target, qkv.shape[0])
         if inplace:
-            views = _library.inplace_views(qkv, hq, hkv, config.q_gate)
-            q_out, k_out, v_out = views[:3]
-            gate_out = views[3] if len(views) == 4 else None
+            q_out, k_out, v_out, gate_out = _library.inplace_outputs(qkv, hq, hkv, config.q_gate)
         split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target)
 
     return entry
@@ -130,8 +126,7 @@ def enable(python_kernels, launchers) -> bool:
 
     ``python_kernels``: the ``torch.library.Library`` objects holding the Python kernels of the same keys (destroyed
     when the switch happens); ``launchers``: ``{"auto": (split, norm, cache), "triton": (split, norm, cache)}``, the
-    callables
-    the C++ kernels call first (lazy ones that import Triton on their first call may re-point them with
+    callables the C++ kernels call first (lazy ones that import Triton on their first call may re-point them with
     :func:`set_launchers`).
     """
     global _state, _setter, _stager

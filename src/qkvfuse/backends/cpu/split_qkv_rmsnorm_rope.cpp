@@ -827,6 +827,14 @@ CacheSide cache_side(const Tensor& c, int64_t layout, const OptTensor& scale, bo
   return s;
 }
 
+// A cache plan's slots: slot_mapping's data, width and stride, and how many of them num_tokens tokens read.
+void set_slots(CachePlan& c, const Tensor& slot_mapping, int64_t num_tokens) {
+  c.slots = slot_mapping.const_data_ptr();
+  c.slots64 = slot_mapping.scalar_type() == at::kLong;
+  c.slot_stride = slot_mapping.stride(0);
+  c.n_slots = std::min(num_tokens, slot_mapping.size(0));
+}
+
 // _library.check_cache_values, in its order and with its messages: the first min(T, len(slot_mapping)) slots below
 // the capacity, the FP8 scales positive and finite. Also marks each token whose slot a later token takes (`later`,
 // filled only when some slot repeats): the kernel writes each slot once, from the last of its tokens, whichever
@@ -918,10 +926,7 @@ void split_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache
   c.block_size = key_cache.size(c.layout == kNHD ? 1 : 2);
   c.k = cache_side(key_cache, c.layout, k_scale, c.truncate);
   c.v = cache_side(value_cache, c.layout, v_scale, c.truncate);
-  c.slots = slot_mapping.const_data_ptr();
-  c.slots64 = slot_mapping.scalar_type() == at::kLong;
-  c.slot_stride = slot_mapping.stride(0);
-  c.n_slots = std::min(p.T, slot_mapping.size(0));
+  set_slots(c, slot_mapping, p.T);
   c.stream = isa::stream_cache_rows(2 * c.n_slots * hkv * D * c.elem);
   std::vector<uint8_t> later;
   check_cache_values(c, key_cache.size(0) * c.block_size, k_scale, v_scale, later);
@@ -1038,10 +1043,7 @@ void check_cpu_cache_values(const at::Tensor& key_cache, const at::Tensor& slot_
                             const std::optional<at::Tensor>& v_scale) {
   if (!slot_mapping.device().is_cpu()) return;
   CachePlan c{};
-  c.slots = slot_mapping.const_data_ptr();
-  c.slots64 = slot_mapping.scalar_type() == at::kLong;
-  c.slot_stride = slot_mapping.stride(0);
-  c.n_slots = std::min(num_tokens, slot_mapping.size(0));
+  set_slots(c, slot_mapping, num_tokens);
   const int64_t block_size = key_cache.size((cache_mode & kLayoutMask) == kNHD ? 1 : 2);
   std::vector<uint8_t> later;
   check_cache_values(c, key_cache.size(0) * block_size, k_scale, v_scale, later);

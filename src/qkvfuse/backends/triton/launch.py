@@ -30,7 +30,7 @@ import torch
 from triton import knobs
 from triton.runtime import driver
 
-from ..._library import CHECK_POSITIONS_ON_ACCELERATORS, SplitConfig, check_positions, config_of, inplace_views
+from ..._library import CHECK_POSITIONS_ON_ACCELERATORS, SplitConfig, check_positions, config_of, inplace_outputs
 from ..._rope_mode import decode_mode
 from .. import native_host
 from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
@@ -415,9 +415,7 @@ def split_entry(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bia
     config = config_of((cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope),
                        head_dim, form == INPLACE)
     if form == INPLACE:
-        views = inplace_views(qkv, num_q_heads, num_kv_heads, config.q_gate)
-        q_out, k_out, v_out = views[:3]
-        gate_out = views[3] if len(views) == 4 else None
+        q_out, k_out, v_out, gate_out = inplace_outputs(qkv, num_q_heads, num_kv_heads, config.q_gate)
     launched = _split_launch(qkv, positions, config, q_out, k_out, v_out, gate_out)
     if spec is not None:
         c = _compiled(launched)
