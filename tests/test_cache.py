@@ -189,7 +189,7 @@ def test_plugins_write_without_views_as_inplace_cache(backend):
                           "nearest")
 
 
-@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", ["NHD", "HND", "vec"])
 def test_cache_offsets_past_2_31_elements(backend, layout):
     """Caches whose second block starts past 2^31 elements (a block stride of 2^31 + 64 over one allocation whose
     untouched pages are never backed): an int32 block offset (block x stride) would wrap and write elsewhere.
@@ -198,14 +198,15 @@ def test_cache_offsets_past_2_31_elements(backend, layout):
     kw = make_cache_inputs(CacheCase(case, layout=layout, num_blocks=2, block_size=4), seed=3)
     kw.pop("storage")
     block_size, D, stride = 4, 64, 2**31 + 64
-    shape = (2, block_size, 1, D) if layout == "NHD" else (2, 1, block_size, D)
+    shape = (2, block_size, 1, D) if layout == "NHD" else (2, 1, block_size, D)  # vec: HND's index order
+    strides = (stride, block_size * D if layout == "vec" else D, D, 1)  # vec: one region per block and head
     caches = []
     for _ in range(2):
         try:
             buf = torch.empty(stride + block_size * D, dtype=torch.bfloat16)
         except (RuntimeError, MemoryError) as exc:  # no address space for it
             pytest.skip(f"cannot reserve {stride + block_size * D} elements: {exc}")
-        caches.append(buf.as_strided(shape, (stride, D, D, 1)).fill_(float("nan")))
+        caches.append(buf.as_strided(shape, strides).fill_(float("nan")))
     compact = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(2)]
     slots = torch.tensor([block_size + 2, block_size, block_size + 3])
     common = {k: v for k, v in kw.items() if k not in ("qkv", "key_cache", "value_cache", "slot_mapping")}

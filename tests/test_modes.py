@@ -416,6 +416,38 @@ def test_compile_dynamic_default_recompiles_only_for_one_token(backend):
     assert counts == [1, 1, 1, 2, 2, 2]
 
 
+def test_compile_cache_ops_take_new_slots_and_scales_without_recompiling(backend):
+    """Slots, FP8 scales and the caches are graph inputs: calls with new values (and new cache tensors) of the
+    same shapes run the first graph, bitwise equal to eager -- no recompile per value, no value baked in."""
+    d, heads = ROPE.head_dim, ROPE.num_kv_heads
+    prep = Prepare(ROPE, backend).prep
+
+    def f(qkv, positions, k8, v8, k16, v16, slots, k_scale, v_scale):
+        views = prep.inplace_cache(qkv, positions, k8, v8, slots, layout="vec", k_scale=k_scale, v_scale=v_scale)
+        outs = prep.with_cache(qkv, positions, k16, v16, slots, layout="HND")
+        return (*views, *outs)
+
+    def new_args(seed):
+        qkv, positions, _ = call_inputs(ROPE, seed=seed)
+        g = torch.Generator().manual_seed(seed)
+        slots = torch.randperm(64, generator=g)[: ROPE.T]
+        slots[seed % ROPE.T] = -1
+        k8, v8 = (torch.zeros(4, heads, 16, d, dtype=torch.float8_e4m3fn) for _ in range(2))
+        k16, v16 = (torch.zeros(4, heads, 16, d, dtype=qkv.dtype) for _ in range(2))
+        scales = 0.02 + 0.1 * torch.rand(2, generator=g)
+        return [qkv, positions, k8, v8, k16, v16, slots, scales[0].clone(), scales[1].clone()]
+
+    recorder = GraphRecorder("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, dynamic=False, backend=recorder)
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            args, want_args = new_args(seed), new_args(seed)
+            got, want = compiled(*args), f(*want_args)
+            assert_bitwise(got, want)
+            assert_bitwise([args[i] for i in (0, 2, 3, 4, 5)], [want_args[i] for i in (0, 2, 3, 4, 5)])  # in place
+            assert len(recorder.op_graphs) == 1, f"recompiled for seed {seed}"
+
+
 _FIRST_CALL_COMPILED = textwrap.dedent("""
     import sys, torch, qkvfuse
     backend = None if sys.argv[1] == "auto" else sys.argv[1]
@@ -653,6 +685,23 @@ def test_in_place_and_out_writes_bump_version_counters(backend, request):
         check("QKNormRope out=", outs2, lambda: model.prep(qkv, positions, out=outs2))
         x, r = qkv[:, : model.sizes[0]].clone(), residual.clone()
         check("AddRMSNorm out=", [x, r], lambda: model.norm(x, r, out=(x, r)))
+        # The cache-writing split: qkv (in place) or the outputs (out=), and both caches -- also K and V as the
+        # halves of one buffer, whose own counter the views share.
+        d, heads = ROPE.head_dim, ROPE.num_kv_heads
+        slots = torch.arange(ROPE.T)
+        k_cache, v_cache = torch.zeros(2, 8, heads, d, dtype=qkv.dtype), torch.zeros(2, 8, heads, d, dtype=qkv.dtype)
+        work3 = qkv.clone()
+        check("split_qkv_rmsnorm_rope_cache_", [work3, k_cache, v_cache],
+              lambda: qkvfuse.split_qkv_rmsnorm_rope_cache_(work3, positions, **kw, key_cache=k_cache,
+                                                            value_cache=v_cache, slot_mapping=slots, backend=backend))
+        kv = torch.zeros(2, 8, 2 * heads, d, dtype=qkv.dtype)
+        k_half, v_half = kv.chunk(2, dim=2)
+        work4 = qkv.clone()
+        check("QKNormRope.inplace_cache", [work4, kv, k_half, v_half],
+              lambda: model.prep.inplace_cache(work4, positions, k_half, v_half, slots))
+        outs3 = tuple(torch.empty(ROPE.T, n, dtype=qkv.dtype) for n in model.sizes)
+        check("QKNormRope.with_cache out=", [*outs3, k_cache, v_cache],
+              lambda: model.prep.with_cache(qkv, positions, k_cache, v_cache, slots, out=outs3))
     assert all(bumped.values()), bumped
 
 

@@ -23,6 +23,7 @@ import torch
 import qkvfuse
 from qkvfuse._verify import (SplitCase, check_split_outputs, make_split_inputs, oracle_split, poisoned_like,
                              unfused_split)
+from qkvfuse._verify.cache import CacheCase, check_cache_case, make_cache_inputs
 from qkvfuse.backends import available_backends, backend_unavailable
 
 if available_backends()["triton"]:
@@ -316,6 +317,17 @@ def test_offsets_past_2_31_elements(row_stride, T):
     views = qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend="triton")
     for a, b in zip(views, want):
         assert torch.equal(a, b)
+    # The cache-writing split in place on the far rows, against the same call on the compact ones.
+    qkv.copy_(compact)
+    slots = torch.tensor([5, 0, 2][:T], device=DEVICE)
+    caches = [[torch.full((2, 4, 1, 64), float("nan"), dtype=compact.dtype, device=DEVICE) for _ in range(2)]
+              for _ in range(2)]
+    got = qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kwargs, key_cache=caches[0][0], value_cache=caches[0][1],
+                                                slot_mapping=slots, backend="triton")
+    want = qkvfuse.split_qkv_rmsnorm_rope_cache_(compact.clone(), **kwargs, key_cache=caches[1][0],
+                                                 value_cache=caches[1][1], slot_mapping=slots, backend="triton")
+    for a, b in zip((*got, *caches[0]), (*want, *caches[1])):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     x = _huge_rows(T, 64, row_stride, torch.bfloat16)
     residual = _huge_rows(T, 64, row_stride, torch.bfloat16)
     x_c, r_c = (torch.randn(T, 64, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
@@ -362,6 +374,30 @@ def test_in_place_programs_never_read_what_another_wrote(monkeypatch, q_gate):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("layout", ["NHD", "vec"])
+@pytest.mark.parametrize("q_gate", [False, True], ids=["plain", "gated"])
+def test_in_place_cache_programs_never_read_what_another_wrote(monkeypatch, q_gate, layout):
+    """The cache-writing kernel in place under the same tiling as above: its views equal the out-of-place split's,
+    and every cache byte is the token's K / V (:func:`qkvfuse._verify.cache.check_cache_case`)."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    monkeypatch.setattr(launch, "GPU_SPLIT_TILE", 128)
+    case = SplitCase(T=5, num_q_heads=6, num_kv_heads=2, head_dim=32, rotary_dim=16, q_gate=q_gate,
+                     gemma_norm=q_gate, bias=not q_gate)
+    cfg = launch.split_config(case.T, 6, 2, 32)
+    assert cfg["Q_HEADS"] < 6 and cfg["BLOCK_T"] < case.T
+    cache_case = CacheCase(case, layout=layout, num_blocks=2)
+    kw = make_cache_inputs(cache_case, seed=4, device=DEVICE)
+    kw.pop("storage")
+    qkv = kw.pop("qkv")
+    split_kw = {k: v for k, v in kw.items() if k not in ("key_cache", "value_cache", "slot_mapping", "layout",
+                                                          "fp8_rounding")}
+    want = qkvfuse.split_qkv_rmsnorm_rope(qkv, **split_kw, backend="triton")
+    got = qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv.clone(), **kw, backend="triton")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    check_cache_case("triton", cache_case, seed=4, device=DEVICE, form="inplace")
+
+
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 @pytest.mark.parametrize("mrope", [False, True], ids=["rope", "mrope"])
 def test_partial_rotary_many_heads_per_program(monkeypatch, is_neox, mrope):
@@ -376,6 +412,19 @@ def test_partial_rotary_many_heads_per_program(monkeypatch, is_neox, mrope):
     qkvfuse.split_qkv_rmsnorm_rope(**kwargs, out=out, backend="triton")
     report = check_split_outputs(out, oracle_split(**kwargs), unfused_split(**kwargs), kwargs["qkv"], 16, 4, 64)
     assert report.ok, report.detail
+
+
+@pytest.mark.parametrize("layout,cache_dtype", [("vec", None), ("NHD", torch.float8_e4m3fn)], ids=["vec", "NHD-fp8"])
+@pytest.mark.parametrize("mrope", [False, True], ids=["rope", "mrope"])
+def test_partial_rotary_many_heads_per_program_into_the_cache(monkeypatch, mrope, layout, cache_dtype):
+    """The cache-writing kernel with the same 16 Q heads per program: outputs bit-equal to the split's (checked
+    against the oracle above), cached K / V the tokens' bits, FP8 within half a step of the oracle."""
+    monkeypatch.setattr(launch, "INTERPRET", False)
+    case = SplitCase(T=3, num_q_heads=16, num_kv_heads=4, head_dim=64, rotary_dim=32, bias=True,
+                     mrope_section=(6, 5, 5) if mrope else None, mrope_interleaved=mrope)
+    assert launch.split_config(case.T, 16, 4, 64)["Q_HEADS"] == 16
+    check_cache_case("triton", CacheCase(case, layout=layout, cache_dtype=cache_dtype, num_blocks=1), seed=5,
+                     device=DEVICE, form="out")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
