@@ -153,6 +153,8 @@ def recorded(monkeypatch):
     log = []
     monkeypatch.setattr(launch, "split_qkv_rmsnorm_rope_kernel", _Recorder(launch.split_qkv_rmsnorm_rope_kernel, log))
     monkeypatch.setattr(launch, "add_rmsnorm_kernel", _Recorder(launch.add_rmsnorm_kernel, log))
+    monkeypatch.setattr(launch, "split_qkv_rmsnorm_rope_cache_kernel",
+                        _Recorder(launch.split_qkv_rmsnorm_rope_cache_kernel, log))
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda index: "stream")
     monkeypatch.setattr(launch, "driver", types.SimpleNamespace(active=active))
     monkeypatch.setattr(launch, "INTERPRET", False)
@@ -225,6 +227,86 @@ def test_cached_norm_launch_passes_the_jit_arguments(recorded, form):
     }
     _assert_cached_launch_matches_jit(recorded, calls[form], launch._NORM_CONSTEXPRS,
                                       fresh=(4, 5) if form in ("functional", "no-residual", "out") else ())
+
+
+CACHE_CASES = {
+    "nhd-bf16": CacheCase(SPLIT_CASES["plain"]),
+    "hnd-bias-padded-interleaved": CacheCase(SPLIT_CASES["partial-gptj-bias-padded"], layout="HND", interleaved=True),
+    "vec-mrope-strided-positions": CacheCase(SPLIT_CASES["mrope-strided-positions"], layout="vec", block_size=32),
+    "amx-no-norm": CacheCase(SPLIT_CASES["no-norm"], layout="amx", block_size=32),
+    "vec-fp8-truncate": CacheCase(SPLIT_CASES["no-norm"], layout="vec", cache_dtype=torch.float8_e4m3fn,
+                                  rounding="truncate"),
+    "nhd-e5m2-gated": CacheCase(SPLIT_CASES["gated-gemma"], cache_dtype=torch.float8_e5m2, slots="short"),
+}
+
+
+@pytest.mark.parametrize("form", ["inplace", "out", "out-aliasing-k-v"])
+@pytest.mark.parametrize("name", list(CACHE_CASES))
+def test_kept_cache_launch_passes_the_jit_arguments(recorded, name, form):
+    """The cache-writing split: after the first call's JIT launch the host kernel keeps its compiled launch, and the
+    second call's launch has the first's grid, pointers, strides, scalars and constexprs (the Python host path
+    makes Triton's JIT launch every time)."""
+    from qkvfuse.backends.triton import cache as cache_launch
+
+    case = CACHE_CASES[name]
+    kwargs = make_cache_inputs(case, seed=2)
+    kwargs.pop("storage")
+    s = case.split
+    if s.mrope_section:  # [3, T] positions as a strided view
+        wide = torch.zeros(3, 2 * s.T, dtype=s.pos_dtype)
+        wide[:, ::2] = kwargs["positions"]
+        kwargs["positions"] = wide[:, ::2]
+    qkv = kwargs.pop("qkv")
+    T, D, hq, hkv = s.T, s.head_dim, s.num_q_heads, s.num_kv_heads
+    outs = [torch.empty(T, n * D, dtype=s.dtype) for n in (hq, hkv, hkv)] + (
+        [torch.empty(T, hq * D, dtype=s.dtype)] if s.q_gate else [])
+    if form == "out-aliasing-k-v":
+        k_col = (2 if s.q_gate else 1) * hq * D
+        outs[1], outs[2] = qkv[:, k_col:k_col + hkv * D], qkv[:, k_col + hkv * D:k_col + 2 * hkv * D]
+    if form == "inplace":
+        def call():
+            qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kwargs, backend="triton")
+    else:
+        def call():
+            qkvfuse.split_qkv_rmsnorm_rope_cache(qkv, **kwargs, out=tuple(outs), backend="triton")
+    triton_host_kernels()  # the C++ kernels from the first call on (else the first Triton call switches to them)
+    del recorded[:]
+    call()
+    call()
+    kinds = [entry[0] for entry in recorded]
+    if not native_host.enabled():
+        assert kinds == ["jit", "jit"], kinds
+        return
+    assert kinds == ["jit", "run"], kinds
+    (_, grid, args, constexprs), (_, run_grid, run_args, _) = recorded
+    want = _as_launched(args, cache_launch._CACHE_CONSTEXPRS, constexprs)
+    assert run_grid == tuple(grid) and len(run_args) == len(want)
+    for i, (got, expected) in enumerate(zip(run_args, want)):
+        assert got == expected, (i, got, expected)
+
+
+def test_kept_cache_launch_leaves_hooked_launches_to_the_launcher(recorded):
+    """With a launch hook set the cache-writing split's launch is the Python launcher's (Triton's JIT launch, which
+    calls the hooks); the kept launch again once the hook is gone."""
+    from triton import knobs
+
+    kwargs = make_cache_inputs(CACHE_CASES["nhd-bf16"], seed=2)
+    kwargs.pop("storage")
+    qkv = kwargs.pop("qkv")
+    triton_host_kernels()
+    del recorded[:]
+    for _ in range(2):
+        qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kwargs, backend="triton")
+    chain = knobs.runtime.launch_enter_hook
+    hook = lambda *args: None  # noqa: E731
+    chain.add(hook)
+    try:
+        qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kwargs, backend="triton")
+    finally:
+        chain.remove(hook)
+    qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kwargs, backend="triton")
+    kinds = [entry[0] for entry in recorded]
+    assert kinds == (["jit", "run", "jit", "run"] if native_host.enabled() else ["jit"] * 4), kinds
 
 
 def _kept_calls():

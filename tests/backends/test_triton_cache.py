@@ -302,7 +302,7 @@ def test_one_launch_no_reference_write(monkeypatch):
             launches.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(cache_launch, "split_qkv_rmsnorm_rope_cache_kernel", Counting())
+    monkeypatch.setattr(launch, "split_qkv_rmsnorm_rope_cache_kernel", Counting())
     monkeypatch.setattr(reference, "write_cache", None)
     _, key, value = _caches("NHD", torch.bfloat16, 2, 32)
     _launch(_case(T=3), key, value, torch.tensor([0, 1, 2]), "NHD")

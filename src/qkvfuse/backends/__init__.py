@@ -198,7 +198,8 @@ class _LazyTriton:
                 self.split_entry, self.norm_entry = module.split_entry, module.add_rmsnorm_out
             self.split_out, self.norm_out = module.split_qkv_rmsnorm_rope_out, module.add_rmsnorm_out
             self.split_cache = module.split_qkv_rmsnorm_rope_cache
-            self.cache_entry = native_host.cache_entry_of(module.split_qkv_rmsnorm_rope_cache)
+            self.cache_entry = native_host.cache_entry_of(module.split_qkv_rmsnorm_rope_cache,
+                                                          staging=module is not reference)
             triton_host_kernels()
             native_host.set_launchers(self.name, self.split_entry, self.norm_entry, self.cache_entry)
         return self

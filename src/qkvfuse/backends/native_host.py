@@ -17,8 +17,8 @@ q_bias, k_bias, num_q_heads, num_kv_heads, eps, rope, head_dim, form, q_out, k_o
 0 (``out=``), 1 (functional: fresh outputs) or 2 (in place: no outputs given), and for add_rmsnorm
 (:func:`norm_entry_of`, :func:`qkvfuse.backends.triton.launch.add_rmsnorm_out`) the reference launcher's ``(x,
 residual, weight, bias, eps, gemma, y_out, residual_out)``; both then ``stage`` (:func:`stage_launch`). The
-cache-writing split's (:func:`cache_entry_of`) takes the split's arguments and ``head_dim``, the cache's and the
-out= form's outputs (None in place).
+cache-writing split's (:func:`cache_entry_of`) takes the split's arguments and ``head_dim``, the cache's, the
+out= form's outputs (None in place) and ``stage``.
 """
 
 from __future__ import annotations
@@ -59,13 +59,15 @@ def split_entry_of(split_out: Callable) -> Callable:
     return entry
 
 
-def cache_entry_of(split_cache: Callable) -> Callable:
+def cache_entry_of(split_cache: Callable, staging: bool = False) -> Callable:
     """The host kernels' cache-writing split launcher over a launcher of the reference signature ``split_cache(qkv,
     positions, config, q_out, k_out, v_out, gate_out, target)``: the schema's arguments, the derived ``head_dim``, the
-    cache arguments, then the out= form's outputs (None in place: ``qkv``'s own columns)."""
+    cache arguments, then the out= form's outputs (None in place: ``qkv``'s own columns) and ``stage``, passed on
+    as ``split_cache``'s last argument where it takes one (``staging``: the Triton launcher's)."""
 
     def entry(qkv, positions, cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope, head_dim, key_cache, value_cache,
-              slot_mapping, cache_mode, k_scale, v_scale, q_out=None, k_out=None, v_out=None, gate_out=None):
+              slot_mapping, cache_mode, k_scale, v_scale, q_out=None, k_out=None, v_out=None, gate_out=None,
+              stage=None):
         inplace = q_out is None
         config = _library.config_of((cache, q_w, k_w, q_b, k_b, hq, hkv, eps, rope), head_dim, inplace)
         target = _library.CacheTarget(key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale)
@@ -74,7 +76,10 @@ def cache_entry_of(split_cache: Callable) -> Callable:
             _library.check_cache_values(target, qkv.shape[0])
         if inplace:
             q_out, k_out, v_out, gate_out = _library.inplace_outputs(qkv, hq, hkv, config.q_gate)
-        split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target)
+        if staging:
+            split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target, stage)
+        else:
+            split_cache(qkv, positions, config, q_out, k_out, v_out, gate_out, target)
 
     return entry
 
@@ -108,10 +113,11 @@ def set_launchers(backend: str, split: Callable, norm: Callable, cache: Callable
 def stage_launch(run, function, packed_metadata, values: tuple, block_t: int, grid1: int, sections, launch_globals,
                  knobs_runtime) -> None:
     """Hand a compiled launch to the host kernel that called the launcher with ``stage=True`` (see
-    :func:`qkvfuse.backends.triton.launch.split_entry` and ``add_rmsnorm_out``): Triton's compiled launcher ``run``
-    and its ``function`` / ``packed_metadata``, the constexprs' values after the integer arguments, the token block,
-    the grid's second dimension, the split's mRoPE ``(s_t, s_h, s_w)`` (zeros for add_rmsnorm), the launcher
-    module's globals and ``triton.knobs.runtime``."""
+    :func:`qkvfuse.backends.triton.launch.split_entry`, ``add_rmsnorm_out`` and
+    :func:`qkvfuse.backends.triton.cache.split_qkv_rmsnorm_rope_cache`): Triton's compiled launcher ``run`` and its
+    ``function`` / ``packed_metadata``, the constexprs' values after the integer arguments, the token block, the
+    grid's second dimension, the mRoPE ``(s_t, s_h, s_w)`` (zeros for add_rmsnorm), the launcher module's globals
+    (:mod:`qkvfuse.backends.triton.launch`'s, for all three) and ``triton.knobs.runtime``."""
     if _stager is not None:
         _stager(run, function, packed_metadata, values, block_t, grid1, *sections, launch_globals, knobs_runtime)
 

@@ -180,6 +180,32 @@ def test_fp8_cache_on_amx_is_left_to_vllms_writer(tiny_dir, cache_writes, plugin
                for m in plugin_log), plugin_log
 
 
+def test_a_layer_reading_another_layers_cache_leaves_it_to_vllm(tiny_dir, cache_writes, plugin_log, monkeypatch):
+    """A layer whose attention reads an earlier layer's KV cache (vLLM's ``kv_sharing_target_layer_name``, which
+    models such as Gemma-3n set for their last layers) writes no cache of its own: the plugin fuses its prepare and
+    leaves the cache to vLLM (logged), the other layer still writes from the fused call. The shared cache's bytes,
+    the tokens and the logprobs equal those of vLLM's own writer."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    init = Attention.__init__
+
+    def sharing(self, *args, **kwargs):
+        if kwargs.get("prefix", "").startswith("model.layers.1."):
+            kwargs["kv_sharing_target_layer_name"] = "model.layers.0.self_attn.attn"
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Attention, "__init__", sharing)
+    model_dir = tiny_dir("Qwen3")
+    own = _run(model_dir, "float32", OWN, "auto")
+    assert cache_writes == {}
+    fused = _run(model_dir, "float32", FUSED, "auto")
+    assert fused.fused == {"Qwen3Attention": 2} and cache_writes.get("vec", 0) > 0, cache_writes
+    assert any("Qwen3Attention leaves its KV cache write to vLLM: it reads the KV cache of "
+               "model.layers.0.self_attn.attn (kv_sharing_target_layer_name)" in m for m in plugin_log), plugin_log
+    _assert_same_caches(fused.probed, own.probed)
+    assert (fused.tokens, fused.logprobs) == (own.tokens, own.logprobs)
+
+
 def test_untested_vllm_attention_code_keeps_vllms_cache_write(tiny_dir, cache_writes, plugin_log, monkeypatch):
     """A vLLM whose attention entry points differ from the tested ones: the fused prepare stays, vLLM writes the
     cache (one log line)."""

@@ -9,6 +9,7 @@
 // fp8_bits repeats) or truncated toward zero -- reference.quantize's result for the same fp32 input.
 #pragma once
 
+#include "cache_mode.h"
 #include "isa.h"
 #include "vec_io.h"
 
@@ -20,8 +21,6 @@
 
 namespace qkvfuse_cpu {
 
-// qkvfuse._cache_mode: bits 0-3 the layout, bit 4 truncating FP8 rounding.
-constexpr int64_t kNHD = 0, kHND = 1, kVec = 2, kAmx = 3, kLayoutMask = 15, kTruncateBit = 16;
 
 // One cache tensor: its base and element strides (block, offset in block, head, dim) -- for "vec" and "amx" only
 // block and head (the region base; the region's own index map is fixed).

@@ -9,11 +9,13 @@
 // then calls the Triton launcher -- a Python callable registered once (qkvfuse_set_triton_launchers) -- with the
 // checked arguments and the derived head_dim. So a call pays one Python frame (the launcher's) and no Python
 // argument checks; later device launches of a key the launcher has handed over are made here, without the
-// launcher's frame (see launch_split, launch_norm). Without Python headers at build time this file compiles to
-// nothing and the Python kernels stay registered.
+// launcher's frame (see launch_split, launch_norm, launch_cache). Without Python headers at build time this file
+// compiles to nothing and the Python kernels stay registered.
 #if __has_include(<Python.h>) && defined(QKVFUSE_PYTHON_HOST)
 
 #include <Python.h>
+
+#include "cache_mode.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -700,9 +702,201 @@ std::tuple<Tensor, Tensor> norm(const Tensor& x, const OptTensor& residual, cons
 // ------------------------------------------------------------------------------------------------------------
 // The cache-writing split: launcher(qkv, positions, cos_sin_cache, q_weight, k_weight, q_bias, k_bias, num_q_heads,
 // num_kv_heads, eps, rope, head_dim, key_cache, value_cache, slot_mapping, cache_mode, k_scale, v_scale, q_out,
-// k_out, v_out, gate_out), the outputs None in place. The CPU kernel's rules first, in its order: the split's and
-// the caches' (check_cache_args), then for CPU tensors the position range and the cache's value rules (slots, FP8
-// scales) -- on accelerators the launcher applies those where QKVFUSE_CHECK_POSITIONS asks for them.
+// k_out, v_out, gate_out, stage), the outputs None in place. The CPU kernel's rules first, in its order: the split's
+// and the caches' (check_cache_args), then for CPU tensors the position range and the cache's value rules (slots,
+// FP8 scales) -- on accelerators the launcher applies those where QKVFUSE_CHECK_POSITIONS asks for them.
+//
+// Its compiled launch is kept the split's way (the launcher stages it, see launch_split), under the split's key
+// facts plus the cache's: its layout and rounding (cache_mode), the cache, slot and scale dtypes, the slot stride,
+// the capacity, the block size and the eight element strides the kernel addresses the caches with.
+using CacheKey = std::array<int64_t, 48>;
+
+// The cache-writing split's fixed arguments: grid1, hq, hkv, s_t, s_h, s_w, qkv's row stride, positions' token
+// stride, the table's row stride, the outputs' row strides (4), the slot stride, the capacity, the block size, the
+// key cache's strides (4), the value cache's (4).
+using CacheLaunch = KeptLaunch<24>;
+
+std::map<CacheKey, CacheLaunch> g_cache_launches;  // guarded by the GIL
+
+struct CacheArgs {
+  // qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out, gate, key_cache, value_cache, slots,
+  // k_scale, v_scale
+  int64_t ptr[16];
+  int64_t T, num_slots, max_position, pos_axis;
+};
+
+// The element strides (block, offset in block, head, dim) the kernel addresses a cache with
+// (qkvfuse.backends.triton.cache._strides): NHD's own, the others' in [block, head, offset, dim] order, and the
+// vec layout's K region transposed ([head_dim, block_size]).
+void cache_strides(int64_t layout, const Tensor& c, bool is_key, int64_t* out) {
+  const bool nhd = layout == kNHD;
+  out[0] = c.stride(0);
+  out[1] = nhd ? c.stride(1) : c.stride(2);
+  out[2] = nhd ? c.stride(2) : c.stride(1);
+  out[3] = c.stride(3);
+  if (layout == kVec && is_key) {
+    out[1] = 1;
+    out[3] = c.size(2);  // block_size
+  }
+}
+
+bool is_fp8(const Tensor& t) {
+  return t.scalar_type() == at::kFloat8_e4m3fn || t.scalar_type() == at::kFloat8_e5m2;
+}
+
+// The key of this call and its launch arguments; false where only the Python launcher may launch (as split_key).
+bool cache_key(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
+               const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
+               int64_t rope, int64_t D, const Tensor& key_cache, const Tensor& value_cache,
+               const Tensor& slot_mapping, int64_t cache_mode, const OptTensor& k_scale, const OptTensor& v_scale,
+               const Tensor* const* outs, CacheKey& key, CacheArgs& a) {
+  if (g_launch_globals == nullptr) return false;
+  const int64_t T = qkv.size(0);
+  if (T == 0) return false;
+  const bool norm = q_weight.has_value(), bias = q_bias.has_value(), gated = (rope & kQGate) != 0;
+  const bool mrope = (rope & kMRope) != 0, fp8 = is_fp8(key_cache);
+  if (norm && !(q_weight->is_contiguous() && k_weight->is_contiguous())) return false;
+  if (bias && !(q_bias->is_contiguous() && k_bias->is_contiguous())) return false;
+  if (fp8 && !(k_scale.has_value() && v_scale.has_value())) return false;
+  static ModuleNames names{"split_qkv_rmsnorm_rope_cache_kernel",
+                           {"GPU_SPLIT_TILE", "GPU_SPLIT_PER_THREAD", "GPU_MAX_GATED_Q"}};
+  int64_t settings[3];
+  PyObject *kernel, *driver;
+  if (!launch_module(names, settings, kernel, driver)) return false;
+  const int64_t item = qkv.element_size(), q_width = hq * D, k_col = (gated ? 2 : 1) * q_width;
+  const int64_t v_col = k_col + hkv * D;
+  const auto ptr = [](const Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); };
+  const int64_t qp = ptr(qkv);
+  a.ptr[0] = qp;
+  a.ptr[1] = ptr(positions);
+  a.ptr[2] = ptr(cache);
+  a.ptr[3] = norm ? ptr(*q_weight) : qp;
+  a.ptr[4] = norm ? ptr(*k_weight) : qp;
+  a.ptr[5] = bias ? ptr(*q_bias) : a.ptr[3];
+  a.ptr[6] = bias ? ptr(*k_bias) : a.ptr[4];
+  const int64_t rs = qkv.stride(0);
+  int64_t q_s, k_s, v_s, g_s;
+  bool copy_v, in_place;
+  if (outs == nullptr) {  // in place: the outputs are qkv's own columns
+    a.ptr[7] = qp;
+    a.ptr[8] = qp + k_col * item;
+    a.ptr[9] = qp + v_col * item;
+    a.ptr[10] = gated ? qp + q_width * item : qp;
+    q_s = k_s = v_s = g_s = rs;
+    copy_v = false;
+    in_place = true;
+  } else {
+    a.ptr[7] = ptr(*outs[0]);
+    a.ptr[8] = ptr(*outs[1]);
+    a.ptr[9] = ptr(*outs[2]);
+    q_s = outs[0]->stride(0);
+    k_s = outs[1]->stride(0);
+    v_s = outs[2]->stride(0);
+    const bool has_gate = gated && outs[3] != nullptr;
+    a.ptr[10] = has_gate ? ptr(*outs[3]) : a.ptr[7];
+    g_s = has_gate ? outs[3]->stride(0) : q_s;
+    copy_v = !(a.ptr[9] == qp + v_col * item && (T < 2 || v_s == rs));
+    in_place = a.ptr[7] == qp || a.ptr[8] == qp + k_col * item;
+  }
+  a.ptr[11] = ptr(key_cache);
+  a.ptr[12] = ptr(value_cache);
+  a.ptr[13] = ptr(slot_mapping);
+  a.ptr[14] = fp8 ? ptr(*k_scale) : qp;
+  a.ptr[15] = fp8 ? ptr(*v_scale) : qp;
+  int64_t any = 0;
+  for (const int64_t p : a.ptr) any |= p;
+  if ((any & 15) != 0) return false;
+  constexpr int64_t kI32 = int64_t{1} << 31;
+  const int64_t layout = cache_mode & kLayoutMask;
+  const bool nhd = layout == kNHD;
+  const int64_t blocks = key_cache.size(0), block_size = nhd ? key_cache.size(1) : key_cache.size(2);
+  int64_t ks[4], vs[4];
+  cache_strides(layout, key_cache, true, ks);
+  cache_strides(layout, value_cache, false, vs);
+  a.T = T;
+  a.num_slots = slot_mapping.size(0);
+  a.max_position = cache.size(0);
+  a.pos_axis = mrope ? positions.stride(0) : 0;
+  const int64_t pos_axis_code =
+      a.pos_axis < 2 ? a.pos_axis : ((a.pos_axis & 15) == 0) + 2 + (a.pos_axis >= kI32 ? 4 : 0);
+  key = {ns,
+         reinterpret_cast<int64_t>(g_cache[ns]),
+         reinterpret_cast<int64_t>(kernel),
+         reinterpret_cast<int64_t>(driver),
+         settings[0],
+         settings[1],
+         settings[2],
+         hq,
+         hkv,
+         D,
+         cache.size(1),
+         rope,
+         outs == nullptr,
+         norm,
+         bias,
+         copy_v,
+         in_place,
+         static_cast<int64_t>(qkv.scalar_type()),
+         static_cast<int64_t>(positions.scalar_type()),
+         static_cast<int64_t>(cache.scalar_type()),
+         dtype_code(q_weight),
+         dtype_code(q_bias),
+         static_cast<int64_t>(key_cache.scalar_type()),
+         static_cast<int64_t>(slot_mapping.scalar_type()),
+         fp8 ? dtype_code(k_scale) : -1,
+         cache_mode,
+         rs,
+         pos_axis_code,
+         positions.stride(-1),
+         cache.stride(0),
+         q_s,
+         k_s,
+         v_s,
+         g_s,
+         slot_mapping.stride(0),
+         blocks * block_size,
+         block_size,
+         ks[0],
+         ks[1],
+         ks[2],
+         ks[3],
+         vs[0],
+         vs[1],
+         vs[2],
+         vs[3],
+         T >= kI32 || a.max_position >= kI32 || a.num_slots >= kI32,
+         qkv.get_device(),
+         positions.dim()};
+  return true;
+}
+
+// The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch.
+bool launch_cache_kept(const CacheLaunch& e, const CacheArgs& a, int64_t device, double eps) {
+  const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
+  constexpr Py_ssize_t kFixedArgs = 9 + 44;
+  if (n_values > 64) return false;
+  PyObject* stream = kept_stream(e.driver, device);
+  if (stream == nullptr) return false;
+  PyObject* argv[kFixedArgs + 64];
+  Py_ssize_t n = 9;
+  const auto owned = [&](PyObject* o) { argv[n++] = o; };
+  const auto borrowed = [&](PyObject* o) { argv[n++] = Py_NewRef(o); };
+  PyObject* const* f = e.fixed;
+  for (const int64_t p : a.ptr) owned(ll(p));
+  owned(ll(a.T));
+  owned(ll(a.num_slots));
+  borrowed(f[1]);  // hq
+  borrowed(f[2]);  // hkv
+  owned(PyFloat_FromDouble(eps));
+  owned(ll(a.max_position));
+  for (int i = 3; i < 7; ++i) borrowed(f[i]);  // s_t, s_h, s_w, qkv's row stride
+  owned(ll(a.pos_axis));
+  for (int i = 7; i < 24; ++i) borrowed(f[i]);  // the strides, the slot stride, capacity, block size, cache strides
+  for (Py_ssize_t i = 0; i < n_values; ++i) borrowed(PyTuple_GET_ITEM(e.values, i));
+  run_compiled(e.run, e.function, e.packed_metadata, f[0], (a.T + e.block_t - 1) / e.block_t, stream, argv, n);
+  return true;
+}
+
 void launch_cache(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
                   const OptTensor& k_weight, const OptTensor& q_bias, const OptTensor& k_bias, int64_t hq, int64_t hkv,
                   double eps, int64_t rope, const Tensor& key_cache, const Tensor& value_cache,
@@ -714,12 +908,30 @@ void launch_cache(int ns, const Tensor& qkv, const Tensor& positions, const Tens
   check_cpu_cache_values(key_cache, slot_mapping, cache_mode, qkv.size(0), k_scale, v_scale);
   auto out = [&](int i) { return outs != nullptr ? outs[i] : nullptr; };
   Gil gil;
-  PyObject* argv[] = {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias),
-                      wrap(k_bias), PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps),
-                      PyLong_FromLongLong(rope), PyLong_FromLongLong(D), wrap(key_cache), wrap(value_cache),
-                      wrap(slot_mapping), PyLong_FromLongLong(cache_mode), wrap(k_scale), wrap(v_scale), wrap(out(0)),
-                      wrap(out(1)), wrap(out(2)), wrap(out(3))};
-  call(launcher(g_cache, ns), argv, sizeof(argv) / sizeof(argv[0]));
+  CacheKey key;
+  CacheArgs args;
+  const auto make_key = [&] {
+    return cache_key(ns, qkv, positions, cache, q_weight, k_weight, q_bias, k_bias, hq, hkv, rope, D, key_cache,
+                     value_cache, slot_mapping, cache_mode, k_scale, v_scale, outs, key, args);
+  };
+  const bool keyed = make_key();
+  bool stage;
+  const CacheLaunch* kept = find_kept(g_cache_launches, keyed, key, qkv.size(0), stage);
+  if (kept != nullptr && launch_cache_kept(*kept, args, key[46], eps)) return;
+  call_staging(stage, launcher(g_cache, ns),
+               {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
+                PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
+                PyLong_FromLongLong(D), wrap(key_cache), wrap(value_cache), wrap(slot_mapping),
+                PyLong_FromLongLong(cache_mode), wrap(k_scale), wrap(v_scale), wrap(out(0)), wrap(out(1)),
+                wrap(out(2)), wrap(out(3))});
+  if (t_staged.set && (keyed || make_key())) {
+    const Staged& st = t_staged;
+    const int64_t fixed[24] = {st.grid1, hq,      hkv,     st.s_t,  st.s_h,  st.s_w,  key[26], key[28],
+                               key[29],  key[30], key[31], key[32], key[33], key[34], key[35], key[36],
+                               key[37],  key[38], key[39], key[40], key[41], key[42], key[43], key[44]};
+    keep_staged(g_cache_launches, key, fixed);
+  }
+  clear_staged();
 }
 
 template <int NS>
@@ -771,10 +983,11 @@ void register_kernels(torch::Library& m) {
 }  // namespace
 }  // namespace qkvfuse_cpu
 
-// Called from Python through ctypes.PyDLL (the GIL held) by the split or add_rmsnorm launcher, inside a call this file
-// made with stage=True, once that launch went through a compiled kernel: Triton's compiled launcher and its handles,
-// the constexprs' values, the token block, the grid's second dimension, the split's mRoPE sections, the launcher
-// module's globals and triton.knobs.runtime. The caller keeps it under the call's key when the launcher returns.
+// Called from Python through ctypes.PyDLL (the GIL held) by a Triton launcher (the split's, add_rmsnorm's or the
+// cache-writing split's), inside a call this file made with stage=True, once that launch went through a compiled
+// kernel: Triton's compiled launcher and its handles, the constexprs' values, the token block, the grid's second
+// dimension, the mRoPE sections (zeros for add_rmsnorm), the launcher module's globals and triton.knobs.runtime. The
+// caller keeps it under the call's key when the launcher returns.
 // Returns 0 when staged, 1 when this thread's call asked for nothing.
 extern "C" __attribute__((visibility("default"))) int qkvfuse_stage_launch(
     PyObject* run, PyObject* function, PyObject* packed_metadata, PyObject* values, long long block_t,

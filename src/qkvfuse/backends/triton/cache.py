@@ -16,14 +16,19 @@ from typing import Optional
 
 import torch
 
+from triton import knobs
+
 from ..._cache_mode import AMX, VEC, cache_dims, slot_strides
-from ..._library import CacheTarget, SplitConfig
-from .cache_kernels import E4M3, E5M2, split_qkv_rmsnorm_rope_cache_kernel
-from .launch import _cdiv, _dense, _is_column_view, _on_device, split_config
+from ..._library import CHECK_POSITIONS_ON_ACCELERATORS, CacheTarget, SplitConfig
+from .. import native_host
+from . import launch
+from .cache_kernels import E4M3, E5M2
+from .launch import _cdiv, _compiled, _constexpr_names, _dense, _is_column_view, _on_device, split_config
 
 __all__ = ["split_qkv_rmsnorm_rope_cache"]
 
 _FP8_CODES = {torch.float8_e4m3fn: E4M3, torch.float8_e5m2: E5M2}
+_CACHE_CONSTEXPRS = _constexpr_names(launch.split_qkv_rmsnorm_rope_cache_kernel)
 
 
 def _strides(layout: int, cache: torch.Tensor, is_key: bool):
@@ -45,11 +50,15 @@ def split_qkv_rmsnorm_rope_cache(
     v_out: torch.Tensor,
     gate_out: Optional[torch.Tensor],
     target: CacheTarget,
+    stage: Optional[bool] = None,
 ) -> None:
     """Triton ``split_qkv_rmsnorm_rope_cache`` and ``..._cache_out``: the split of ``qkv`` in place
     (``config.inplace``: ``q_out .. gate_out`` are :func:`qkvfuse._library.inplace_views`) or into the out= form's
     outputs, and each token's K and V in the cache ``target`` (a :class:`qkvfuse._library.CacheTarget`), one kernel
-    launch (:mod:`.cache_kernels`)."""
+    launch (:mod:`.cache_kernels`). ``stage`` (True from a host kernel that has no compiled launch kept for this
+    call's key): a device launch's compiled kernel is handed to the host kernel
+    (:func:`qkvfuse.backends.native_host.stage_launch`), which makes the same launch itself on later calls of that
+    key, as for the split (:func:`.launch.split_entry`)."""
     num_q_heads, num_kv_heads, head_dim, eps = config.num_q_heads, config.num_kv_heads, config.head_dim, config.eps
     is_neox, mrope_section, mrope_interleaved, q_gate, gemma = config.mode
     cos_sin_cache = config.cos_sin_cache
@@ -93,21 +102,27 @@ def split_qkv_rmsnorm_rope_cache(
     k_scale = target.k_scale if fp8 else qkv
     v_scale = target.v_scale if fp8 else qkv
     grid = (_cdiv(T, cfg["BLOCK_T"]), _cdiv(num_q_heads, cfg["Q_HEADS"]) + _cdiv(num_kv_heads, cfg["KV_HEADS"]))
+    constexprs = dict(HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
+                      K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm, IS_NEOX=bool(is_neox), MROPE=mrope,
+                      MROPE_INTERLEAVED=bool(mrope_interleaved), Q_GATE=bool(q_gate), AMX=layout == AMX, FP8=fp8,
+                      TRUNCATE=target.truncate, IN_PLACE=in_place, COPY_V=copy_v, BLOCK_D=cfg["BLOCK_D"],
+                      BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"], KV_HEADS=cfg["KV_HEADS"])
     with _on_device(qkv):
-        split_qkv_rmsnorm_rope_cache_kernel[grid](
+        launched = launch.split_qkv_rmsnorm_rope_cache_kernel[grid](
             qkv, positions, cos_sin_cache, q_w, k_w, q_b, k_b, q_out, k_out, v_out, gate, key_cache, value_cache,
             slots, k_scale, v_scale,
             T, slots.shape[0], num_q_heads, num_kv_heads, float(eps), cos_sin_cache.shape[0], s_t, s_h, s_w,
             qkv.stride(0), pos_stride_axis, pos_stride_tok, cos_sin_cache.stride(0), q_out.stride(0),
             k_out.stride(0), v_out.stride(0), gate.stride(0), slots.stride(0), blocks * block_size, block_size,
             *_strides(layout, key_cache, True), *_strides(layout, value_cache, False),
-            HEAD_DIM=head_dim, ROT_DIM=cos_sin_cache.shape[1], NORM=norm, Q_BIAS=q_bias is not None,
-            K_BIAS=k_bias is not None, GEMMA=bool(gemma) and norm, IS_NEOX=bool(is_neox), MROPE=mrope,
-            MROPE_INTERLEAVED=bool(mrope_interleaved), Q_GATE=bool(q_gate), AMX=layout == AMX, FP8=fp8,
-            TRUNCATE=target.truncate, IN_PLACE=in_place, COPY_V=copy_v, BLOCK_D=cfg["BLOCK_D"],
-            BLOCK_T=cfg["BLOCK_T"], Q_HEADS=cfg["Q_HEADS"], KV_HEADS=cfg["KV_HEADS"],
-            num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
+            **constexprs, num_warps=cfg["num_warps"],  # V_BLOCK unused: the KV programs copy V
         )
         if scratch is not None:  # every program has read qkv: the Q/gate region may now be overwritten
             final_q.copy_(q_out)
             final_gate.copy_(gate_out)
+        elif stage and not CHECK_POSITIONS_ON_ACCELERATORS:  # the value rules are this launcher's alone
+            c = _compiled(launched)
+            if c is not None:
+                native_host.stage_launch(c.run, c.function, c.packed_metadata,
+                                         tuple(constexprs[name] for name in _CACHE_CONSTEXPRS), cfg["BLOCK_T"],
+                                         grid[1], (s_t, s_h, s_w), vars(launch), knobs.runtime)

@@ -33,12 +33,16 @@ from triton.runtime import driver
 from ..._library import CHECK_POSITIONS_ON_ACCELERATORS, SplitConfig, check_positions, config_of, inplace_outputs
 from ..._rope_mode import decode_mode
 from .. import native_host
+from .cache_kernels import split_qkv_rmsnorm_rope_cache_kernel
 from .kernels import add_rmsnorm_kernel, split_qkv_rmsnorm_rope_kernel
 
 __all__ = ["INTERPRET", "OUT", "FUNCTIONAL", "INPLACE", "split_config", "norm_config", "split_qkv_rmsnorm_rope_out",
            "split_entry", "add_rmsnorm_out"]
 
-# Kernels were decorated under TRITON_INTERPRET=1 (decided by triton when this module was imported).
+# This module's globals are what the native host kernels read to key a kept launch (triton_host.cpp): the three
+# kernels (the cache-writing one is launched by .cache through this module), the driver, INTERPRET and the tile
+# settings below. Kernels were decorated under TRITON_INTERPRET=1 (decided by triton when this module was
+# imported).
 INTERPRET = type(split_qkv_rmsnorm_rope_kernel).__name__ == "InterpretedFunction"
 
 # The split kernel on a device: fp32 elements of work per program (several heads of one token) and per thread
