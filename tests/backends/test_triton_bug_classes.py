@@ -177,6 +177,23 @@ def _assert_cached_launch_matches_jit(log, call, names, fresh=()):
         assert got == expected or (i in fresh and got % 16 == 0), (i, got, expected)
 
 
+def _launch_inputs(case: SplitCase, kwargs: dict, form: str):
+    """``(qkv, outs)`` popped from / made for a call's ``kwargs``: mRoPE positions as a strided ``[3, T]`` view, and
+    out= tensors (``form`` ``"out-aliasing-k-v"``: k and v exactly ``qkv``'s own K and V columns)."""
+    if case.mrope_section:
+        wide = torch.zeros(3, 2 * case.T, dtype=case.pos_dtype)
+        wide[:, ::2] = kwargs["positions"]
+        kwargs["positions"] = wide[:, ::2]
+    qkv = kwargs.pop("qkv")
+    T, D, hq, hkv = case.T, case.head_dim, case.num_q_heads, case.num_kv_heads
+    outs = [torch.empty(T, n * D, dtype=case.dtype) for n in (hq, hkv, hkv)] + (
+        [torch.empty(T, hq * D, dtype=case.dtype)] if case.q_gate else [])
+    if form == "out-aliasing-k-v":
+        k_col = (2 if case.q_gate else 1) * hq * D
+        outs[1], outs[2] = qkv[:, k_col:k_col + hkv * D], qkv[:, k_col + hkv * D:k_col + 2 * hkv * D]
+    return qkv, outs
+
+
 SPLIT_CASES = {
     "plain": SplitCase(T=5, num_q_heads=8, num_kv_heads=2, head_dim=64, rotary_dim=64, weight_dtype=torch.bfloat16),
     "partial-gptj-bias-padded": SplitCase(T=3, num_q_heads=6, num_kv_heads=2, head_dim=96, rotary_dim=32,
@@ -196,17 +213,7 @@ def test_cached_split_launch_passes_the_jit_arguments(recorded, name, form):
     compiled launch has the first call's grid, pointers, strides, scalars and constexprs."""
     case = SPLIT_CASES[name]
     kwargs = make_split_inputs(case)
-    if case.mrope_section:  # [3, T] positions as a strided view
-        wide = torch.zeros(3, 2 * case.T, dtype=case.pos_dtype)
-        wide[:, ::2] = kwargs["positions"]
-        kwargs["positions"] = wide[:, ::2]
-    qkv = kwargs.pop("qkv")
-    T, D, hq, hkv = case.T, case.head_dim, case.num_q_heads, case.num_kv_heads
-    outs = [torch.empty(T, n * D, dtype=case.dtype) for n in (hq, hkv, hkv)] + (
-        [torch.empty(T, hq * D, dtype=case.dtype)] if case.q_gate else [])
-    if form == "out-aliasing-k-v":
-        k_col = (2 if case.q_gate else 1) * hq * D
-        outs[1], outs[2] = qkv[:, k_col:k_col + hkv * D], qkv[:, k_col + hkv * D:k_col + 2 * hkv * D]
+    qkv, outs = _launch_inputs(case, kwargs, form)
     calls = {"inplace": lambda: qkvfuse.split_qkv_rmsnorm_rope_(qkv, **kwargs, backend="triton"),
              "functional": lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, **kwargs, backend="triton")}
     call = calls.get(form, lambda: qkvfuse.split_qkv_rmsnorm_rope(qkv, **kwargs, out=tuple(outs), backend="triton"))
@@ -251,18 +258,7 @@ def test_kept_cache_launch_passes_the_jit_arguments(recorded, name, form):
     case = CACHE_CASES[name]
     kwargs = make_cache_inputs(case, seed=2)
     kwargs.pop("storage")
-    s = case.split
-    if s.mrope_section:  # [3, T] positions as a strided view
-        wide = torch.zeros(3, 2 * s.T, dtype=s.pos_dtype)
-        wide[:, ::2] = kwargs["positions"]
-        kwargs["positions"] = wide[:, ::2]
-    qkv = kwargs.pop("qkv")
-    T, D, hq, hkv = s.T, s.head_dim, s.num_q_heads, s.num_kv_heads
-    outs = [torch.empty(T, n * D, dtype=s.dtype) for n in (hq, hkv, hkv)] + (
-        [torch.empty(T, hq * D, dtype=s.dtype)] if s.q_gate else [])
-    if form == "out-aliasing-k-v":
-        k_col = (2 if s.q_gate else 1) * hq * D
-        outs[1], outs[2] = qkv[:, k_col:k_col + hkv * D], qkv[:, k_col + hkv * D:k_col + 2 * hkv * D]
+    qkv, outs = _launch_inputs(case.split, kwargs, form)
     if form == "inplace":
         def call():
             qkvfuse.split_qkv_rmsnorm_rope_cache_(qkv, **kwargs, backend="triton")

@@ -391,30 +391,47 @@ void run_compiled(PyObject* run, PyObject* function, PyObject* packed_metadata, 
   Py_DECREF(result);
 }
 
-// The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch.
-bool launch_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps) {
+// A kept launch's argument vector: run_compiled's nine leading slots, then the kernel's integer arguments (at most
+// kMaxIntArgs) and the constexprs' values (at most kMaxValues).
+constexpr Py_ssize_t kMaxIntArgs = 64, kMaxValues = 64;
+struct LaunchArgs {
+  PyObject* argv[9 + kMaxIntArgs + kMaxValues];
+  Py_ssize_t n = 9;
+  void owned(PyObject* o) { argv[n++] = o; }
+  void borrowed(PyObject* o) { argv[n++] = Py_NewRef(o); }
+  void borrowed(PyObject* const* fixed, int from, int to) {
+    for (int i = from; i < to; ++i) borrowed(fixed[i]);
+  }
+};
+
+// The compiled launch of a kept entry, with the integer arguments `append(args)` adds (new references, or nullptr
+// with a Python error set): returns false (nothing launched) where the Python launcher must launch -- too many
+// constexprs, a launch hook set, another current device.
+template <size_t N, class Append>
+bool launch_kept(const KeptLaunch<N>& e, int64_t device, int64_t T, Append&& append) {
   const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
-  constexpr Py_ssize_t kFixedArgs = 9 + 27;
-  if (n_values > 64) return false;
+  if (n_values > kMaxValues) return false;
   PyObject* stream = kept_stream(e.driver, device);
   if (stream == nullptr) return false;
-  PyObject* argv[kFixedArgs + 64];
-  Py_ssize_t n = 9;
-  const auto owned = [&](PyObject* o) { argv[n++] = o; };
-  const auto borrowed = [&](PyObject* o) { argv[n++] = Py_NewRef(o); };
-  PyObject* const* f = e.fixed;
-  for (const int64_t p : a.ptr) owned(ll(p));
-  owned(ll(a.T));
-  borrowed(f[1]);
-  borrowed(f[2]);
-  owned(PyFloat_FromDouble(eps));
-  owned(ll(a.max_position));
-  for (int i = 3; i < 7; ++i) borrowed(f[i]);  // s_t, s_h, s_w, qkv's row stride
-  owned(ll(a.pos_axis));
-  for (int i = 7; i < 13; ++i) borrowed(f[i]);  // positions' token stride, the table's, the outputs'
-  for (Py_ssize_t i = 0; i < n_values; ++i) borrowed(PyTuple_GET_ITEM(e.values, i));
-  run_compiled(e.run, e.function, e.packed_metadata, f[0], (a.T + e.block_t - 1) / e.block_t, stream, argv, n);
+  LaunchArgs args;
+  append(args);
+  for (Py_ssize_t i = 0; i < n_values; ++i) args.borrowed(PyTuple_GET_ITEM(e.values, i));
+  run_compiled(e.run, e.function, e.packed_metadata, e.fixed[0], (T + e.block_t - 1) / e.block_t, stream, args.argv,
+               args.n);
   return true;
+}
+
+bool launch_split_kept(const SplitLaunch& e, const SplitArgs& a, int64_t device, double eps) {
+  return launch_kept(e, device, a.T, [&](LaunchArgs& v) {
+    for (const int64_t p : a.ptr) v.owned(ll(p));
+    v.owned(ll(a.T));
+    v.borrowed(e.fixed, 1, 3);  // hq, hkv
+    v.owned(PyFloat_FromDouble(eps));
+    v.owned(ll(a.max_position));
+    v.borrowed(e.fixed, 3, 7);  // s_t, s_h, s_w, qkv's row stride
+    v.owned(ll(a.pos_axis));
+    v.borrowed(e.fixed, 7, 13);  // positions' token stride, the table's, the outputs'
+  });
 }
 
 // New references to `n` integers in `out`; false (none held, no error pending) where one cannot be made.
@@ -514,7 +531,7 @@ void launch_split(int ns, const Tensor& qkv, const Tensor& positions, const Tens
                          q_out, k_out, v_out, gate_out, key, args);
   bool stage;
   const SplitLaunch* kept = find_kept(g_split_launches, keyed, key, qkv.size(0), stage);
-  if (kept != nullptr && launch_kept(*kept, args, key[32], eps)) return;
+  if (kept != nullptr && launch_split_kept(*kept, args, key[32], eps)) return;
   call_staging(stage, launcher(g_split, ns),
                {wrap(qkv), wrap(positions), wrap(cache), wrap(q_weight), wrap(k_weight), wrap(q_bias), wrap(k_bias),
                 PyLong_FromLongLong(hq), PyLong_FromLongLong(hkv), PyFloat_FromDouble(eps), PyLong_FromLongLong(rope),
@@ -638,22 +655,13 @@ bool norm_key(int ns, const Tensor& x, const OptTensor& residual, const Tensor& 
 }
 
 bool launch_norm_kept(const NormLaunch& e, const NormArgs& a, int64_t device, double eps) {
-  const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
-  constexpr Py_ssize_t kFixedArgs = 9 + 13;
-  if (n_values > 16) return false;
-  PyObject* stream = kept_stream(e.driver, device);
-  if (stream == nullptr) return false;
-  PyObject* argv[kFixedArgs + 16];
-  Py_ssize_t n = 9;
-  for (const int64_t p : a.ptr) argv[n++] = ll(p);
-  argv[n++] = ll(a.T);
-  argv[n++] = Py_NewRef(e.fixed[1]);  // H
-  argv[n++] = PyFloat_FromDouble(eps);
-  for (int i = 2; i < 6; ++i) argv[n++] = Py_NewRef(e.fixed[i]);  // the row strides
-  for (Py_ssize_t i = 0; i < n_values; ++i) argv[n++] = Py_NewRef(PyTuple_GET_ITEM(e.values, i));
-  run_compiled(e.run, e.function, e.packed_metadata, e.fixed[0], (a.T + e.block_t - 1) / e.block_t, stream, argv,
-               n);
-  return true;
+  return launch_kept(e, device, a.T, [&](LaunchArgs& v) {
+    for (const int64_t p : a.ptr) v.owned(ll(p));
+    v.owned(ll(a.T));
+    v.borrowed(e.fixed[1]);  // H
+    v.owned(PyFloat_FromDouble(eps));
+    v.borrowed(e.fixed, 2, 6);  // the row strides
+  });
 }
 
 void launch_norm(int ns, const Tensor& x, const OptTensor& residual, const Tensor& weight, const OptTensor& bias,
@@ -870,31 +878,18 @@ bool cache_key(int ns, const Tensor& qkv, const Tensor& positions, const Tensor&
   return true;
 }
 
-// The compiled launch of a kept entry: returns false (nothing launched) where the Python launcher must launch.
 bool launch_cache_kept(const CacheLaunch& e, const CacheArgs& a, int64_t device, double eps) {
-  const Py_ssize_t n_values = PyTuple_GET_SIZE(e.values);
-  constexpr Py_ssize_t kFixedArgs = 9 + 44;
-  if (n_values > 64) return false;
-  PyObject* stream = kept_stream(e.driver, device);
-  if (stream == nullptr) return false;
-  PyObject* argv[kFixedArgs + 64];
-  Py_ssize_t n = 9;
-  const auto owned = [&](PyObject* o) { argv[n++] = o; };
-  const auto borrowed = [&](PyObject* o) { argv[n++] = Py_NewRef(o); };
-  PyObject* const* f = e.fixed;
-  for (const int64_t p : a.ptr) owned(ll(p));
-  owned(ll(a.T));
-  owned(ll(a.num_slots));
-  borrowed(f[1]);  // hq
-  borrowed(f[2]);  // hkv
-  owned(PyFloat_FromDouble(eps));
-  owned(ll(a.max_position));
-  for (int i = 3; i < 7; ++i) borrowed(f[i]);  // s_t, s_h, s_w, qkv's row stride
-  owned(ll(a.pos_axis));
-  for (int i = 7; i < 24; ++i) borrowed(f[i]);  // the strides, the slot stride, capacity, block size, cache strides
-  for (Py_ssize_t i = 0; i < n_values; ++i) borrowed(PyTuple_GET_ITEM(e.values, i));
-  run_compiled(e.run, e.function, e.packed_metadata, f[0], (a.T + e.block_t - 1) / e.block_t, stream, argv, n);
-  return true;
+  return launch_kept(e, device, a.T, [&](LaunchArgs& v) {
+    for (const int64_t p : a.ptr) v.owned(ll(p));
+    v.owned(ll(a.T));
+    v.owned(ll(a.num_slots));
+    v.borrowed(e.fixed, 1, 3);  // hq, hkv
+    v.owned(PyFloat_FromDouble(eps));
+    v.owned(ll(a.max_position));
+    v.borrowed(e.fixed, 3, 7);  // s_t, s_h, s_w, qkv's row stride
+    v.owned(ll(a.pos_axis));
+    v.borrowed(e.fixed, 7, 24);  // the strides, the slot stride, capacity, block size, the caches' strides
+  });
 }
 
 void launch_cache(int ns, const Tensor& qkv, const Tensor& positions, const Tensor& cache, const OptTensor& q_weight,
