@@ -432,17 +432,23 @@ def test_64bit_offset_arithmetic_in_the_kernels():
     assert "row = tok[:, None, None] * src_stride" in heads and "dst_row = tok[:, None, None] * dst_stride" in heads
 
 
-@pytest.mark.parametrize("q_gate", [False, True], ids=["plain", "gated"])
-def test_in_place_programs_never_read_what_another_wrote(monkeypatch, q_gate):
-    """In place with several Q programs per token and several token blocks (a small device tile): Q heads (and,
-    gated, the interleaved gates, whose region the in-place form rearranges) read after another program's write
-    would differ from the out-of-place result. The interpreter runs the programs one after another."""
+def _small_tile_case(monkeypatch, q_gate: bool) -> SplitCase:
+    """Device block sizes with a small tile: several Q programs per token and several token blocks."""
     monkeypatch.setattr(launch, "INTERPRET", False)
     monkeypatch.setattr(launch, "GPU_SPLIT_TILE", 128)
     case = SplitCase(T=5, num_q_heads=6, num_kv_heads=2, head_dim=32, rotary_dim=16, q_gate=q_gate,
                      gemma_norm=q_gate, bias=not q_gate)
     cfg = launch.split_config(case.T, 6, 2, 32)
     assert cfg["Q_HEADS"] < 6 and cfg["BLOCK_T"] < case.T
+    return case
+
+
+@pytest.mark.parametrize("q_gate", [False, True], ids=["plain", "gated"])
+def test_in_place_programs_never_read_what_another_wrote(monkeypatch, q_gate):
+    """In place with several Q programs per token and several token blocks (a small device tile): Q heads (and,
+    gated, the interleaved gates, whose region the in-place form rearranges) read after another program's write
+    would differ from the out-of-place result. The interpreter runs the programs one after another."""
+    case = _small_tile_case(monkeypatch, q_gate)
     kwargs = make_split_inputs(case, device=DEVICE)
     qkv = kwargs.pop("qkv")
     want = qkvfuse.split_qkv_rmsnorm_rope(qkv, **kwargs, backend="triton")
@@ -457,12 +463,7 @@ def test_in_place_programs_never_read_what_another_wrote(monkeypatch, q_gate):
 def test_in_place_cache_programs_never_read_what_another_wrote(monkeypatch, q_gate, layout):
     """The cache-writing kernel in place under the same tiling as above: its views equal the out-of-place split's,
     and every cache byte is the token's K / V (:func:`qkvfuse._verify.cache.check_cache_case`)."""
-    monkeypatch.setattr(launch, "INTERPRET", False)
-    monkeypatch.setattr(launch, "GPU_SPLIT_TILE", 128)
-    case = SplitCase(T=5, num_q_heads=6, num_kv_heads=2, head_dim=32, rotary_dim=16, q_gate=q_gate,
-                     gemma_norm=q_gate, bias=not q_gate)
-    cfg = launch.split_config(case.T, 6, 2, 32)
-    assert cfg["Q_HEADS"] < 6 and cfg["BLOCK_T"] < case.T
+    case = _small_tile_case(monkeypatch, q_gate)
     cache_case = CacheCase(case, layout=layout, num_blocks=2)
     kw = make_cache_inputs(cache_case, seed=4, device=DEVICE)
     kw.pop("storage")
