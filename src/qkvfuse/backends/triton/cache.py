@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-
 from triton import knobs
 
 from ..._cache_mode import AMX, VEC, cache_dims, slot_strides
