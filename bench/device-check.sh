@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU-side check in one call, for a lent GPU machine (its own python3 with torch + Triton, no install):
 #   verify --device cuda --quick   conformance vs the float64 oracle, determinism, CUDA graphs, torch.compile,
-#                                  the MoE shared-expert stream race check
+#                                  the MoE shared-expert overlap: stream race check, eager and CUDA-graph
+#                                  timings off/on, a profile of an eager call off/on (where eager loses)
 #   bench --device cuda --quick    Triton launcher vs eager / compiled unfused reference and a same-size copy
 #   the shared suite's cuda rows   tests/test_fuzz.py -k cuda (fresh random geometries, every element checked)
 #   qkvfuse_bench.cache_device     the Triton cache-writing split: correctness rows, bandwidth at T=4096/16384
@@ -45,6 +46,7 @@ step hostcost "${HOST_S:-60}" env PYTHONPATH="$PWD/bench:$PYTHONPATH" $PY -m qkv
 
 # The reply shows the end of the output: the summaries last.
 grep -E "FAIL|Error|error" "$OUT/verify.log" | head -20
+grep -A 12 "^== moe-shared-expert-overlap" "$OUT/verify.log" | cut -c 1-400  # timings and the eager profile
 tail -n 25 "$OUT/bench.log"
 tail -n 8 "$OUT/tests.log"
 grep -E "^FAIL" "$OUT/cache.log"; tail -n 9 "$OUT/cache.log"

@@ -46,6 +46,10 @@ def test_check_runs_on_host_with_fake_streams(capsys):
     assert all(r["seq_repeat_equal"] and r["eager_on_us"] > 0 for r in layers)  # a time is reported, not judged
     assert rows[("race (join present)", "1, 5")]["detail"] == "0 / 6 mismatching"
     assert "control (join left out)" in {check for check, _ in rows}
+    # where eager loses: the profiles of an eager call, overlap off and on, and what grew
+    for check in ("eager profile, overlap off", "eager profile, overlap on", "eager profile, on - off"):
+        assert rows[(check, 1)]["pass"] and "us/call" in rows[(check, 1)]["detail"], rows[(check, 1)]
+    assert "largest host ops" in rows[("eager profile, overlap on", 1)]["detail"]
     assert sum(e[:2] == ("wait", "main") for e in fake.log) >= 6  # the race loop went through the streams
     print_section(section)
     assert "race (join present)" in capsys.readouterr().out

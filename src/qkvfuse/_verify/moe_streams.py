@@ -5,7 +5,9 @@
 1. two sequential runs of the unpatched transformers block per T agree bit for bit (the baseline: without it,
    a later mismatch could not be blamed on streams);
 2. eager and CUDA-graph timings, overlap off and on, at T = 1, 64, 512, and the shared expert alone; graph
-   replays must equal the eager reference bit for bit (the overlap inside a captured graph);
+   replays must equal the eager reference bit for bit (the overlap inside a captured graph); then where eager
+   loses: ``torch.profiler`` over eager calls at the smallest T, overlap off and on -- host (self CPU) and device
+   time per call, and the ops whose host time per call grew most with the overlap (informational rows);
 3. the race check: 1 000 overlapped calls, T cycling through 1, 64, 512, with a ``torch.cuda._sleep`` in front
    of the shared expert on the side stream that is twice as long as the whole sequential layer, so a missing
    join would read the shared output before it is written; every output must equal the reference bitwise;
@@ -38,6 +40,29 @@ TOKEN_COUNTS = (1, 64, 512)
 RACE_ITERATIONS = 1000
 CONTROL_ITERATIONS = 30
 INPUTS_PER_T = 4
+PROFILE_TOP = 5  # ops listed per profile row
+
+
+def _profile(api, fn: Callable[[], object], reps: int) -> Dict[str, object]:
+    """``torch.profiler`` over ``reps`` calls of ``fn`` (after one outside it): host time per call (the self CPU
+    time of every recorded op), device time per call (CUDA runs), and ``{op: host us per call}``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if api.graphs else [])
+    fn()
+    api.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            fn()
+        api.synchronize()
+    events = prof.key_averages()
+    host = {e.key: e.self_cpu_time_total / reps for e in events}
+    device = sum(getattr(e, "self_device_time_total", 0) for e in events) / reps
+    return {"host_us": sum(host.values()), "device_us": device, "ops": host}
+
+
+def _top(ops: Dict[str, float], n: int = PROFILE_TOP) -> str:
+    return ", ".join(f"{name} {us:.1f}" for name, us in sorted(ops.items(), key=lambda kv: -kv[1])[:n])
 
 
 def build_moe_block(preset: ModelPreset, device, dtype=torch.bfloat16, seed: int = 0) -> nn.Module:
@@ -204,6 +229,14 @@ def _run(api, block: nn.Module, preset: ModelPreset, quick: bool, runner: Shared
                 patch_glm4_moe(block, overlap=overlap, runner=runner)
                 rows[T][f"eager_{label}_us"] = 1e3 * api.time_ms(lambda: block(x), reps)
 
+    profiles: Dict[str, Dict[str, object]] = {}
+
+    def eager_profile():  # 2c. where eager loses, at the smallest T
+        x = xs[token_counts[0]][0]
+        for label, overlap in (("off", False), ("on", True)):
+            patch_glm4_moe(block, overlap=overlap, runner=runner)
+            profiles[label] = _profile(api, lambda: block(x), reps)
+
     def graph_timing(T: int, label: str, overlap: bool):  # 2b. one captured variant, replay checked bitwise
         x = xs[T][0]
         if label == "shared":
@@ -253,6 +286,7 @@ def _run(api, block: nn.Module, preset: ModelPreset, quick: bool, runner: Shared
             for T in token_counts:
                 for label, overlap in (("off", False), ("on", True), ("shared", False)):
                     guarded(f"graph {label} T={T}", lambda: graph_timing(T, label, overlap))
+        guarded("eager profile", eager_profile)
         for mode in ("eager", "graph"):
             for r in rows.values():
                 off, on = r.get(f"{mode}_off_us"), r.get(f"{mode}_on_us")
@@ -272,6 +306,16 @@ def _run(api, block: nn.Module, preset: ModelPreset, quick: bool, runner: Shared
     row_list.append({"check": "control (join left out)", "T": ts, "pass": True,  # informational, see the docstring
                      "detail": f"{race['control_mismatches']} / {control_iterations} mismatching"
                      + ("" if sensitive else " (insensitive)")})
+    for label, prof in profiles.items():  # informational: where the time of an eager call goes
+        row_list.append({"check": f"eager profile, overlap {label}", "T": token_counts[0], "pass": True,
+                         "detail": f"host {prof['host_us']:.1f} us/call, device {prof['device_us']:.1f} us/call; "
+                                   f"largest host ops (us/call): {_top(prof['ops'])}"})
+    if len(profiles) == 2:
+        off, on = profiles["off"]["ops"], profiles["on"]["ops"]
+        grown = {name: on.get(name, 0.0) - off.get(name, 0.0) for name in set(off) | set(on)}
+        row_list.append({"check": "eager profile, on - off", "T": token_counts[0], "pass": True,
+                         "detail": f"host {profiles['on']['host_us'] - profiles['off']['host_us']:+.1f} us/call; "
+                                   f"grown most (us/call): {_top({k: v for k, v in grown.items() if v > 0})}"})
     row_list += [{"check": "error", "pass": False, "detail": e.splitlines()[0], "traceback": e} for e in errors]
     columns = ("check", "T", "eager_off_us", "eager_on_us", "eager_speedup", "graph_off_us", "graph_on_us",
                "graph_speedup", "shared_alone_us", "seq_repeat_equal", "graph_off_equal", "graph_on_equal", "detail",
