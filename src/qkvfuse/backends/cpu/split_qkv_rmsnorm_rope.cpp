@@ -817,9 +817,8 @@ void split_qkv_rmsnorm_rope_inplace(const Tensor& qkv, const Tensor& positions, 
 // A cache side from its checked tensor (checks::cache): element strides in the layout's (block, offset, head, dim)
 // order; FP8: the scale as the quantisation applies it.
 CacheSide cache_side(const Tensor& c, int64_t layout, const OptTensor& scale, bool truncate) {
-  const bool nhd = layout == kNHD;
-  CacheSide s{static_cast<char*>(c.data_ptr()), c.stride(0), c.stride(nhd ? 1 : 2), c.stride(nhd ? 2 : 1), c.stride(3),
-              1.f};
+  const std::array<int64_t, 4> st = cache_slot_strides(layout, c);
+  CacheSide s{static_cast<char*>(c.data_ptr()), st[0], st[1], st[2], st[3], 1.f};
   if (scale.has_value()) {
     const float value = *scale->const_data_ptr<float>();
     s.scale = truncate ? 1.f / value : value;  // torch.reciprocal's value, correctly rounded
@@ -923,7 +922,7 @@ void split_cache(const Tensor& qkv, const Tensor& positions, const Tensor& cache
           : cache_dtype == at::ScalarType::Float8_e5m2 ? Fp8::E5M2
                                                        : Fp8::None;
   c.elem = static_cast<int64_t>(key_cache.element_size());
-  c.block_size = key_cache.size(c.layout == kNHD ? 1 : 2);
+  c.block_size = cache_block_size(c.layout, key_cache);
   c.k = cache_side(key_cache, c.layout, k_scale, c.truncate);
   c.v = cache_side(value_cache, c.layout, v_scale, c.truncate);
   set_slots(c, slot_mapping, p.T);
@@ -1044,7 +1043,7 @@ void check_cpu_cache_values(const at::Tensor& key_cache, const at::Tensor& slot_
   if (!slot_mapping.device().is_cpu()) return;
   CachePlan c{};
   set_slots(c, slot_mapping, num_tokens);
-  const int64_t block_size = key_cache.size((cache_mode & kLayoutMask) == kNHD ? 1 : 2);
+  const int64_t block_size = cache_block_size(cache_mode & kLayoutMask, key_cache);
   std::vector<uint8_t> later;
   check_cache_values(c, key_cache.size(0) * block_size, k_scale, v_scale, later);
 }

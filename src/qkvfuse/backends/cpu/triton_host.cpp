@@ -734,18 +734,15 @@ struct CacheArgs {
 };
 
 // The element strides (block, offset in block, head, dim) the kernel addresses a cache with
-// (qkvfuse.backends.triton.cache._strides): NHD's own, the others' in [block, head, offset, dim] order, and the
-// vec layout's K region transposed ([head_dim, block_size]).
-void cache_strides(int64_t layout, const Tensor& c, bool is_key, int64_t* out) {
-  const bool nhd = layout == kNHD;
-  out[0] = c.stride(0);
-  out[1] = nhd ? c.stride(1) : c.stride(2);
-  out[2] = nhd ? c.stride(2) : c.stride(1);
-  out[3] = c.stride(3);
+// (qkvfuse.backends.triton.cache._strides): the layout's slot strides, the vec layout's K region transposed
+// ([head_dim, block_size]).
+std::array<int64_t, 4> kernel_cache_strides(int64_t layout, const Tensor& c, bool is_key) {
+  std::array<int64_t, 4> s = cache_slot_strides(layout, c);
   if (layout == kVec && is_key) {
-    out[1] = 1;
-    out[3] = c.size(2);  // block_size
+    s[1] = 1;
+    s[3] = cache_block_size(layout, c);
   }
+  return s;
 }
 
 bool is_fp8(const Tensor& t) {
@@ -816,11 +813,9 @@ bool cache_key(int ns, const Tensor& qkv, const Tensor& positions, const Tensor&
   if ((any & 15) != 0) return false;
   constexpr int64_t kI32 = int64_t{1} << 31;
   const int64_t layout = cache_mode & kLayoutMask;
-  const bool nhd = layout == kNHD;
-  const int64_t blocks = key_cache.size(0), block_size = nhd ? key_cache.size(1) : key_cache.size(2);
-  int64_t ks[4], vs[4];
-  cache_strides(layout, key_cache, true, ks);
-  cache_strides(layout, value_cache, false, vs);
+  const int64_t blocks = key_cache.size(0), block_size = cache_block_size(layout, key_cache);
+  const std::array<int64_t, 4> ks = kernel_cache_strides(layout, key_cache, true);
+  const std::array<int64_t, 4> vs = kernel_cache_strides(layout, value_cache, false);
   a.T = T;
   a.num_slots = slot_mapping.size(0);
   a.max_position = cache.size(0);
